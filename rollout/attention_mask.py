@@ -1,0 +1,54 @@
+"""4D attention masks for a forward over slot rows: committed prefix + a block of new tokens with ancestor structure.
+
+One builder serves left-padded prefill, chain verification (ancestors = causal) and token trees (ancestors = the
+tree's ancestor-or-self relation), and builds a sliding window into the mask, because transformers hands a user
+4D mask to every layer unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def build_attention_mask(
+    prefix_lengths: Tensor,  # [rows] committed tokens visible to every valid query
+    write_positions: Tensor,  # [rows, S] slot position each block token is written at
+    valid: Tensor,  # [rows, S] bool, False for padding tokens
+    positions: Tensor,  # [rows, S] position id of each block token
+    kv_len: int,
+    ancestors: Tensor | None = None,  # [rows, S, S] bool: query s sees block token t; None = causal chain
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Return a bool mask `[rows, 1, S, kv_len]` (True = attend).
+
+    A valid query sees the prefix keys `j < prefix_length` and the block tokens it descends from (itself included);
+    with a sliding window, only keys whose position is within `sliding_window` of its own. A padding query sees key 0
+    only: every query row needs one visible key, or softmax returns NaN.
+    """
+    num_rows, num_block = write_positions.shape
+    device = write_positions.device
+    if ancestors is None:
+        ancestors = torch.ones(num_block, num_block, dtype=torch.bool, device=device).tril().expand(num_rows, -1, -1)
+    ancestors = ancestors & valid[:, None, :] & valid[:, :, None]
+    key_index = torch.arange(kv_len, device=device)
+    prefix = key_index[None, None, :] < prefix_lengths[:, None, None]  # [rows, 1, kv_len]
+    if sliding_window is not None:
+        # transformers' convention: key visible iff q_pos - k_pos < window (prefix keys sit at their own position)
+        prefix = prefix & (positions[:, :, None] - key_index[None, None, :] < sliding_window)
+        ancestors = ancestors & (positions[:, :, None] - positions[:, None, :] < sliding_window)
+    # scatter each query's visible block tokens to their key columns; add, then test > 0, so that the padding
+    # tokens (pointed at column 0 with weight 0) cannot overwrite a real entry
+    columns = torch.where(valid, write_positions, 0)[:, None, :].expand(-1, num_block, -1)
+    block = torch.zeros(num_rows, num_block, kv_len, dtype=torch.int32, device=device)
+    block.scatter_add_(2, columns, ancestors.to(torch.int32))
+    mask = (block > 0) | prefix
+    padding_query = torch.zeros_like(mask)
+    padding_query[..., 0] = True
+    mask = torch.where(valid[:, :, None], mask, padding_query)
+    return mask[:, None]
+
+
+def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool mask -> additive float mask (0 / finfo.min): eager attention adds the mask to the scores."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)

@@ -1,0 +1,319 @@
+"""Continuous-batching generator over a slot KV cache.
+
+Requests wait in a queue; prefill admits them in batches (one prefill per prompt, its KV copied to the prompt's n
+samples); each decode step runs one forward over the active rows only, which are kept packed at the front of the
+slots. A decode step feeds every row its pending token plus up to K draft tokens and commits the first m of them
+(K = 0 without speculation). The host drives scheduling; the device returns one small packed tensor per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+import time
+from collections import deque
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from rollout.model_runner import ModelRunner
+from rollout.sampling import Completion, SamplingParams
+from rollout.sequence import Sequence
+from rollout.trace import StepRecord
+from specdec.processing import RowSampling
+from specdec.verify import VerifyResult, verify_chain
+
+
+class Generator:
+    """Batched generation for a transformers causal LM.
+
+    Args:
+        model: the model to run (its current weights are used on every call: no copy is kept).
+        max_batch_size: slots, i.e. sequences decoded at once.
+        max_seq_len: prompt + completion tokens a sequence may hold.
+        max_prefill_tokens: cap on padded prompt tokens per prefill forward (bounds prefill memory).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        max_batch_size: int = 64,
+        max_seq_len: int = 2048,
+        max_prefill_tokens: int = 16384,
+    ):
+        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+        if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < max_seq_len:
+            raise ValueError(
+                f"max_prefill_tokens ({max_prefill_tokens!r}) must be an integer >= max_seq_len ({max_seq_len}) "
+                "so that the longest prompt fits one prefill"
+            )
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_block = 1  # tokens fed per row per decode step: the pending token plus the largest K
+        self.runner = ModelRunner(model, num_slots=max_batch_size, num_positions=max_seq_len + self.max_block)
+        self.device = self.runner.device
+        self.eos_token_ids = _eos_token_ids(model)
+        self.last_trace: list[StepRecord] = []
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
+        """Sample `params.n` completions for every prompt.
+
+        Args:
+            prompt_ids: token ids of each prompt.
+            params: sampling settings shared by all prompts.
+        Returns:
+            `len(prompt_ids) * params.n` completions, prompt-major (all samples of prompt 0 first).
+        """
+        params = SamplingParams() if params is None else params
+        self._check_prompts(prompt_ids)
+        sequences = self._make_sequences(prompt_ids, params)
+        self.last_trace = []
+        queue = deque(sequences)
+        active: list[Sequence] = []
+        with torch.inference_mode(), _eval_mode(self.model):
+            while queue or active:
+                if queue and len(active) < self.max_batch_size:
+                    self._admit(queue, active)
+                    _release_finished(self.runner, active)
+                if active:
+                    self._decode_step(active)
+                    _release_finished(self.runner, active)
+        return [seq.completion() for seq in sequences]
+
+    # ---- scheduling -------------------------------------------------------------------------------------------
+
+    def _admit(self, queue: deque[Sequence], active: list[Sequence]) -> None:
+        """Move queued sequences into free slots, prefilling each distinct prompt once."""
+        free = self.max_batch_size - len(active)
+        admitted = [queue.popleft() for _ in range(min(free, len(queue)))]
+        groups: list[list[Sequence]] = []
+        for seq in admitted:  # samples of one prompt are consecutive in the queue
+            if groups and groups[-1][0].prompt_index == seq.prompt_index:
+                groups[-1].append(seq)
+            else:
+                groups.append([seq])
+        chunk: list[list[Sequence]] = []
+        for group in groups:
+            longest = max([len(g[0].prompt) for g in chunk] + [len(group[0].prompt)])
+            if chunk and longest * (len(chunk) + 1) > self.max_prefill_tokens:
+                self._prefill(chunk, active)
+                chunk = []
+            chunk.append(group)
+        if chunk:
+            self._prefill(chunk, active)
+
+    def _prefill(self, groups: list[list[Sequence]], active: list[Sequence]) -> None:
+        """One left-padded forward over the groups' prompts; sample each sequence's first token."""
+        start = time.perf_counter()
+        prompts = [group[0].prompt for group in groups]
+        width = max(len(p) for p in prompts)
+        scratch = self.runner.cache.scratch_position
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        positions = torch.zeros(len(prompts), width, dtype=torch.long)
+        write_positions = torch.full((len(prompts), width), scratch, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            pad = width - len(prompt)  # left padding: every row's last prompt token sits at width - 1
+            input_ids[row, pad:] = torch.tensor(prompt)
+            positions[row, pad:] = torch.arange(len(prompt))
+            write_positions[row, pad:] = torch.arange(len(prompt))
+        valid = write_positions != scratch
+        row_start = len(active)
+        logits = self.runner.forward(
+            row_start,
+            input_ids.to(self.device),
+            positions.to(self.device),
+            write_positions.to(self.device),
+            valid.to(self.device),
+            torch.zeros(len(prompts), dtype=torch.long, device=self.device),
+            kv_len=width,
+            last_only=True,
+        )[:, 0]
+        sequences = [seq for group in groups for seq in group]
+        group_of = torch.tensor([g for g, group in enumerate(groups) for _ in group], device=self.device)
+        if len(sequences) > len(groups):  # fan each prompt's KV out to its samples' slots
+            dst = torch.arange(row_start, row_start + len(sequences), device=self.device)
+            self.runner.cache.copy_rows(row_start + group_of, dst, num_positions=width)
+        for seq in sequences:
+            seq.cache_len = len(seq.prompt)
+        result = self._verify(logits[group_of], sequences, [0] * len(sequences), drafts=None)
+        num_emitted = self._commit(sequences, result)
+        active.extend(sequences)
+        self.last_trace.append(StepRecord("prefill", len(groups), 0, 0, 0, num_emitted, time.perf_counter() - start))
+
+    def _decode_step(self, active: list[Sequence]) -> None:
+        """Feed each active row its pending token (plus drafts, once a proposer is configured) and commit."""
+        start = time.perf_counter()
+        num_rows = len(active)
+        num_draft = [0] * num_rows
+        width = 1 + max(num_draft)
+        cache_lens = torch.tensor([seq.cache_len for seq in active])
+        input_ids = torch.tensor([[seq.pending] for seq in active])
+        offsets = torch.arange(width)
+        valid = offsets[None, :] < (1 + torch.tensor(num_draft))[:, None]
+        positions = torch.where(valid, cache_lens[:, None] + offsets, 0)
+        write_positions = torch.where(valid, positions, self.runner.cache.scratch_position)
+        logits = self.runner.forward(
+            0,
+            input_ids.to(self.device),
+            positions.to(self.device),
+            write_positions.to(self.device),
+            valid.to(self.device),
+            cache_lens.to(self.device),
+            kv_len=int(cache_lens.max()) + width,
+        )
+        # flatten to the verifier's layout: row i's K_i + 1 target rows, back to back
+        flat_index = (torch.arange(num_rows)[:, None] * width + offsets)[valid]
+        target_logits = logits.reshape(num_rows * width, -1)[flat_index.to(self.device)]
+        result = self._verify(target_logits, active, num_draft, drafts=None)
+        num_emitted = self._commit(active, result)
+        self.last_trace.append(
+            StepRecord("decode", num_rows, max(num_draft), 0, 0, num_emitted, time.perf_counter() - start)
+        )
+
+    # ---- verification and commit ------------------------------------------------------------------------------
+
+    def _verify(
+        self, target_logits: Tensor, sequences: list[Sequence], num_draft: list[int], drafts: Tensor | None
+    ) -> VerifyResult:
+        params = [seq.params for seq in sequences]
+        greedy = [p.temperature == 0 for p in params]
+        sampling = RowSampling(
+            temperature=torch.tensor([float(p.temperature) for p in params], device=self.device),
+            top_k=torch.tensor([p.top_k for p in params], device=self.device),
+            top_p=torch.tensor([float(p.top_p) for p in params], device=self.device),
+            needs_filter=any(p.top_k > 0 or p.top_p < 1 for p in params),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+        )
+        accept_uniforms: list[float] = []
+        sample_uniforms: list[float] = []
+        for seq, k, is_greedy in zip(sequences, num_draft, greedy):
+            if is_greedy:  # greedy rows consume no randomness
+                accept_uniforms.extend([0.0] * k)
+                sample_uniforms.append(0.0)
+            else:
+                draws = seq.uniforms(k + 1)
+                accept_uniforms.extend(draws[:k])
+                sample_uniforms.append(draws[k])
+        counts = torch.tensor(num_draft, device=self.device)
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        return verify_chain(
+            target_logits,
+            drafts if drafts is not None else empty,
+            torch.cumsum(counts, 0),
+            None,
+            sampling,
+            counts + 1,
+            max(num_draft),
+            torch.tensor(accept_uniforms, dtype=torch.float64, device=self.device),
+            torch.tensor(sample_uniforms, dtype=torch.float64, device=self.device),
+        )
+
+    def _commit(self, sequences: list[Sequence], result: VerifyResult) -> int:
+        """Bring the step's result to the host in ONE transfer and append it; return the tokens kept."""
+        packed = torch.cat(
+            [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)], dim=1
+        ).cpu()
+        width = result.output_token_ids.shape[1]
+        num_emitted = packed[:, 0].tolist()
+        tokens = packed[:, 1 : 1 + width].tolist()
+        logprobs = packed[:, 1 + width :].contiguous().view(torch.float64).tolist()
+        kept = 0
+        for seq, n, row_tokens, row_logprobs in zip(sequences, num_emitted, tokens, logprobs):
+            if seq.token_ids:  # decode: the pending token and the accepted drafts now have KV in the cache
+                seq.cache_len += n
+            kept += seq.append(row_tokens[:n], row_logprobs[:n])
+        return kept
+
+    # ---- input ------------------------------------------------------------------------------------------------
+
+    def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
+        if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
+            raise ValueError("prompt_ids is empty: pass a non-empty list of prompts, each a list of token ids")
+        vocab_size = self.vocab_size
+        for index, prompt in enumerate(prompt_ids):
+            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+                raise ValueError(f"prompt {index} is empty: every prompt needs at least one token id")
+            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {index} has token id {bad[0]!r} outside the model's vocabulary [0, {vocab_size}): "
+                    "tokenize with the model's own tokenizer"
+                )
+            if len(prompt) >= self.max_seq_len:
+                raise ValueError(
+                    f"prompt {index} has {len(prompt)} tokens but max_seq_len is {self.max_seq_len}, leaving no room "
+                    f"for a completion: shorten the prompt or raise max_seq_len above {len(prompt)}"
+                )
+
+    def _make_sequences(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids or ())
+        base_seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+        sequences = []
+        for prompt_index, prompt in enumerate(prompt_ids):
+            max_new = min(params.max_new_tokens, self.max_seq_len - len(prompt))
+            for sample_index in range(params.n):
+                generator = None
+                if params.temperature > 0:
+                    generator = torch.Generator().manual_seed(_mix_seed(base_seed, prompt_index, sample_index))
+                sequences.append(
+                    Sequence(prompt_index, sample_index, list(prompt), params, max_new, stop_ids, generator)
+                )
+        return sequences
+
+
+def _release_finished(runner: ModelRunner, active: list[Sequence]) -> None:
+    """Drop finished rows and keep the active rows packed at the front: the last rows move into the holes."""
+    finished = [i for i, seq in enumerate(active) if seq.finish_reason is not None]
+    if not finished:
+        return
+    remaining = len(active) - len(finished)
+    holes = [i for i in finished if i < remaining]
+    movers = [i for i in range(remaining, len(active)) if active[i].finish_reason is None]
+    assert len(holes) == len(movers), f"expected as many holes as movers, got {len(holes)} and {len(movers)}"
+    if movers:
+        longest = max(active[i].cache_len for i in movers)
+        device = runner.device
+        src = torch.tensor(movers, device=device)
+        dst = torch.tensor(holes, device=device)
+        runner.cache.copy_rows(src, dst, num_positions=min(longest + 1, runner.cache.num_positions))
+        for hole, mover in zip(holes, movers):
+            active[hole] = active[mover]
+    del active[remaining:]
+
+
+def _mix_seed(base: int, prompt_index: int, sample_index: int) -> int:
+    """A per-sample seed: independent of batch composition, so a sample's stream never depends on its neighbours."""
+    digest = hashlib.blake2b(f"{base}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _eos_token_ids(model: PreTrainedModel) -> list[int]:
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: PreTrainedModel):
+    """Generate in eval mode (no dropout) and hand the model back in the mode the trainer left it."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

@@ -1,0 +1,131 @@
+"""A fixed-size slot KV cache that transformers models write into and read from.
+
+Each layer holds `[num_slots, H_kv, T_alloc, D]` key and value buffers. A forward pass works on a contiguous range
+of slots (the generator keeps its active rows packed at the front), writes the new tokens' keys and values at
+per-token slot positions chosen by the caller, and reads back a `[rows, H_kv, kv_len, D]` view. The attention mask,
+built by the caller, decides which of those positions each query sees; positions past a row's committed length
+are garbage that the mask hides and a later step overwrites, so rollback is lowering a length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's buffers; allocated lazily on first write so any head count or head size fits."""
+
+    is_sliding = False
+
+    def __init__(self, cache: SlotKVCache):
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        shape_k = (self.cache.num_slots, key_states.shape[1], self.cache.num_positions + 1, key_states.shape[3])
+        shape_v = (self.cache.num_slots, value_states.shape[1], self.cache.num_positions + 1, value_states.shape[3])
+        # zeros, never empty: a masked NaN still poisons attention (0 x NaN)
+        self.keys = torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(shape_v, dtype=value_states.dtype, device=value_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Write `[rows, H, S, D]` states at the prepared slots; return `[rows, H, kv_len, D]` views."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        step = self.cache.step
+        assert step is not None, "expected SlotKVCache.prepare() before the forward pass"
+        rows = slice(step.row_start, step.row_start + key_states.shape[0])
+        # advanced indices [rows, S] around a slice put the S dim before H: write `[rows, S, H, D]`
+        self.keys[rows][step.row_index, :, step.write_positions] = key_states.transpose(1, 2)
+        self.values[rows][step.row_index, :, step.write_positions] = value_states.transpose(1, 2)
+        return self.keys[rows, :, : step.kv_len], self.values[rows, :, : step.kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        step = self.cache.step
+        return (step.kv_len if step is not None else query_length), 0
+
+    def get_seq_length(self) -> int:
+        step = self.cache.step
+        return step.kv_len if step is not None else 0
+
+    def get_max_length(self) -> int:
+        return self.cache.num_positions
+
+
+class _Step:
+    """Where the current forward writes: slot range start, `[rows, S]` positions, and the key length it reads."""
+
+    def __init__(self, row_start: int, write_positions: Tensor, kv_len: int):
+        self.row_start = row_start
+        self.write_positions = write_positions
+        self.row_index = torch.arange(write_positions.shape[0], device=write_positions.device)[:, None]
+        self.kv_len = kv_len
+
+
+class SlotKVCache(Cache):
+    """Fixed `[num_slots, H_kv, num_positions, D]` KV buffers per layer.
+
+    The committed length of each row is the caller's to track (the generator keeps it on the host, where the
+    scheduler needs it); the cache only knows where the current forward writes and how far it reads.
+
+    Args:
+        num_layers: decoder layers of the model.
+        num_slots: rows the cache can hold at once (the generator's `max_batch_size`).
+        num_positions: positions per row (`max_seq_len` plus room for one step's drafts). One extra scratch
+            position past the end receives the writes of padding tokens, so they never clobber real keys.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_positions: int):
+        self.num_slots = num_slots
+        self.num_positions = num_positions
+        self.scratch_position = num_positions
+        self.step: _Step | None = None
+        super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    def prepare(self, row_start: int, write_positions: Tensor, kv_len: int) -> None:
+        """Set where the next forward writes.
+
+        Args:
+            row_start: first slot of the contiguous slot range the forward covers.
+            write_positions: `[rows, S]` int64 position of each input token in its row; padding tokens point at
+                `scratch_position`.
+            kv_len: number of leading positions the attention reads (the mask's last dimension).
+        """
+        assert kv_len <= self.num_positions, f"expected kv_len <= {self.num_positions}, got {kv_len}"
+        assert row_start + write_positions.shape[0] <= self.num_slots, "expected the row range inside the slots"
+        self.step = _Step(row_start, write_positions, kv_len)
+
+    def finish(self) -> None:
+        self.step = None
+
+    @property
+    def is_allocated(self) -> bool:
+        return all(layer.is_initialized for layer in self.layers)
+
+    def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int | None = None) -> None:
+        """Copy slots `src` into slots `dst` (`[n]` each), keys and values; sources are read before any write.
+
+        Used to fan a prefilled prompt out to its n samples and to keep the active rows packed at the front.
+        `num_positions` limits the copy to the leading positions that can hold valid data.
+        """
+        end = self.num_positions if num_positions is None else num_positions
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            layer.keys[dst, :, :end] = layer.keys[src, :, :end]
+            layer.values[dst, :, :end] = layer.values[src, :, :end]
+
+    def move_positions(self, rows: Tensor, src_positions: Tensor, dst_positions: Tensor) -> None:
+        """Within each row, move keys/values from `src_positions` to `dst_positions` (`[len(rows), P]` each).
+
+        Compaction of an accepted token-tree path into contiguous positions; sources are read before any write.
+        """
+        row_index = rows[:, None]
+        for layer in self.layers:
+            if not layer.is_initialized:
+                continue
+            layer.keys[row_index, :, dst_positions] = layer.keys[row_index, :, src_positions]
+            layer.values[row_index, :, dst_positions] = layer.values[row_index, :, src_positions]

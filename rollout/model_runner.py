@@ -1,0 +1,132 @@
+"""Runs a Hugging Face causal LM over slot rows: per-row positions, a 4D mask, one forward for the whole block."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from rollout.attention_mask import build_attention_mask, to_additive
+from rollout.kv_cache import SlotKVCache
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class ModelRunner:
+    """Owns a model and its slot KV cache; validates at construction that the model can be served.
+
+    Args:
+        model: a transformers causal LM (decoder-only, sdpa or eager attention, attention layers only).
+        num_slots: rows held at once.
+        num_positions: positions per row (max sequence length plus one step's block).
+    """
+
+    def __init__(self, model: PreTrainedModel, num_slots: int, num_positions: int):
+        self.model = model
+        config = model.config
+        self.attn_implementation = _check_supported(model)
+        layer_types = getattr(config, "layer_types", None)
+        window = getattr(config, "sliding_window", None)
+        if layer_types is None:
+            # one mask for every layer: a model-wide window (Mistral) is built into it
+            self.layer_windows: dict[str, int | None] | None = None
+            self.uniform_window = window
+        else:
+            self.layer_windows = {t: (window if t == "sliding_attention" else None) for t in set(layer_types)}
+            self.uniform_window = None
+        self.num_layers = len(layer_types) if layer_types is not None else config.num_hidden_layers
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        _probe(self)
+        self.cache = SlotKVCache(self.num_layers, num_slots, num_positions)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def forward(
+        self,
+        row_start: int,
+        input_ids: Tensor,  # [rows, S]
+        positions: Tensor,  # [rows, S]
+        write_positions: Tensor,  # [rows, S]; padding tokens point at the scratch position
+        valid: Tensor,  # [rows, S] bool
+        prefix_lengths: Tensor,  # [rows]
+        kv_len: int,
+        ancestors: Tensor | None = None,  # [rows, S, S] bool, None = causal chain
+        last_only: bool = False,
+        cache: SlotKVCache | None = None,
+    ) -> Tensor:
+        """One forward over slots `[row_start, row_start + rows)`. Returns logits `[rows, S, V]`, or `[rows, 1, V]`
+        for the last position only (left-padded prefill, where every row's last token is at S - 1)."""
+        cache = self.cache if cache is None else cache
+        masks = {}
+        windows = self.layer_windows if self.layer_windows is not None else {None: self.uniform_window}
+        for layer_type, window in windows.items():
+            mask = build_attention_mask(prefix_lengths, write_positions, valid, positions, kv_len, ancestors, window)
+            masks[layer_type] = mask if self.attn_implementation == "sdpa" else to_additive(mask, self.dtype)
+        attention_mask = masks if self.layer_windows is not None else masks[None]
+        cache.prepare(row_start, write_positions, kv_len)
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=attention_mask,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1 if last_only else 0,
+            )
+        finally:
+            cache.finish()
+        return out.logits
+
+
+def _check_supported(model: PreTrainedModel) -> str:
+    config = model.config
+    name = f"{type(model).__name__} (model_type={config.model_type!r})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; the generator serves decoder-only causal LMs")
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"{name} uses attn_implementation={impl!r}, which does not take a 4D mask; load it with "
+            f"attn_implementation='sdpa' or 'eager' (supported: {', '.join(SUPPORTED_ATTENTION)})"
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(
+            f"{name} has layers of type {unsupported}: recurrent or non-standard attention state cannot live in a "
+            f"slot KV cache (supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)})"
+        )
+    if not hasattr(config, "num_attention_heads"):
+        raise ValueError(f"{name} has no attention heads (recurrent state?); it cannot run on a slot KV cache")
+    return impl
+
+
+def _probe(runner: ModelRunner) -> None:
+    """Run two tokens through a one-slot cache: every layer must write through it and the outputs must be finite.
+
+    This catches what config checks cannot: a layer keeping state outside the cache, or a model that cannot take
+    a per-layer-type mask mapping for its sliding-window layers (the window must be built into the mask).
+    """
+    cache = SlotKVCache(runner.num_layers, num_slots=1, num_positions=4)
+    ids = torch.zeros(1, 2, dtype=torch.long, device=runner.device)
+    pos = torch.arange(2, device=runner.device)[None]
+    valid = torch.ones(1, 2, dtype=torch.bool, device=runner.device)
+    prefix = torch.zeros(1, dtype=torch.long, device=runner.device)
+    name = type(runner.model).__name__
+    try:
+        with torch.no_grad():
+            logits = runner.forward(0, ids, pos, pos, valid, prefix, kv_len=2, cache=cache)
+    except Exception as err:  # the model's own error says what it could not do with our cache or mask
+        raise ValueError(f"{name} cannot run on the slot KV cache with 4D masks: {type(err).__name__}: {err}") from err
+    written = sum(layer.is_initialized for layer in cache.layers)
+    if written != runner.num_layers:
+        raise ValueError(
+            f"{name} wrote keys/values for {written} of {runner.num_layers} layers through the cache: some layers keep "
+            "state elsewhere (recurrent or cross-layer caches are not supported)"
+        )
+    if not torch.isfinite(logits).all():
+        raise ValueError(f"{name} produced non-finite logits on a probe forward with the slot KV cache")

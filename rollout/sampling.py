@@ -1,0 +1,51 @@
+"""What a caller asks for (SamplingParams) and what it gets back (Completion)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample completions for every prompt of one `Generator.generate` call."""
+
+    n: int = 1  # completions per prompt (GRPO group size); the prompt is prefilled once and its KV copied
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    max_new_tokens: int = 256  # completion length cap (finish_reason "length")
+    stop_token_ids: list[int] | None = None  # extra stop tokens besides the model's EOS ids
+    seed: int | None = None  # same seed + same inputs = same completions
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n ({self.n!r}) must be an integer >= 1: the number of completions per prompt")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature ({self.temperature!r}) must be >= 0; use 0 for greedy decoding")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p ({self.top_p!r}) must be in (0, 1]; use 1.0 to turn nucleus sampling off")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k ({self.top_k!r}) must be an integer >= 0; use 0 to turn top-k off")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens ({self.max_new_tokens!r}) must be an integer >= 1")
+        if self.stop_token_ids is not None:
+            if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+                raise ValueError(f"stop_token_ids ({self.stop_token_ids!r}) must be a list of non-negative token ids")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed ({self.seed!r}) must be an integer or None")
+
+
+@dataclass
+class Completion:
+    """One sampled completion.
+
+    `token_ids` includes the stop token when the completion stopped on one. `logprobs[i]` is the log-probability
+    of `token_ids[i]` under the distribution it was sampled from (after temperature/top-k/top-p; for greedy, the
+    model's plain log-softmax).
+    """
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""  # "stop" | "length"

@@ -1,0 +1,21 @@
+"""One record per generator step: what the step did and how long it took."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepRecord:
+    phase: str  # "prefill" | "decode" (the rollout loop later splits decode into bulk / tail)
+    batch_size: int  # rows in the forward pass (active rows for decode, prompts for prefill)
+    num_draft_tokens: int  # K asked of the proposer this step (the largest per-row K)
+    num_drafted: int  # draft tokens actually proposed, all rows
+    num_accepted: int  # draft tokens accepted, all rows
+    num_emitted: int  # tokens appended to completions (accepted + one recovered/bonus per row, after stops)
+    seconds: float
+    drafted_per_position: list[int] = field(default_factory=list)  # rows that had a draft at position j
+    accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft j was accepted
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,74 @@
+"""Logits -> the distribution tokens are drawn from: temperature, top-k, top-p, per row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling settings as tensors on the model's device.
+
+    `temperature == 0` marks a greedy row. `top_k == 0` and `top_p == 1` turn those filters off.
+    The flags are decided on the host, so no device sync is needed: `needs_filter` False skips the vocabulary
+    sort entirely; `all_greedy` / `any_greedy` pick the greedy path.
+    """
+
+    temperature: Tensor  # [rows] float
+    top_k: Tensor  # [rows] int64
+    top_p: Tensor  # [rows] float
+    needs_filter: bool
+    all_greedy: bool
+    any_greedy: bool
+
+    def repeat(self, repeats: Tensor, total: int) -> RowSampling:
+        """Expand to target rows: row i repeated `repeats[i]` times (`total` = repeats.sum(), known on the host)."""
+        return RowSampling(
+            self.temperature.repeat_interleave(repeats, output_size=total),
+            self.top_k.repeat_interleave(repeats, output_size=total),
+            self.top_p.repeat_interleave(repeats, output_size=total),
+            self.needs_filter,
+            self.all_greedy,
+            self.any_greedy,
+        )
+
+
+def processed_logprobs(logits: Tensor, sampling: RowSampling) -> Tensor:
+    """Log-probabilities `[rows, V]` of the distribution each row samples from (-inf outside top-k/top-p).
+
+    Greedy rows get the model's plain log-softmax: their token is the argmax and their reported log-prob is the
+    model's own. Computed in at least float32; float64 logits stay float64.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    greedy = sampling.temperature == 0
+    temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+    scaled = logits.to(dtype) / temperature.to(dtype)[:, None]
+    if not sampling.needs_filter:
+        return torch.log_softmax(scaled, dim=-1)
+    vocab_size = logits.shape[-1]
+    # stable sort: equal logits keep vocabulary order, so "the top k" is well defined under ties
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab_size, device=logits.device)
+    top_k = torch.where((sampling.top_k > 0) & ~greedy, sampling.top_k, vocab_size)
+    keep = rank[None, :] < top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is below top_p
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    top_p = torch.where(greedy, torch.ones_like(sampling.top_p), sampling.top_p).to(dtype)
+    keep = keep & ((mass_before < top_p[:, None]) | (rank[None, :] == 0))
+    sorted_logprobs = torch.log_softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.empty_like(sorted_logprobs).scatter_(1, order, sorted_logprobs)
+
+
+def target_probs(logits: Tensor, logprobs: Tensor, sampling: RowSampling) -> Tensor:
+    """Probabilities the verifier samples from: exp(logprobs), one-hot at the argmax for greedy rows."""
+    probs = logprobs.exp()
+    if sampling.any_greedy:
+        greedy = (sampling.temperature == 0)[:, None]
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy, one_hot, probs)
+    return probs

@@ -1,0 +1,62 @@
+"""Verification of chain drafts: target logits + drafts -> emitted tokens and their log-probabilities.
+
+Rows are flattened the way the kernels take them (see `kernels/rejection_sample.py`): row i feeds its pending token
+plus K_i drafts, so it owns K_i + 1 target rows starting at `cu_num_draft_tokens[i - 1] + i`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.greedy_verify import greedy_verify, greedy_verify_ref
+from kernels.rejection_sample import rejection_sample, rejection_sample_ref
+from specdec.processing import RowSampling, processed_logprobs, target_probs
+
+
+@dataclass
+class VerifyResult:
+    output_token_ids: Tensor  # [rows, max_num_draft_tokens + 1] int64, -1 after the emitted tokens
+    num_emitted: Tensor  # [rows] int64: accepted drafts + 1
+    logprobs: Tensor  # [rows, max_num_draft_tokens + 1] float64, 0 after the emitted tokens
+
+
+def verify_chain(
+    target_logits: Tensor,  # [num_draft_tokens + rows, V]
+    draft_token_ids: Tensor,  # [num_draft_tokens]
+    cu_num_draft_tokens: Tensor,  # [rows]
+    draft_probs: Tensor | None,  # [num_draft_tokens, V], processed like the target; None for n-gram drafts
+    sampling: RowSampling,  # per row
+    num_target_rows_per_row: Tensor,  # [rows] K_i + 1
+    max_num_draft_tokens: int,
+    accept_uniforms: Tensor,  # [num_draft_tokens] float64
+    sample_uniforms: Tensor,  # [rows] float64
+) -> VerifyResult:
+    """Accept or reject each row's drafts losslessly and emit one more token (recovered or bonus) per row."""
+    num_tokens = target_logits.shape[0]
+    token_sampling = sampling.repeat(num_target_rows_per_row, num_tokens)
+    logprobs = processed_logprobs(target_logits, token_sampling)
+    use_triton = target_logits.is_cuda
+    if sampling.all_greedy:
+        op = greedy_verify if use_triton else greedy_verify_ref
+        out, num_emitted = op(draft_token_ids, cu_num_draft_tokens, target_logits, max_num_draft_tokens)
+    else:
+        probs = target_probs(target_logits, logprobs, token_sampling)
+        op = rejection_sample if use_triton else rejection_sample_ref
+        out, num_emitted = op(
+            draft_token_ids,
+            cu_num_draft_tokens,
+            draft_probs,
+            probs,
+            accept_uniforms,
+            sample_uniforms,
+            max_num_draft_tokens,
+        )
+    rows = out.shape[0]
+    starts = cu_num_draft_tokens - num_target_rows_per_row + 1 + torch.arange(rows, device=out.device)
+    index = (starts[:, None] + torch.arange(max_num_draft_tokens + 1, device=out.device)).clamp(max=num_tokens - 1)
+    emitted = out >= 0
+    token_logprobs = logprobs[index, out.clamp(min=0)].to(torch.float64)
+    return VerifyResult(out, num_emitted, torch.where(emitted, token_logprobs, 0.0))
