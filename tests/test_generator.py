@@ -1,0 +1,233 @@
+"""The generator's contract: exact greedy, exact log-probs, reproducible sampling, filters respected, clear errors."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from conftest import make_model, random_prompts
+
+from rollout import Generator, SamplingParams
+from specdec.processing import RowSampling, processed_logprobs
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """`model.generate` one sequence at a time, no padding: the reference for greedy decoding."""
+    eos = model.generation_config.eos_token_id
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def use_frequent_token_as_eos(model, prompts, max_new_tokens):
+    """Make the model's most frequent greedy token its EOS, so completions stop at different lengths."""
+    counts = collections.Counter()
+    for prompt in prompts:
+        counts.update(hf_greedy(model, prompt, max_new_tokens))
+    eos = counts.most_common(1)[0][0]
+    model.generation_config.eos_token_id = eos
+    model.config.eos_token_id = eos
+    return eos
+
+
+def teacher_forced_logprobs(model, prompt, completion, params: SamplingParams) -> torch.Tensor:
+    """Log-probs of `completion` under one forward over prompt + completion, processed like the generator does."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+    rows = logits.shape[0]
+    sampling = RowSampling(
+        temperature=torch.full((rows,), float(params.temperature)),
+        top_k=torch.full((rows,), params.top_k),
+        top_p=torch.full((rows,), float(params.top_p)),
+        needs_filter=params.top_k > 0 or params.top_p < 1,
+        all_greedy=params.temperature == 0,
+        any_greedy=params.temperature == 0,
+    )
+    logprobs = processed_logprobs(logits, sampling)
+    return logprobs[torch.arange(rows), torch.tensor(completion)]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_equals_model_generate(arch, attn):
+    model = make_model(arch, attn)
+    prompts = random_prompts(9, max_len=14, seed=1)  # ragged; 9 prompts through 4 slots: slots refill mid-run
+    max_new = 16
+    eos = use_frequent_token_as_eos(model, prompts, max_new)
+    outs = Generator(model, max_batch_size=4, max_seq_len=64).generate(
+        prompts, SamplingParams(temperature=0, max_new_tokens=max_new)
+    )
+    assert [o.prompt_index for o in outs] == list(range(len(prompts)))
+    lengths = set()
+    for out in outs:
+        expected = hf_greedy(model, prompts[out.prompt_index], max_new)
+        assert out.token_ids == expected, f"prompt {out.prompt_index}"
+        stopped = expected[-1] == eos
+        assert out.finish_reason == ("stop" if stopped else "length")
+        lengths.add(len(out.token_ids))
+    assert len(lengths) > 1, "the test needs completions of different lengths (some stopping early)"
+
+
+def test_sliding_window_layers_mixed_with_full_attention():
+    # Qwen2 with a window on its upper layers: the two layer types get different masks through the mask mapping
+    model = make_model("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    assert set(model.config.layer_types) == {"full_attention", "sliding_attention"}
+    prompts = random_prompts(5, min_len=6, max_len=12, seed=2)
+    outs = Generator(model, max_batch_size=3, max_seq_len=64).generate(
+        prompts, SamplingParams(temperature=0, max_new_tokens=12)
+    )
+    for out in outs:
+        assert out.token_ids == hf_greedy(model, prompts[out.prompt_index], 12)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_new_tokens=12),
+        SamplingParams(temperature=1.0, max_new_tokens=12, seed=3),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=12, seed=4, n=2),
+    ],
+    ids=["greedy", "t1", "t0.7-topk-topp-n2"],
+)
+def test_logprobs_equal_teacher_forced_pass(params):
+    model = make_model("llama")
+    prompts = random_prompts(5, seed=5)
+    outs = Generator(model, max_batch_size=3, max_seq_len=64).generate(prompts, params)
+    assert len(outs) == len(prompts) * params.n
+    for out in outs:
+        assert len(out.logprobs) == len(out.token_ids)
+        expected = teacher_forced_logprobs(model, prompts[out.prompt_index], out.token_ids, params)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), expected, atol=1e-9, rtol=0)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batching():
+    model = make_model("qwen2")
+    prompts = random_prompts(6, seed=6)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=11, n=3)
+    first = Generator(model, max_batch_size=4, max_seq_len=64).generate(prompts, params)
+    again = Generator(model, max_batch_size=4, max_seq_len=64).generate(prompts, params)
+    other_batching = Generator(model, max_batch_size=16, max_seq_len=64).generate(prompts, params)
+    other_seed = Generator(model, max_batch_size=4, max_seq_len=64).generate(
+        prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seed=12, n=3)
+    )
+    tokens = [o.token_ids for o in first]
+    assert tokens == [o.token_ids for o in again]
+    assert tokens == [o.token_ids for o in other_batching]  # each sample has its own random stream
+    assert tokens != [o.token_ids for o in other_seed]
+    # the n samples of one prompt differ from each other (they share the prefill, not the randomness)
+    assert len({tuple(o.token_ids) for o in first[:3]}) > 1
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (4, 0.6)])
+def test_sampled_tokens_stay_inside_top_k_top_p(top_k, top_p):
+    model = make_model("qwen3")
+    prompts = random_prompts(4, seed=7)
+    params = SamplingParams(temperature=1.3, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=8, n=4)
+    outs = Generator(model, max_batch_size=8, max_seq_len=64).generate(prompts, params)
+    for out in outs:
+        prompt = prompts[out.prompt_index]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        for step, token in enumerate(out.token_ids):
+            ranked = probs[step].sort(descending=True, stable=True)
+            allowed_by_k = ranked.indices[:top_k].tolist() if top_k else ranked.indices.tolist()
+            mass_before = torch.cumsum(ranked.values, 0) - ranked.values
+            allowed_by_p = ranked.indices[(mass_before < top_p)].tolist()
+            assert token in allowed_by_k and token in allowed_by_p, f"step {step}: token {token} outside the set"
+
+
+def test_stop_token_ids_and_n_share_one_prefill():
+    model = make_model("qwen2")
+    prompts = random_prompts(3, seed=9)
+    reference = [hf_greedy(model, p, 10) for p in prompts]
+    stop = reference[0][3]  # the 4th greedy token of prompt 0
+    gen = Generator(model, max_batch_size=8, max_seq_len=64)
+    outs = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[stop], n=2))
+    assert outs[0].token_ids == reference[0][: reference[0].index(stop) + 1]
+    assert outs[0].finish_reason == "stop"
+    assert outs[0].token_ids == outs[1].token_ids  # greedy samples of one prompt agree
+    prefill = [r for r in gen.last_trace if r.phase == "prefill"]
+    assert sum(r.batch_size for r in prefill) == len(prompts)  # 3 prefilled rows for 6 samples
+
+
+def test_trace_counts_add_up():
+    model = make_model("llama")
+    prompts = random_prompts(7, seed=10)
+    gen = Generator(model, max_batch_size=3, max_seq_len=64)
+    outs = gen.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=9, seed=0))
+    trace = gen.last_trace
+    assert sum(r.num_emitted for r in trace) == sum(len(o.token_ids) for o in outs)
+    assert all(r.batch_size <= 3 for r in trace)
+    assert {r.phase for r in trace} == {"prefill", "decode"}
+    assert all(r.seconds > 0 for r in trace)
+
+
+def test_max_seq_len_caps_completions():
+    model = make_model("qwen2")
+    prompt = random_prompts(1, min_len=10, max_len=10, seed=11)[0]
+    outs = Generator(model, max_batch_size=2, max_seq_len=14).generate(
+        [prompt], SamplingParams(temperature=0, max_new_tokens=50)
+    )
+    assert len(outs[0].token_ids) == 4 and outs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "prompts,kwargs,match",
+    [
+        ([], {}, "prompt_ids is empty"),
+        ([[1, 2], []], {}, "prompt 1 is empty"),
+        ([[1, 500]], {}, "prompt 0 has token id 500 outside"),
+        ([[1, -1]], {}, "token id -1 outside"),
+        ([[1] * 40], {}, "prompt 0 has 40 tokens but max_seq_len is 32"),
+    ],
+)
+def test_bad_prompts_are_clear_errors(prompts, kwargs, match):
+    gen = Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32)
+    with pytest.raises(ValueError, match=match):
+        gen.generate(prompts, SamplingParams(**kwargs))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"n": 0}, r"n \(0\) must be an integer >= 1"),
+        ({"temperature": -0.5}, r"temperature \(-0.5\) must be >= 0"),
+        ({"top_p": 0.0}, r"top_p \(0.0\) must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p \(1.5\) must be in \(0, 1\]"),
+        ({"top_k": -1}, r"top_k \(-1\)"),
+        ({"max_new_tokens": 0}, r"max_new_tokens \(0\)"),
+    ],
+)
+def test_bad_sampling_params_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_unsupported_models_are_refused_at_construction():
+    model = make_model("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*load it with"):
+        Generator(model)
+    from transformers import MambaConfig, MambaForCausalLM
+
+    mamba = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4))
+    with pytest.raises(ValueError, match="slot KV cache"):
+        Generator(mamba)
+
+
+def test_generator_restores_training_mode_and_uses_current_weights():
+    model = make_model("qwen2")
+    model.train()
+    gen = Generator(model, max_batch_size=2, max_seq_len=32)
+    prompts = random_prompts(2, seed=12)
+    before = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6))
+    assert model.training
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # a "training step": the next call must see the new weights
+    after = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6))
+    assert [o.token_ids for o in after] == [hf_greedy(model.eval(), p, 6) for p in prompts]
+    assert [o.token_ids for o in before] != [o.token_ids for o in after]
