@@ -21,8 +21,11 @@ from transformers import PreTrainedModel
 from rollout.model_runner import ModelRunner
 from rollout.sampling import Completion, SamplingParams
 from rollout.sequence import Sequence
+from rollout.speculation import build_policy, build_proposer
 from rollout.trace import StepRecord
+from specdec.config import SpecConfig
 from specdec.processing import RowSampling
+from specdec.proposers.base import ProposalBatch
 from specdec.verify import VerifyResult, verify_chain
 
 
@@ -33,6 +36,7 @@ class Generator:
         model: the model to run (its current weights are used on every call: no copy is kept).
         max_batch_size: slots, i.e. sequences decoded at once.
         max_seq_len: prompt + completion tokens a sequence may hold.
+        spec: speculative decoding settings; None decodes one token per step.
         max_prefill_tokens: cap on padded prompt tokens per prefill forward (bounds prefill memory).
     """
 
@@ -41,6 +45,7 @@ class Generator:
         model: PreTrainedModel,
         max_batch_size: int = 64,
         max_seq_len: int = 2048,
+        spec: SpecConfig | None = None,
         max_prefill_tokens: int = 16384,
     ):
         for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
@@ -55,9 +60,18 @@ class Generator:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
-        self.max_block = 1  # tokens fed per row per decode step: the pending token plus the largest K
-        self.runner = ModelRunner(model, num_slots=max_batch_size, num_positions=max_seq_len + self.max_block)
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
+        self.spec = spec
+        # tokens fed per row per decode step: the pending token plus the largest K
+        self.max_block = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        num_positions = max_seq_len + self.max_block
+        self.runner = ModelRunner(model, num_slots=max_batch_size, num_positions=num_positions)
         self.device = self.runner.device
+        self.proposer = build_proposer(spec, self.runner, max_batch_size, num_positions) if spec else None
+        self.policy = build_policy(spec, max_batch_size) if spec else None
+        # host copy of every row's tokens (prompt + completion): proposers read it without a device transfer
+        self.history = torch.zeros(max_batch_size, num_positions, dtype=torch.long)
         self.eos_token_ids = _eos_token_ids(model)
         self.last_trace: list[StepRecord] = []
 
@@ -84,10 +98,10 @@ class Generator:
             while queue or active:
                 if queue and len(active) < self.max_batch_size:
                     self._admit(queue, active)
-                    _release_finished(self.runner, active)
+                    self._release_finished(active)
                 if active:
                     self._decode_step(active)
-                    _release_finished(self.runner, active)
+                    self._release_finished(active)
         return [seq.completion() for seq in sequences]
 
     # ---- scheduling -------------------------------------------------------------------------------------------
@@ -116,78 +130,80 @@ class Generator:
         """One left-padded forward over the groups' prompts; sample each sequence's first token."""
         start = time.perf_counter()
         prompts = [group[0].prompt for group in groups]
-        width = max(len(p) for p in prompts)
-        scratch = self.runner.cache.scratch_position
-        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        positions = torch.zeros(len(prompts), width, dtype=torch.long)
-        write_positions = torch.full((len(prompts), width), scratch, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            pad = width - len(prompt)  # left padding: every row's last prompt token sits at width - 1
-            input_ids[row, pad:] = torch.tensor(prompt)
-            positions[row, pad:] = torch.arange(len(prompt))
-            write_positions[row, pad:] = torch.arange(len(prompt))
-        valid = write_positions != scratch
         row_start = len(active)
-        logits = self.runner.forward(
-            row_start,
-            input_ids.to(self.device),
-            positions.to(self.device),
-            write_positions.to(self.device),
-            valid.to(self.device),
-            torch.zeros(len(prompts), dtype=torch.long, device=self.device),
-            kv_len=width,
-            last_only=True,
-        )[:, 0]
+        logits = self.runner.prefill(row_start, prompts)
         sequences = [seq for group in groups for seq in group]
         group_of = torch.tensor([g for g, group in enumerate(groups) for _ in group], device=self.device)
+        width = max(len(p) for p in prompts)
         if len(sequences) > len(groups):  # fan each prompt's KV out to its samples' slots
             dst = torch.arange(row_start, row_start + len(sequences), device=self.device)
-            self.runner.cache.copy_rows(row_start + group_of, dst, num_positions=width)
-        for seq in sequences:
+            self.runner.copy_rows(row_start + group_of, dst, num_positions=width)
+        if self.proposer is not None and self.proposer.needs_prefill:
+            self.proposer.prefill(row_start, prompts, group_of, [seq.proposer_state for seq in sequences])
+        for row, seq in enumerate(sequences, start=row_start):
             seq.cache_len = len(seq.prompt)
-        result = self._verify(logits[group_of], sequences, [0] * len(sequences), drafts=None)
-        num_emitted = self._commit(sequences, result)
+            self.history[row, : len(seq.prompt)] = torch.tensor(seq.prompt)
+        num_draft = [0] * len(sequences)
+        uniforms = self._draw_uniforms(sequences, num_draft)
+        result = self._verify(logits[group_of], sequences, num_draft, uniforms)
+        num_emitted, _ = self._commit(row_start, sequences, result, num_draft)
         active.extend(sequences)
         self.last_trace.append(StepRecord("prefill", len(groups), 0, 0, 0, num_emitted, time.perf_counter() - start))
 
     def _decode_step(self, active: list[Sequence]) -> None:
-        """Feed each active row its pending token (plus drafts, once a proposer is configured) and commit."""
+        """Feed each active row its pending token plus its drafts, verify them in the same forward, commit."""
         start = time.perf_counter()
         num_rows = len(active)
-        num_draft = [0] * num_rows
+        k = self.policy.choose(num_rows) if self.proposer is not None else 0
+        # never draft past the length cap: those tokens could not be kept
+        asked = [max(0, min(k, seq.max_new_tokens - len(seq.token_ids) - 1)) for seq in active]
+        uniforms = self._draw_uniforms(active, asked)
+        drafts = None
+        if max(asked) > 0:
+            drafts = self.proposer.propose(
+                ProposalBatch(
+                    token_ids=self.history[:num_rows],
+                    num_tokens=[seq.num_tokens for seq in active],
+                    num_draft_tokens=asked,
+                    sampling=self._row_sampling(active),
+                    draft_uniforms=uniforms[:, : max(asked)],
+                    states=[seq.proposer_state for seq in active],
+                )
+            )
+        num_draft = drafts.num_draft_tokens if drafts is not None else [0] * num_rows
         width = 1 + max(num_draft)
-        cache_lens = torch.tensor([seq.cache_len for seq in active])
         input_ids = torch.tensor([[seq.pending] for seq in active])
-        offsets = torch.arange(width)
-        valid = offsets[None, :] < (1 + torch.tensor(num_draft))[:, None]
-        positions = torch.where(valid, cache_lens[:, None] + offsets, 0)
-        write_positions = torch.where(valid, positions, self.runner.cache.scratch_position)
-        logits = self.runner.forward(
-            0,
-            input_ids.to(self.device),
-            positions.to(self.device),
-            write_positions.to(self.device),
-            valid.to(self.device),
-            cache_lens.to(self.device),
-            kv_len=int(cache_lens.max()) + width,
-        )
+        if width > 1:
+            input_ids = torch.cat([input_ids, drafts.token_ids[:, : width - 1].cpu().clamp(min=0)], dim=1)
+        logits = self.runner.decode(0, input_ids, [1 + n for n in num_draft], [seq.cache_len for seq in active])
         # flatten to the verifier's layout: row i's K_i + 1 target rows, back to back
-        flat_index = (torch.arange(num_rows)[:, None] * width + offsets)[valid]
-        target_logits = logits.reshape(num_rows * width, -1)[flat_index.to(self.device)]
-        result = self._verify(target_logits, active, num_draft, drafts=None)
-        num_emitted = self._commit(active, result)
+        offsets = torch.arange(width)
+        fed = offsets[None, :] < (1 + torch.tensor(num_draft))[:, None]
+        flat_index = (torch.arange(num_rows)[:, None] * width + offsets)[fed].to(self.device)
+        target_logits = logits.reshape(num_rows * width, -1)[flat_index]
+        result = self._verify(target_logits, active, num_draft, uniforms, drafts)
+        num_emitted, accepted = self._commit(0, active, result, num_draft)
+        max_drafted = max(num_draft)
         self.last_trace.append(
-            StepRecord("decode", num_rows, max(num_draft), 0, 0, num_emitted, time.perf_counter() - start)
+            StepRecord(
+                "decode",
+                num_rows,
+                max(asked),
+                sum(num_draft),
+                sum(accepted),
+                num_emitted,
+                time.perf_counter() - start,
+                drafted_per_position=[sum(n > j for n in num_draft) for j in range(max_drafted)],
+                accepted_per_position=[sum(a > j for a in accepted) for j in range(max_drafted)],
+            )
         )
 
     # ---- verification and commit ------------------------------------------------------------------------------
 
-    def _verify(
-        self, target_logits: Tensor, sequences: list[Sequence], num_draft: list[int], drafts: Tensor | None
-    ) -> VerifyResult:
+    def _row_sampling(self, sequences: list[Sequence]) -> RowSampling:
         params = [seq.params for seq in sequences]
         greedy = [p.temperature == 0 for p in params]
-        sampling = RowSampling(
+        return RowSampling(
             temperature=torch.tensor([float(p.temperature) for p in params], device=self.device),
             top_k=torch.tensor([p.top_k for p in params], device=self.device),
             top_p=torch.tensor([float(p.top_p) for p in params], device=self.device),
@@ -195,32 +211,58 @@ class Generator:
             all_greedy=all(greedy),
             any_greedy=any(greedy),
         )
-        accept_uniforms: list[float] = []
-        sample_uniforms: list[float] = []
-        for seq, k, is_greedy in zip(sequences, num_draft, greedy):
-            if is_greedy:  # greedy rows consume no randomness
-                accept_uniforms.extend([0.0] * k)
-                sample_uniforms.append(0.0)
-            else:
-                draws = seq.uniforms(k + 1)
-                accept_uniforms.extend(draws[:k])
-                sample_uniforms.append(draws[k])
+
+    def _draw_uniforms(self, sequences: list[Sequence], num_draft: list[int]) -> Tensor:
+        """`[rows, 2K + 1]` float64 from each row's own stream: K for drafting, K for acceptance, 1 for the
+        recovered or bonus token (columns: draft | accept | sample). Greedy rows consume no randomness."""
+        width = 2 * max(num_draft) + 1
+        uniforms = torch.zeros(len(sequences), width, dtype=torch.float64)
+        for row, (seq, k) in enumerate(zip(sequences, num_draft)):
+            if seq.generator is not None:
+                draws = seq.uniforms(2 * k + 1)
+                uniforms[row, :k] = draws[:k]
+                uniforms[row, width // 2 : width // 2 + k] = draws[k : 2 * k]
+                uniforms[row, -1] = draws[2 * k]
+        return uniforms
+
+    def _verify(
+        self,
+        target_logits: Tensor,
+        sequences: list[Sequence],
+        num_draft: list[int],
+        uniforms: Tensor,
+        drafts=None,
+    ) -> VerifyResult:
+        half = uniforms.shape[1] // 2
+        drafted = torch.arange(half)[None, :] < torch.tensor(num_draft)[:, None]
+        if drafts is not None and max(num_draft) > 0:
+            draft_ids = drafts.token_ids[:, : max(num_draft)]
+            flat = drafted[:, : max(num_draft)]
+            draft_token_ids = draft_ids[flat.to(draft_ids.device)].to(self.device)
+            draft_probs = drafts.probs
+        else:
+            draft_token_ids = torch.zeros(0, dtype=torch.long, device=self.device)
+            draft_probs = None
         counts = torch.tensor(num_draft, device=self.device)
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
         return verify_chain(
             target_logits,
-            drafts if drafts is not None else empty,
+            draft_token_ids,
             torch.cumsum(counts, 0),
-            None,
-            sampling,
+            draft_probs,
+            self._row_sampling(sequences),
             counts + 1,
             max(num_draft),
-            torch.tensor(accept_uniforms, dtype=torch.float64, device=self.device),
-            torch.tensor(sample_uniforms, dtype=torch.float64, device=self.device),
+            uniforms[:, half : 2 * half][drafted].to(self.device),
+            uniforms[:, -1].contiguous().to(self.device),
         )
 
-    def _commit(self, sequences: list[Sequence], result: VerifyResult) -> int:
-        """Bring the step's result to the host in ONE transfer and append it; return the tokens kept."""
+    def _commit(
+        self, row_start: int, sequences: list[Sequence], result: VerifyResult, num_draft: list[int]
+    ) -> tuple[int, list[int]]:
+        """Bring the step's result to the host in ONE transfer and append it.
+
+        Returns the tokens kept (after stops and length caps) and the drafts accepted per row.
+        """
         packed = torch.cat(
             [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)], dim=1
         ).cpu()
@@ -228,12 +270,38 @@ class Generator:
         num_emitted = packed[:, 0].tolist()
         tokens = packed[:, 1 : 1 + width].tolist()
         logprobs = packed[:, 1 + width :].contiguous().view(torch.float64).tolist()
-        kept = 0
-        for seq, n, row_tokens, row_logprobs in zip(sequences, num_emitted, tokens, logprobs):
+        kept_total = 0
+        for row, (seq, n, row_tokens, row_logprobs) in enumerate(
+            zip(sequences, num_emitted, tokens, logprobs), start=row_start
+        ):
             if seq.token_ids:  # decode: the pending token and the accepted drafts now have KV in the cache
                 seq.cache_len += n
-            kept += seq.append(row_tokens[:n], row_logprobs[:n])
-        return kept
+            before = seq.num_tokens
+            kept = seq.append(row_tokens[:n], row_logprobs[:n])
+            self.history[row, before : before + kept] = torch.tensor(row_tokens[:kept])
+            kept_total += kept
+        return kept_total, [n - 1 for n in num_emitted]
+
+    def _release_finished(self, active: list[Sequence]) -> None:
+        """Drop finished rows and keep the active rows packed at the front: the last rows move into the holes."""
+        finished = [i for i, seq in enumerate(active) if seq.finish_reason is not None]
+        if not finished:
+            return
+        remaining = len(active) - len(finished)
+        holes = [i for i in finished if i < remaining]
+        movers = [i for i in range(remaining, len(active)) if active[i].finish_reason is None]
+        assert len(holes) == len(movers), f"expected as many holes as movers, got {len(holes)} and {len(movers)}"
+        if movers:
+            longest = min(max(active[i].num_tokens for i in movers) + 1, self.runner.cache.num_positions)
+            src = torch.tensor(movers, device=self.device)
+            dst = torch.tensor(holes, device=self.device)
+            self.runner.copy_rows(src, dst, num_positions=longest)
+            if self.proposer is not None:
+                self.proposer.copy_rows(src, dst, longest)
+            self.history[holes] = self.history[movers]
+            for hole, mover in zip(holes, movers):
+                active[hole] = active[mover]
+        del active[remaining:]
 
     # ---- input ------------------------------------------------------------------------------------------------
 
@@ -270,26 +338,6 @@ class Generator:
                     Sequence(prompt_index, sample_index, list(prompt), params, max_new, stop_ids, generator)
                 )
         return sequences
-
-
-def _release_finished(runner: ModelRunner, active: list[Sequence]) -> None:
-    """Drop finished rows and keep the active rows packed at the front: the last rows move into the holes."""
-    finished = [i for i, seq in enumerate(active) if seq.finish_reason is not None]
-    if not finished:
-        return
-    remaining = len(active) - len(finished)
-    holes = [i for i in finished if i < remaining]
-    movers = [i for i in range(remaining, len(active)) if active[i].finish_reason is None]
-    assert len(holes) == len(movers), f"expected as many holes as movers, got {len(holes)} and {len(movers)}"
-    if movers:
-        longest = max(active[i].cache_len for i in movers)
-        device = runner.device
-        src = torch.tensor(movers, device=device)
-        dst = torch.tensor(holes, device=device)
-        runner.cache.copy_rows(src, dst, num_positions=min(longest + 1, runner.cache.num_positions))
-        for hole, mover in zip(holes, movers):
-            active[hole] = active[mover]
-    del active[remaining:]
 
 
 def _mix_seed(base: int, prompt_index: int, sample_index: int) -> int:

@@ -45,6 +45,55 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
+    @property
+    def scratch_position(self) -> int:
+        return self.cache.scratch_position
+
+    def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int | None = None) -> None:
+        self.cache.copy_rows(src, dst, num_positions)
+
+    def prefill(self, row_start: int, prompts: list[list[int]]) -> Tensor:
+        """Prefill `prompts` into slots `[row_start, row_start + len(prompts))`; return last logits `[rows, V]`.
+
+        Left padding puts every row's last prompt token at the same index, so only that position reaches the
+        LM head (a prefill never computes logits for every prompt token).
+        """
+        width = max(len(p) for p in prompts)
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        positions = torch.zeros(len(prompts), width, dtype=torch.long)
+        write_positions = torch.full((len(prompts), width), self.scratch_position, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            pad = width - len(prompt)
+            input_ids[row, pad:] = torch.tensor(prompt)
+            positions[row, pad:] = torch.arange(len(prompt))
+            write_positions[row, pad:] = torch.arange(len(prompt))
+        valid = write_positions != self.scratch_position
+        prefix_lengths = torch.zeros(len(prompts), dtype=torch.long)
+        logits = self.forward(
+            row_start,
+            *self._to_device(input_ids, positions, write_positions, valid, prefix_lengths),
+            kv_len=width,
+            last_only=True,
+        )
+        return logits[:, 0]
+
+    def decode(self, row_start: int, input_ids: Tensor, num_inputs: list[int], cache_lens: list[int]) -> Tensor:
+        """Feed each row `num_inputs[i]` tokens (`input_ids [rows, S]`, right-padded) after its `cache_lens[i]`
+        committed ones, as a causal chain; return logits `[rows, S, V]`. Their KV lands at positions
+        `cache_lens[i] ...`; the caller commits by raising its lengths."""
+        width = input_ids.shape[1]
+        offsets = torch.arange(width)
+        lens = torch.tensor(cache_lens)
+        valid = offsets[None, :] < torch.tensor(num_inputs)[:, None]
+        positions = torch.where(valid, lens[:, None] + offsets, 0)
+        write_positions = torch.where(valid, positions, self.scratch_position)
+        kv_len = max(c + n for c, n in zip(cache_lens, num_inputs))
+        tensors = self._to_device(positions, write_positions, valid, lens)
+        return self.forward(row_start, input_ids.to(self.device), *tensors, kv_len=kv_len)
+
+    def _to_device(self, *tensors: Tensor) -> list[Tensor]:
+        return [t.to(self.device, non_blocking=True) for t in tensors]
+
     def forward(
         self,
         row_start: int,

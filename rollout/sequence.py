@@ -34,6 +34,7 @@ class Sequence:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.cache_len = 0
+        self.proposer_state: dict = {}  # a proposer's per-sequence state (e.g. the draft model's cache length)
         self.finish_reason: str | None = None
 
     @property
@@ -61,9 +62,9 @@ class Sequence:
             self.finish_reason = "length"
         return kept
 
-    def uniforms(self, count: int) -> list[float]:
-        """`count` float64 uniforms from this sample's own stream (float64: float32 can return exactly 0)."""
-        return torch.rand(count, generator=self.generator, dtype=torch.float64).tolist()
+    def uniforms(self, count: int) -> torch.Tensor:
+        """`[count]` float64 uniforms from this sample's own stream (float64: float32 can return exactly 0)."""
+        return torch.rand(count, generator=self.generator, dtype=torch.float64)
 
     def completion(self) -> Completion:
         return Completion(self.prompt_index, self.sample_index, self.token_ids, self.logprobs, self.finish_reason or "")

@@ -1,0 +1,60 @@
+"""Builds what a SpecConfig asks for: the proposer (loading a draft model where named) and the K policy."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from rollout.model_runner import ModelRunner
+from specdec.config import SpecConfig
+from specdec.policies import StaticPolicy, TablePolicy
+from specdec.proposers.base import Proposer
+from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.ngram import NgramProposer
+
+
+class NgramAdapter(Proposer):
+    """The n-gram proposer over the host token history: no model, no per-slot state."""
+
+    def __init__(self, spec: SpecConfig):
+        self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def propose(self, batch):
+        from specdec.proposers.base import Drafts
+
+        drafts = self.ngram.propose(
+            batch.token_ids, torch.tensor(batch.num_tokens), torch.tensor(batch.num_draft_tokens)
+        )
+        return Drafts(drafts, (drafts >= 0).sum(dim=1).tolist(), None)
+
+
+def build_proposer(spec: SpecConfig, target: ModelRunner, num_slots: int, num_positions: int) -> Proposer:
+    if spec.method == "ngram":
+        return NgramAdapter(spec)
+    draft = load_draft_model(spec.model, target)
+    runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions)
+    return DraftModelProposer(runner, spec.num_speculative_tokens, target.vocab_size)
+
+
+def build_policy(spec: SpecConfig, max_batch_size: int):
+    table = spec.num_speculative_tokens_per_batch_size
+    if table is None:
+        return StaticPolicy(spec.num_speculative_tokens)
+    return TablePolicy(table, spec.num_speculative_tokens, max_batch_size)
+
+
+def load_draft_model(model, target: ModelRunner) -> PreTrainedModel:
+    """A loaded model as is; a shipped short name or a local path loaded in the target's dtype, on its device."""
+    if isinstance(model, PreTrainedModel):
+        return model.eval()
+    if not isinstance(model, (str, pathlib.Path)):
+        raise ValueError(f"spec.model ({model!r}) must be a path, a shipped short name or a loaded model")
+    from rollout import zoo
+
+    path = zoo.model_path(model) if str(model) in zoo.MODEL_NAMES else pathlib.Path(model)
+    if not path.exists():
+        raise ValueError(f"spec.model ({model!r}) is neither a shipped model ({', '.join(zoo.MODEL_NAMES)}) nor a path")
+    draft = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype, attn_implementation="sdpa")
+    return draft.to(target.device).eval()

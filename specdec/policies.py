@@ -1,0 +1,69 @@
+"""K policies: how many draft tokens each decode step asks for, given the rows in decode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def validate_batch_size_table(table: Any, num_speculative_tokens: int) -> list[tuple[int, int, int]]:
+    """Check vLLM's `num_speculative_tokens_per_batch_size` table: `[[start_bs, end_bs, K], ...]`, inclusive ranges
+    from batch size 1 upward, no overlaps or gaps, `0 <= K <= num_speculative_tokens`. Returns it as tuples."""
+    name = "num_speculative_tokens_per_batch_size"
+    if isinstance(table, str):
+        if table == "auto":
+            return []
+        raise ValueError(f"{name} ({table!r}) must be 'auto' or a list of [start_bs, end_bs, K] entries")
+    if not isinstance(table, (list, tuple)) or not table:
+        raise ValueError(f"{name} ({table!r}) must be 'auto' or a non-empty list of [start_bs, end_bs, K] entries")
+    entries = []
+    for entry in table:
+        entry = list(entry) if isinstance(entry, (list, tuple)) else entry
+        if not isinstance(entry, list) or len(entry) != 3 or not all(isinstance(v, int) for v in entry):
+            raise ValueError(f"{name} entry {entry!r} must be three integers [start_bs, end_bs, K]")
+        start, end, k = entry
+        if start < 1 or end < start:
+            raise ValueError(f"{name} entry {entry!r} is reversed or starts below 1: need 1 <= start_bs <= end_bs")
+        if not 0 <= k <= num_speculative_tokens:
+            raise ValueError(
+                f"{name} entry {entry!r} has K={k} outside [0, num_speculative_tokens={num_speculative_tokens}]"
+            )
+        entries.append((start, end, k))
+    entries.sort()
+    if entries[0][0] != 1:
+        raise ValueError(f"{name} entry {list(entries[0])!r} leaves batch sizes 1..{entries[0][0] - 1} uncovered")
+    for prev, cur in zip(entries, entries[1:]):
+        if cur[0] <= prev[1]:
+            raise ValueError(f"{name} entries {list(prev)!r} and {list(cur)!r} overlap")
+        if cur[0] != prev[1] + 1:
+            raise ValueError(f"{name} entries {list(prev)!r} and {list(cur)!r} leave a gap at {prev[1] + 1}")
+    return entries
+
+
+class StaticPolicy:
+    """K fixed at `num_speculative_tokens`."""
+
+    def __init__(self, num_speculative_tokens: int):
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def choose(self, batch_size: int) -> int:
+        return self.num_speculative_tokens
+
+
+class TablePolicy:
+    """vLLM's per-batch-size table, looked up with the number of rows in decode (not requests in prefill, which
+    is what makes vLLM's K flip: vllm-project/vllm#49548)."""
+
+    def __init__(self, table: list, num_speculative_tokens: int, max_batch_size: int):
+        self.entries = validate_batch_size_table(table, num_speculative_tokens)
+        if self.entries[-1][1] < max_batch_size:
+            raise ValueError(
+                f"num_speculative_tokens_per_batch_size ends at batch size {self.entries[-1][1]} but max_batch_size "
+                f"is {max_batch_size}: extend the last range to {max_batch_size}"
+            )
+        self.k_by_batch_size = [0] * (max_batch_size + 1)
+        for start, end, k in self.entries:
+            for batch_size in range(start, min(end, max_batch_size) + 1):
+                self.k_by_batch_size[batch_size] = k
+
+    def choose(self, batch_size: int) -> int:
+        return self.k_by_batch_size[batch_size]

@@ -1,0 +1,64 @@
+"""What every proposer takes and returns, and the model-runner protocol the draft-model proposer runs through."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import Tensor
+
+from specdec.processing import RowSampling
+
+
+@dataclass
+class ProposalBatch:
+    """The active rows as a proposer sees them at the start of a decode step."""
+
+    token_ids: Tensor  # [rows, T] int64 on the host: prompt + generated tokens, the pending token last
+    num_tokens: list[int]  # valid tokens per row
+    num_draft_tokens: list[int]  # K asked of each row (0 = no drafts for that row)
+    sampling: RowSampling  # per row, for proposers that sample (their q must be processed like the target's p)
+    draft_uniforms: Tensor  # [rows, max K] float64: one uniform per draft position, from each row's own stream
+    states: list[dict] = field(default_factory=list)  # per-row proposer state that travels with the sequence
+
+
+@dataclass
+class Drafts:
+    token_ids: Tensor  # [rows, max K] int64, -1 after each row's drafts (host or device)
+    num_draft_tokens: list[int]  # drafts actually proposed per row (host)
+    probs: Tensor | None = None  # [sum(num_draft_tokens), V] draft distribution, rows back to back; None = n-gram
+
+
+class ModelRunnerProtocol(Protocol):
+    """What a draft-model proposer needs from a model runner (implemented in `rollout/`)."""
+
+    device: object
+    vocab_size: int
+
+    def prefill(self, row_start: int, prompts: list[list[int]]) -> Tensor:
+        """Prefill prompts into slots `[row_start, ...)`; return last-position logits `[rows, V]`."""
+        ...
+
+    def decode(self, row_start: int, input_ids: Tensor, num_inputs: list[int], cache_lens: list[int]) -> Tensor:
+        """Feed `num_inputs[i]` tokens of `input_ids [rows, S]` after `cache_lens[i]` cached ones.
+
+        Returns logits `[rows, S, V]`."""
+        ...
+
+    def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int | None = None) -> None: ...
+
+
+class Proposer:
+    """Base class: hooks that keep a proposer's per-slot state in step with the generator's slots."""
+
+    needs_prefill = False
+
+    def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
+        """Prompts were admitted at slots `[row_start, row_start + len(prompts))`; the generator fans them out to
+        `len(states)` rows, row i holding prompt `group_of[i]`, with `states[i]` that row's fresh proposer state."""
+
+    def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
+        """The generator moved rows `src` to `dst` (packing the active rows at the front)."""
+
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        raise NotImplementedError

@@ -1,0 +1,124 @@
+"""Draft-model proposer: a small causal LM with its own slot cache drafts K tokens autoregressively.
+
+The draft cache mirrors the generator's slots. Rather than being told what the target accepted, the proposer
+reconciles at the start of every step: the draft tokens it cached last step stay valid exactly as long as they
+match the committed history, so its cache length is the base plus that matching prefix (rollback = a lower length).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.rejection_sample import rejection_sample, rejection_sample_ref
+from specdec.processing import RowSampling, processed_logprobs, target_probs
+from specdec.proposers.base import Drafts, ModelRunnerProtocol, ProposalBatch, Proposer
+
+
+class DraftModelProposer(Proposer):
+    """Drafts with a model run through `runner` (the target's runner protocol, implemented in `rollout/`).
+
+    Per-row state (in `ProposalBatch.states`): `cache_len` (tokens in the draft cache), `base` (position of the
+    first token fed after the last proposal) and `cached_drafts` (draft tokens whose KV the cache holds).
+    """
+
+    needs_prefill = True
+
+    def __init__(self, runner: ModelRunnerProtocol, num_speculative_tokens: int, target_vocab_size: int):
+        if runner.vocab_size != target_vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({runner.vocab_size} tokens) differs from the target's "
+                f"({target_vocab_size}): a draft must share the target's tokenizer and output vocabulary"
+            )
+        self.runner = runner
+        self.num_speculative_tokens = num_speculative_tokens
+
+    def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
+        self.runner.prefill(row_start, prompts)
+        if len(states) > len(prompts):
+            dst = torch.arange(row_start, row_start + len(states), device=group_of.device)
+            self.runner.copy_rows(row_start + group_of, dst, max(len(p) for p in prompts))
+        for state, group in zip(states, group_of.tolist()):
+            state.update(cache_len=len(prompts[group]), base=0, cached_drafts=[])
+
+    def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
+        self.runner.copy_rows(src, dst, num_positions)
+
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        num_rows = len(batch.num_tokens)
+        max_k = max(batch.num_draft_tokens)
+        device = self.runner.device
+        for row, (state, num_tokens) in enumerate(zip(batch.states, batch.num_tokens)):
+            _reconcile(state, batch.token_ids[row], num_tokens)
+        # catch up: feed every row the committed tokens its draft cache lacks (the pending token at least)
+        cache_lens = [s["cache_len"] for s in batch.states]
+        num_inputs = [n - c for n, c in zip(batch.num_tokens, cache_lens)]
+        width = max(num_inputs)
+        input_ids = torch.zeros(num_rows, width, dtype=torch.long)
+        for row, (start, count) in enumerate(zip(cache_lens, num_inputs)):
+            input_ids[row, :count] = batch.token_ids[row, start : start + count]
+        logits = self.runner.decode(0, input_ids, num_inputs, cache_lens)
+        last = torch.tensor(num_inputs, device=device) - 1
+        step_logits = logits[torch.arange(num_rows, device=device), last]
+        cache_lens = list(batch.num_tokens)
+        draft_ids = torch.full((num_rows, max_k), -1, dtype=torch.long, device=device)
+        draft_probs = []
+        uniforms = batch.draft_uniforms.to(device)
+        for j in range(max_k):
+            probs = _draft_distribution(step_logits, batch.sampling)
+            tokens = _sample(probs, uniforms[:, j], batch.sampling)
+            drafting = torch.tensor([k > j for k in batch.num_draft_tokens], device=device)
+            draft_ids[:, j] = torch.where(drafting, tokens, -1)
+            draft_probs.append(probs)
+            if j + 1 < max_k:  # the last draft is never fed: verification decides whether it is kept
+                feeding = [int(k > j + 1) for k in batch.num_draft_tokens]
+                step_logits = self.runner.decode(0, tokens[:, None].cpu(), feeding, cache_lens)[:, 0]
+                cache_lens = [c + f for c, f in zip(cache_lens, feeding)]
+        for row, state in enumerate(batch.states):
+            k = batch.num_draft_tokens[row]
+            state.update(cache_len=cache_lens[row], base=batch.num_tokens[row])
+            state["cached_drafts"] = draft_ids[row, : max(k - 1, 0)].tolist() if k > 1 else []
+        # rows back to back, each row's positions j < K_i, matching the verifier's flattened layout
+        stacked = torch.stack(draft_probs, dim=1) if draft_probs else None  # [rows, max_k, V]
+        keep = torch.tensor([[j < k for j in range(max_k)] for k in batch.num_draft_tokens], device=device)
+        flat_probs = stacked[keep] if stacked is not None else None
+        return Drafts(draft_ids, list(batch.num_draft_tokens), flat_probs)
+
+
+def _reconcile(state: dict, token_ids: Tensor, num_tokens: int) -> None:
+    """Keep the cached draft tokens that match the committed history; drop the rest by lowering the length."""
+    base, cached = state["base"], state["cached_drafts"]
+    if not cached:
+        state["cache_len"] = min(state["cache_len"], num_tokens - 1)
+        return
+    history = token_ids[base : min(base + len(cached), num_tokens - 1)].tolist()
+    matched = 0
+    for token, draft in zip(history, cached):
+        if token != draft:
+            break
+        matched += 1
+    state["cache_len"] = base + matched
+    state["cached_drafts"] = []
+
+
+def _draft_distribution(logits: Tensor, sampling: RowSampling) -> Tensor:
+    """q: the draft's distribution processed like the target's (temperature, top-k, top-p; one-hot if greedy)."""
+    return target_probs(logits, processed_logprobs(logits, sampling), sampling)
+
+
+def _sample(probs: Tensor, uniforms: Tensor, sampling: RowSampling) -> Tensor:
+    if sampling.all_greedy:
+        return probs.argmax(dim=-1)
+    num_rows = probs.shape[0]
+    empty = torch.zeros(0, dtype=torch.long, device=probs.device)
+    op = rejection_sample if probs.is_cuda else rejection_sample_ref
+    out, _ = op(
+        empty,
+        torch.zeros(num_rows, dtype=torch.long, device=probs.device),
+        None,
+        probs,
+        torch.zeros(0, dtype=torch.float64, device=probs.device),
+        uniforms.to(torch.float64).contiguous(),
+        0,
+    )
+    return out[:, 0]
