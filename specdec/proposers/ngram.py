@@ -5,9 +5,10 @@ last tokens: `s[j - n + 1 : j + 1] == s[L - n : L]` for some `n` in `[prompt_loo
 match length is the largest such `n`. It proposes the up to K tokens after it, `s[j + 1 : min(j + 1 + K, L)]`; the
 continuation may run into the suffix itself (as in vLLM), and is cut short when the sequence ends first.
 
-Candidate order: longer match first, then the most recent occurrence (largest `j`) first. `propose` drafts the first
-candidate. vLLM takes the earliest occurrence instead; we prefer recent context, at the price of a draft cut short by
-the sequence end when the most recent occurrence lies within K tokens of it (periodic text with a period below K).
+Candidate order: longer match first, then the most recent occurrence (largest `j`) first. `propose` (the chain case)
+ranks by match length, then by how many of the K draft tokens the occurrence can supply, then recency: in periodic
+text with a period below K the most recent occurrence sits within K tokens of the end and would give a draft cut short,
+exactly where drafting pays most. vLLM takes the earliest occurrence; we prefer the most recent that supplies K.
 
 The search runs on the host in numpy: one compare of every position against the row's last token, then only the
 positions that hit are extended, one token back at a time. Torch integer ops on CPU cost 3-6x numpy's here (one
@@ -46,7 +47,7 @@ class NgramProposer:
         self.prompt_lookup_max = prompt_lookup_max
 
     def propose(self, token_ids: Tensor, num_tokens: Tensor, num_draft_tokens: Tensor) -> Tensor:
-        """Draft a chain per row from its best occurrence (longest match, then most recent).
+        """Draft a chain per row from its best occurrence: longest match, then most tokens supplied, then most recent.
 
         Args:
             token_ids: [num_rows, T] int64, each row's prompt + generated tokens, left-aligned; entries at and after
@@ -62,9 +63,11 @@ class NgramProposer:
         drafts = np.full((tokens.shape[0], width), -1, dtype=np.int64)
         rows, ends, match_lens = _find_occurrences(tokens, lengths, ks, self.prompt_lookup_min, self.prompt_lookup_max)
         if rows.size:
-            # One score ranks match length, then position; `rows` is sorted, so a segmented max picks each row's best.
+            # One score ranks match length, then the draft length the occurrence can supply (up to K), then position;
+            # `rows` is sorted, so a segmented max picks each row's best.
             stride = tokens.shape[1] + 1
-            scores = match_lens * stride + ends
+            supply = np.minimum(ks[rows], lengths[rows] - 1 - ends)
+            scores = (match_lens * (width + 1) + supply) * stride + ends
             starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
             best_rows = rows[starts]
             best_ends = np.maximum.reduceat(scores, starts) % stride

@@ -45,6 +45,23 @@ def ngram_candidates_ref(seq: list[int], k: int, min_n: int, max_n: int, num_can
     return kept[:num_candidates]
 
 
+def ngram_chain_ref(seq: list[int], k: int, min_n: int, max_n: int) -> list[list[int]]:
+    """Loops: the chain draft ranks occurrences by match length, then tokens supplied (up to k), then position."""
+    length = len(seq)
+    best = None
+    for j in range(length - 1):
+        n = 0
+        while n < max_n and j - n >= 0 and seq[j - n] == seq[length - 1 - n]:
+            n += 1
+        key = (n, min(k, length - 1 - j), j)
+        if n >= min_n and (best is None or key > best):
+            best = key
+    if best is None or k == 0:
+        return []
+    j = best[2]
+    return [seq[j + 1 : min(j + 1 + k, length)]]
+
+
 def test_longest_match_beats_a_more_recent_shorter_one():
     # suffix (1, 2, 3): full match at j=2 (-> 9, 9), 2-token match "2 3" at j=6 (-> 5) is more recent
     seq = [1, 2, 3, 9, 9, 2, 3, 5, 1, 2, 3]
@@ -69,7 +86,14 @@ def test_no_match_gives_a_row_of_minus_one_and_min_is_respected():
     rows = [[1, 2, 3, 4], [8, 1, 2, 3, 1, 2, 4, 2]]  # row 1: last token 2 recurs, but "4 2" never does
     token_ids, num_tokens, ks = _batch(rows, [3, 3])
     assert NgramProposer(3, 2, 3).propose(token_ids, num_tokens, ks).tolist() == [[-1, -1, -1], [-1, -1, -1]]
-    assert NgramProposer(3, 1, 3).propose(token_ids, num_tokens, ks).tolist() == [[-1, -1, -1], [4, 2, -1]]
+    # "2" at j=2 supplies all 3 tokens (3 1 2); the more recent j=5 only 2 (4 2): the full draft wins
+    assert NgramProposer(3, 1, 3).propose(token_ids, num_tokens, ks).tolist() == [[-1, -1, -1], [3, 1, 2]]
+
+
+def test_chain_prefers_an_occurrence_that_supplies_k_tokens_in_periodic_text():
+    seq = [11, 12, 13, 14] + [1, 2, 3] * 20  # the most recent "1 2 3" is followed by only 2 tokens
+    drafts = NgramProposer(5, 1, 3).propose(*_batch([seq], [5]))
+    assert drafts.tolist() == [[1, 2, 3, 1, 2]]
 
 
 def test_per_row_num_draft_tokens_including_zero():
@@ -155,14 +179,17 @@ def test_long_repetitive_rows_match_loop_reference():
         assert _rows(candidates[i]) == ngram_candidates_ref(seq, 4, 2, 5, 6)
 
 
-def test_propose_is_the_first_candidate():
+def test_propose_is_one_of_the_longest_match_candidates():
     gen = torch.Generator().manual_seed(1)
     token_ids = torch.randint(0, 3, (16, 40), generator=gen)
     num_tokens = torch.randint(0, 41, (16,), generator=gen)
     ks = torch.randint(0, 5, (16,), generator=gen)
     proposer = NgramProposer(4, 2, 4)
     chain = proposer.propose(token_ids, num_tokens, ks)
-    assert torch.equal(chain, proposer.propose_candidates(token_ids, num_tokens, ks, 3)[:, 0])
+    candidates = proposer.propose_candidates(token_ids, num_tokens, ks, 40)
+    for i in range(16):
+        if (chain[i] >= 0).any():
+            assert any(torch.equal(chain[i], c) for c in candidates[i])
 
 
 @pytest.mark.parametrize("vocab", [2, 3, 6])
@@ -181,7 +208,7 @@ def test_matches_loop_reference_on_random_rows(vocab, num_speculative_tokens, mi
         seq, k = token_ids[i, : num_tokens[i]].tolist(), int(ks[i])
         ref = ngram_candidates_ref(seq, k, min_n, max_n, 4)
         assert _rows(candidates[i]) == ref, (seq, k)
-        assert _rows(chain[i : i + 1]) == ref[:1], (seq, k)
+        assert _rows(chain[i : i + 1]) == ngram_chain_ref(seq, k, min_n, max_n), (seq, k)
         # -1 only after the tokens, never inside
         for row in candidates[i].tolist():
             assert row == sorted(row, key=lambda t: t < 0)
