@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from specdec.processing import RowSampling, processed_logprobs, target_probs
 from specdec.proposers.base import Drafts, ModelRunnerProtocol, ProposalBatch, Proposer
 
@@ -107,18 +106,10 @@ def _draft_distribution(logits: Tensor, sampling: RowSampling) -> Tensor:
 
 
 def _sample(probs: Tensor, uniforms: Tensor, sampling: RowSampling) -> Tensor:
+    """Inverse-CDF sample per row with its uniform. Zero-probability tokens own an empty interval of the CDF, so
+    `searchsorted(right=True)` never lands on one. (Drafts need a valid sample from q, not kernel-exact agreement.)"""
     if sampling.all_greedy:
         return probs.argmax(dim=-1)
-    num_rows = probs.shape[0]
-    empty = torch.zeros(0, dtype=torch.long, device=probs.device)
-    op = rejection_sample if probs.is_cuda else rejection_sample_ref
-    out, _ = op(
-        empty,
-        torch.zeros(num_rows, dtype=torch.long, device=probs.device),
-        None,
-        probs,
-        torch.zeros(0, dtype=torch.float64, device=probs.device),
-        uniforms.to(torch.float64).contiguous(),
-        0,
-    )
-    return out[:, 0]
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    targets = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
