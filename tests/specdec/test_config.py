@@ -59,7 +59,10 @@ def test_table_lookup_is_inclusive_and_must_cover_the_batch():
 
 def test_table_policy_in_the_generator_turns_drafts_off_for_large_batches():
     model = make_model("qwen2")
-    spec = SpecConfig(num_speculative_tokens=3, num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 8, 0]])
+    table = [[1, 2, 3], [3, 8, 0]]
+    spec = SpecConfig(
+        method="draft_model", model=model, num_speculative_tokens=3, num_speculative_tokens_per_batch_size=table
+    )
     gen = Generator(model, max_batch_size=8, max_seq_len=64, spec=spec)
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=0)
     for num_prompts, k in ((6, 0), (2, 3)):
