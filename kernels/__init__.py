@@ -1,6 +1,20 @@
 """Tensor ops for verification: Triton kernels, their launchers and a pure-torch reference for each."""
 
 from kernels.greedy_verify import greedy_verify, greedy_verify_ref
+from kernels.kv_compact import compact_kv_, compact_kv_ref_
 from kernels.rejection_sample import rejection_sample, rejection_sample_ref
+from kernels.tree_greedy_verify import tree_greedy_verify, tree_greedy_verify_ref
+from kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
 
-__all__ = ["greedy_verify", "greedy_verify_ref", "rejection_sample", "rejection_sample_ref"]
+__all__ = [
+    "compact_kv_",
+    "compact_kv_ref_",
+    "greedy_verify",
+    "greedy_verify_ref",
+    "rejection_sample",
+    "rejection_sample_ref",
+    "tree_greedy_verify",
+    "tree_greedy_verify_ref",
+    "tree_rejection_sample",
+    "tree_rejection_sample_ref",
+]

@@ -6,13 +6,13 @@ tokens for the same uniforms.
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.greedy_verify import (
+from kernels._layout import (
     PLACEHOLDER_TOKEN_ID,
+    PROB_DTYPES,
     block_size_for,
     check_draft_layout,
     check_kernel_device,
@@ -20,10 +20,9 @@ from kernels.greedy_verify import (
     check_tensor,
     draft_row_ranges,
     empty_outputs,
+    inverse_cdf,
     padded_drafts,
 )
-
-PROB_DTYPES = (torch.float32, torch.float64)
 
 
 @triton.jit
@@ -253,34 +252,12 @@ def rejection_sample_ref(
     else:
         weights[residual_rows] = (p[residual_rows] - draft_probs[rejected].double()).clamp_min(0.0)
     weights = torch.where(weights.any(dim=1, keepdim=True), weights, p)  # residual all zero (p == q): use p
-    tokens = _inverse_cdf(weights, sample_uniforms, block_size_for(vocab_size))
+    tokens = inverse_cdf(weights, sample_uniforms, block_size_for(vocab_size))
 
     positions = torch.arange(max_num_draft_tokens + 1, device=device)
     output_token_ids = torch.where(positions < num_accepted[:, None], drafts, PLACEHOLDER_TOKEN_ID)
     output_token_ids[rows, num_accepted] = tokens
     return output_token_ids, num_accepted + 1
-
-
-def _inverse_cdf(
-    weights: Tensor,  # [num_rows, vocab_size] float64, >= 0
-    uniforms: Tensor,  # [num_rows] float64 in [0, 1)
-    block_size: int,
-) -> Tensor:  # [num_rows] int64
-    """Per row, the first t with weights[t] > 0 and cdf[t] > u * total, summed block by block like the kernel."""
-    num_rows, vocab_size = weights.shape
-    num_blocks = triton.cdiv(vocab_size, block_size)
-    padded = F.pad(weights, (0, num_blocks * block_size - vocab_size))
-    block_cdf = padded.view(num_rows, num_blocks, block_size).cumsum(dim=2)
-    # Sequential cumsum of block totals: running_{b+1} = running_b + total_b, as the kernel adds them.
-    running = block_cdf[:, :, -1].cumsum(dim=1)  # [num_rows, num_blocks]
-    exclusive = torch.cat([running.new_zeros(num_rows, 1), running[:, :-1]], dim=1)
-    cdf = (exclusive[:, :, None] + block_cdf).view(num_rows, num_blocks * block_size)[:, :vocab_size]
-    nonzero = weights > 0
-    hit = (cdf > (uniforms * running[:, -1])[:, None]) & nonzero
-    token_ids = torch.arange(vocab_size, device=weights.device)
-    # u * total rounded up to total: the last token with weight (0 for an all-zero row).
-    last_nonzero = torch.where(nonzero, token_ids, 0).amax(dim=1)
-    return torch.where(hit.any(dim=1), hit.long().argmax(dim=1), last_nonzero)  # argmax: first maximum
 
 
 def _check_inputs(
