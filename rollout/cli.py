@@ -29,9 +29,7 @@ def _generate(args: argparse.Namespace) -> None:
         draft = args.draft if args.method == "draft_model" else None
         spec = SpecConfig(method=args.method, num_speculative_tokens=args.k, model=draft)
     gen = Generator(model, max_batch_size=args.batch_size, max_seq_len=args.max_seq_len, spec=spec)
-    params = SamplingParams(
-        n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed
-    )
+    params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     start = time.perf_counter()
     outs = gen.generate(prompt_ids, params)
     seconds = time.perf_counter() - start

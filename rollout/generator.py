@@ -26,7 +26,8 @@ from rollout.trace import StepRecord
 from specdec.config import SpecConfig
 from specdec.processing import RowSampling
 from specdec.proposers.base import ProposalBatch
-from specdec.verify import VerifyResult, verify_chain
+from specdec.tree import depths_and_ancestors, with_root
+from specdec.verify import VerifyResult, verify_chain, verify_tree
 
 
 class Generator:
@@ -175,15 +176,33 @@ class Generator:
         input_ids = torch.tensor([[seq.pending] for seq in active])
         if width > 1:
             input_ids = torch.cat([input_ids, drafts.token_ids[:, : width - 1].cpu().clamp(min=0)], dim=1)
-        logits = self.runner.decode(0, input_ids, [1 + n for n in num_draft], [seq.cache_len for seq in active])
-        # flatten to the verifier's layout: row i's K_i + 1 target rows, back to back
+        cache_lens = [seq.cache_len for seq in active]
+        num_inputs = [1 + n for n in num_draft]
+        tree = drafts is not None and drafts.parents is not None and width > 1
+        if tree:
+            parents = with_root(drafts.parents[:, : width - 1].cpu())
+            depths, ancestors = depths_and_ancestors(parents, num_inputs)
+            logits = self.runner.decode(0, input_ids, num_inputs, cache_lens, depths, ancestors)
+        else:
+            logits = self.runner.decode(0, input_ids, num_inputs, cache_lens)
+        # flatten to the verifier's layout: row i's 1 + K_i target rows (pending token first), back to back
         offsets = torch.arange(width)
-        fed = offsets[None, :] < (1 + torch.tensor(num_draft))[:, None]
+        fed = offsets[None, :] < torch.tensor(num_inputs)[:, None]
         flat_index = (torch.arange(num_rows)[:, None] * width + offsets)[fed].to(self.device)
         target_logits = logits.reshape(num_rows * width, -1)[flat_index]
-        result = self._verify(target_logits, active, num_draft, uniforms, drafts)
+        if tree:
+            result = self._verify_tree(
+                target_logits, active, num_inputs, uniforms, input_ids[fed], parents[fed], depths
+            )
+            if result.accepted_nodes.numel():  # move accepted paths next to their roots (a chain path stays put)
+                rows = torch.arange(num_rows, device=self.device)
+                lens = torch.tensor(cache_lens, device=self.device)
+                self.runner.cache.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
+            per_depth = [int(((depths == j + 1) & fed).any(dim=1).sum()) for j in range(int(depths.max()))]
+        else:
+            result = self._verify(target_logits, active, num_draft, uniforms, drafts)
+            per_depth = [sum(n > j for n in num_draft) for j in range(max(num_draft))]
         num_emitted, accepted = self._commit(0, active, result, num_draft)
-        max_drafted = max(num_draft)
         self.last_trace.append(
             StepRecord(
                 "decode",
@@ -193,8 +212,8 @@ class Generator:
                 sum(accepted),
                 num_emitted,
                 time.perf_counter() - start,
-                drafted_per_position=[sum(n > j for n in num_draft) for j in range(max_drafted)],
-                accepted_per_position=[sum(a > j for a in accepted) for j in range(max_drafted)],
+                drafted_per_position=per_depth,
+                accepted_per_position=[sum(a > j for a in accepted) for j in range(len(per_depth))],
             )
         )
 
@@ -253,6 +272,33 @@ class Generator:
             counts + 1,
             max(num_draft),
             uniforms[:, half : 2 * half][drafted].to(self.device),
+            uniforms[:, -1].contiguous().to(self.device),
+        )
+
+    def _verify_tree(
+        self,
+        target_logits: Tensor,
+        sequences: list[Sequence],
+        num_nodes: list[int],
+        uniforms: Tensor,
+        tree_token_ids: Tensor,
+        tree_parents: Tensor,
+        depths: Tensor,
+    ) -> VerifyResult:
+        """Verify token trees; node i > 0 of a row uses the row's i-th accept uniform (the root's is unused)."""
+        half = uniforms.shape[1] // 2
+        accept = torch.cat([torch.zeros(len(sequences), 1, dtype=torch.float64), uniforms[:, half : 2 * half]], 1)
+        fed = torch.arange(accept.shape[1])[None, :] < torch.tensor(num_nodes)[:, None]
+        counts = torch.tensor(num_nodes, device=self.device)
+        return verify_tree(
+            target_logits,
+            tree_token_ids.to(self.device),
+            tree_parents.to(self.device),
+            torch.cumsum(counts, 0),
+            self._row_sampling(sequences),
+            counts,
+            int(depths.max()),
+            accept[fed].to(self.device),
             uniforms[:, -1].contiguous().to(self.device),
         )
 

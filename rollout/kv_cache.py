@@ -13,6 +13,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kernels.kv_compact import compact_kv_, compact_kv_ref_
+
 
 class SlotLayer(CacheLayerMixin):
     """One layer's buffers; allocated lazily on first write so any head count or head size fits."""
@@ -118,14 +120,15 @@ class SlotKVCache(Cache):
             layer.keys[dst, :, :end] = layer.keys[src, :, :end]
             layer.values[dst, :, :end] = layer.values[src, :, :end]
 
-    def move_positions(self, rows: Tensor, src_positions: Tensor, dst_positions: Tensor) -> None:
-        """Within each row, move keys/values from `src_positions` to `dst_positions` (`[len(rows), P]` each).
+    def compact_paths(self, rows: Tensor, base_positions: Tensor, accepted_nodes: Tensor) -> None:
+        """Move each row's accepted token-tree path next to its root, in every layer.
 
-        Compaction of an accepted token-tree path into contiguous positions; sources are read before any write.
+        Args:
+            rows: `[n]` slots; base_positions: `[n]` where each root (node 0) was written, node v at base + v;
+            accepted_nodes: `[n, max_depth]` tree-local path, -1 padded. Node `accepted_nodes[i, j]` moves to
+            `base + 1 + j`, after which the committed prefix is contiguous again.
         """
-        row_index = rows[:, None]
+        op = compact_kv_ if accepted_nodes.is_cuda else compact_kv_ref_
         for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            layer.keys[row_index, :, dst_positions] = layer.keys[row_index, :, src_positions]
-            layer.values[row_index, :, dst_positions] = layer.values[row_index, :, src_positions]
+            if layer.is_initialized:
+                op(layer.keys, layer.values, rows, base_positions, accepted_nodes)

@@ -77,19 +77,34 @@ class ModelRunner:
         )
         return logits[:, 0]
 
-    def decode(self, row_start: int, input_ids: Tensor, num_inputs: list[int], cache_lens: list[int]) -> Tensor:
+    def decode(
+        self,
+        row_start: int,
+        input_ids: Tensor,
+        num_inputs: list[int],
+        cache_lens: list[int],
+        depths: Tensor | None = None,
+        ancestors: Tensor | None = None,
+    ) -> Tensor:
         """Feed each row `num_inputs[i]` tokens (`input_ids [rows, S]`, right-padded) after its `cache_lens[i]`
-        committed ones, as a causal chain; return logits `[rows, S, V]`. Their KV lands at positions
-        `cache_lens[i] ...`; the caller commits by raising its lengths."""
+        committed ones; return logits `[rows, S, V]`. Token s is written at position `cache_lens[i] + s`; the
+        caller commits by raising its lengths.
+
+        Without `depths`/`ancestors` the tokens form a causal chain. For a token tree, `depths [rows, S]` gives
+        each node's depth (position id = cache length + depth) and `ancestors [rows, S, S]` which nodes it sees.
+        """
         width = input_ids.shape[1]
         offsets = torch.arange(width)
         lens = torch.tensor(cache_lens)
         valid = offsets[None, :] < torch.tensor(num_inputs)[:, None]
-        positions = torch.where(valid, lens[:, None] + offsets, 0)
-        write_positions = torch.where(valid, positions, self.scratch_position)
+        slots = lens[:, None] + offsets
+        positions = torch.where(valid, lens[:, None] + (offsets if depths is None else depths), 0)
+        write_positions = torch.where(valid, slots, self.scratch_position)
         kv_len = max(c + n for c, n in zip(cache_lens, num_inputs))
         tensors = self._to_device(positions, write_positions, valid, lens)
-        return self.forward(row_start, input_ids.to(self.device), *tensors, kv_len=kv_len)
+        if ancestors is not None:
+            ancestors = ancestors.to(self.device)
+        return self.forward(row_start, input_ids.to(self.device), *tensors, kv_len=kv_len, ancestors=ancestors)
 
     def _to_device(self, *tensors: Tensor) -> list[Tensor]:
         return [t.to(self.device, non_blocking=True) for t in tensors]

@@ -10,9 +10,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from rollout.model_runner import ModelRunner
 from specdec.config import SpecConfig
 from specdec.policies import StaticPolicy, TablePolicy
-from specdec.proposers.base import Proposer
+from specdec.proposers.base import Drafts, ProposalBatch, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.ngram import NgramProposer
+from specdec.tree import merge_candidates
 
 
 class NgramAdapter(Proposer):
@@ -20,14 +21,17 @@ class NgramAdapter(Proposer):
 
     def __init__(self, spec: SpecConfig):
         self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.num_candidates = spec.num_candidates
 
-    def propose(self, batch):
-        from specdec.proposers.base import Drafts
-
-        drafts = self.ngram.propose(
-            batch.token_ids, torch.tensor(batch.num_tokens), torch.tensor(batch.num_draft_tokens)
-        )
-        return Drafts(drafts, (drafts >= 0).sum(dim=1).tolist(), None)
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        num_tokens = torch.tensor(batch.num_tokens)
+        asked = torch.tensor(batch.num_draft_tokens)
+        if self.num_candidates == 1:
+            drafts = self.ngram.propose(batch.token_ids, num_tokens, asked)
+            return Drafts(drafts, (drafts >= 0).sum(dim=1).tolist())
+        candidates = self.ngram.propose_candidates(batch.token_ids, num_tokens, asked, self.num_candidates)
+        tokens, parents, counts = merge_candidates(candidates, batch.num_draft_tokens)
+        return Drafts(tokens, counts, parents=parents)
 
 
 def build_proposer(spec: SpecConfig, target: ModelRunner, num_slots: int, num_positions: int) -> Proposer:

@@ -17,6 +17,7 @@ class SpecConfig:
     prompt_lookup_max: int | None = None  # ngram: longest suffix to match (default 4)
     prompt_lookup_min: int | None = None  # ngram: shortest suffix to match (default 1)
     model: Any = None  # draft_model: a path, a shipped short name, or a loaded transformers model
+    num_candidates: int = 1  # ngram: continuations merged into a token tree of num_speculative_tokens nodes; 1 = chain
     num_speculative_tokens_per_batch_size: Any = None  # K per batch size: vLLM's [[start, end, K], ...] table
 
     def __post_init__(self) -> None:
@@ -41,6 +42,13 @@ class SpecConfig:
                 )
             if self.model is not None:
                 raise ValueError("model is set but method is 'ngram': set method='draft_model' to use a draft model")
+        if not isinstance(self.num_candidates, int) or self.num_candidates < 1:
+            raise ValueError(f"num_candidates ({self.num_candidates!r}) must be an integer >= 1 (1 = a chain)")
+        if self.method == "draft_model" and self.num_candidates > 1:
+            raise ValueError(
+                f"num_candidates ({self.num_candidates}) > 1 builds token trees from n-gram candidates only; "
+                "use method='ngram' or num_candidates=1 with a draft model"
+            )
         if self.method == "draft_model" and self.model is None:
             raise ValueError("method 'draft_model' needs model: a path, a shipped short name or a loaded model")
         if self.num_speculative_tokens_per_batch_size is not None:

@@ -13,6 +13,8 @@ from torch import Tensor
 
 from kernels.greedy_verify import greedy_verify, greedy_verify_ref
 from kernels.rejection_sample import rejection_sample, rejection_sample_ref
+from kernels.tree_greedy_verify import tree_greedy_verify, tree_greedy_verify_ref
+from kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
 from specdec.processing import RowSampling, processed_logprobs, target_probs
 
 
@@ -21,6 +23,7 @@ class VerifyResult:
     output_token_ids: Tensor  # [rows, max_num_draft_tokens + 1] int64, -1 after the emitted tokens
     num_emitted: Tensor  # [rows] int64: accepted drafts + 1
     logprobs: Tensor  # [rows, max_num_draft_tokens + 1] float64, 0 after the emitted tokens
+    accepted_nodes: Tensor | None = None  # [rows, max_depth] tree-local accepted path (trees only), -1 padded
 
 
 def verify_chain(
@@ -60,3 +63,38 @@ def verify_chain(
     emitted = out >= 0
     token_logprobs = logprobs[index, out.clamp(min=0)].to(torch.float64)
     return VerifyResult(out, num_emitted, torch.where(emitted, token_logprobs, 0.0))
+
+
+def verify_tree(
+    target_logits: Tensor,  # [num_nodes, V]: one target row per node, the root (pending token) first in each row
+    tree_token_ids: Tensor,  # [num_nodes]
+    tree_parents: Tensor,  # [num_nodes] local, -1 for the root
+    cu_num_nodes: Tensor,  # [rows]
+    sampling: RowSampling,  # per row
+    num_nodes_per_row: Tensor,  # [rows]
+    max_depth: int,
+    accept_uniforms: Tensor,  # [num_nodes] float64 (root entries unused)
+    sample_uniforms: Tensor,  # [rows] float64
+) -> VerifyResult:
+    """Accept the longest path the target agrees with (greedy) or samples (candidates tried in order, rejected
+    siblings removed from p); emit one more token per row. Log-probs come from the path's target rows."""
+    num_tokens = target_logits.shape[0]
+    token_sampling = sampling.repeat(num_nodes_per_row, num_tokens)
+    logprobs = processed_logprobs(target_logits, token_sampling)
+    use_triton = target_logits.is_cuda
+    if sampling.all_greedy:
+        op = tree_greedy_verify if use_triton else tree_greedy_verify_ref
+        out, num_emitted, accepted = op(tree_token_ids, tree_parents, cu_num_nodes, target_logits, max_depth)
+    else:
+        probs = target_probs(target_logits, logprobs, token_sampling)
+        op = tree_rejection_sample if use_triton else tree_rejection_sample_ref
+        out, num_emitted, accepted = op(
+            tree_token_ids, tree_parents, cu_num_nodes, probs, accept_uniforms, sample_uniforms, max_depth
+        )
+    rows = out.shape[0]
+    starts = cu_num_nodes - num_nodes_per_row
+    # emitted token j was drawn at the path's node j - 1 (the root for j = 0)
+    path = torch.cat([torch.zeros(rows, 1, dtype=accepted.dtype, device=out.device), accepted.clamp(min=0)], dim=1)
+    index = starts[:, None] + path
+    token_logprobs = logprobs[index, out.clamp(min=0)].to(torch.float64)
+    return VerifyResult(out, num_emitted, torch.where(out >= 0, token_logprobs, 0.0), accepted)

@@ -27,6 +27,8 @@ class Drafts:
     token_ids: Tensor  # [rows, max K] int64, -1 after each row's drafts (host or device)
     num_draft_tokens: list[int]  # drafts actually proposed per row (host)
     probs: Tensor | None = None  # [sum(num_draft_tokens), V] draft distribution, rows back to back; None = n-gram
+    # token tree: [rows, max K] draft-local parent of each node (-1 = child of the pending token); None = chain
+    parents: Tensor | None = None
 
 
 class ModelRunnerProtocol(Protocol):
@@ -39,7 +41,15 @@ class ModelRunnerProtocol(Protocol):
         """Prefill prompts into slots `[row_start, ...)`; return last-position logits `[rows, V]`."""
         ...
 
-    def decode(self, row_start: int, input_ids: Tensor, num_inputs: list[int], cache_lens: list[int]) -> Tensor:
+    def decode(
+        self,
+        row_start: int,
+        input_ids: Tensor,
+        num_inputs: list[int],
+        cache_lens: list[int],
+        depths: Tensor | None = None,
+        ancestors: Tensor | None = None,
+    ) -> Tensor:
         """Feed `num_inputs[i]` tokens of `input_ids [rows, S]` after `cache_lens[i]` cached ones.
 
         Returns logits `[rows, S, V]`."""

@@ -1,0 +1,78 @@
+"""Token trees: candidates merged into a prefix tree per row, in the layout the tree kernels and the mask need.
+
+Draft nodes are numbered in insertion order, so parents precede children and a node's children are in candidate
+rank order (the order the sampling verifier tries them). A chain is the tree with one child per node.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def merge_candidates(candidates: Tensor, budgets: list[int]) -> tuple[Tensor, Tensor, list[int]]:
+    """Merge each row's ranked continuations into a prefix tree of at most `budgets[i]` draft nodes.
+
+    Args:
+        candidates: `[rows, C, K]` int64, -1 padded, best first (e.g. `NgramProposer.propose_candidates`).
+        budgets: draft nodes allowed per row (the number of draft tokens the row verifies).
+    Returns:
+        token_ids `[rows, N]` and parents `[rows, N]` (draft-local: -1 = child of the root, i.e. of the row's
+        pending token), both -1 padded, and the node count per row.
+    """
+    rows = candidates.tolist()
+    trees: list[tuple[list[int], list[int]]] = []
+    for row, budget in zip(rows, budgets):
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        for candidate in row:
+            parent = -1
+            for token in candidate:
+                if token < 0:
+                    break
+                node = children.get((parent, token))
+                if node is None:
+                    if len(tokens) == budget:
+                        break
+                    node = len(tokens)
+                    tokens.append(token)
+                    parents.append(parent)
+                    children[(parent, token)] = node
+                parent = node
+        trees.append((tokens, parents))
+    width = max([len(t) for t, _ in trees] + [0])
+    token_ids = torch.full((len(trees), width), -1, dtype=torch.long)
+    parent_ids = torch.full((len(trees), width), -1, dtype=torch.long)
+    for i, (tokens, parents) in enumerate(trees):
+        token_ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        parent_ids[i, : len(parents)] = torch.tensor(parents, dtype=torch.long)
+    return token_ids, parent_ids, [len(t) for t, _ in trees]
+
+
+def with_root(parents: Tensor) -> Tensor:
+    """Draft-local parents `[rows, N]` -> kernel-local `[rows, 1 + N]` with node 0 the root (pending token)."""
+    shifted = torch.where(parents >= 0, parents + 1, 0)
+    return torch.cat([torch.full_like(parents[:, :1], -1), shifted], dim=1)
+
+
+def depths_and_ancestors(parents: Tensor, num_nodes: list[int]) -> tuple[Tensor, Tensor]:
+    """Depth of every node and the ancestor-or-self relation, from kernel-local parents `[rows, S]` (root first).
+
+    Returns depths `[rows, S]` (root 0) and ancestors `[rows, S, S]` bool (`[b, s, t]`: t is s or above it).
+    Padding nodes (index >= num_nodes[b]) are their own only ancestor and sit at depth 0.
+    """
+    num_rows, width = parents.shape
+    valid = torch.arange(width)[None, :] < torch.tensor(num_nodes)[:, None]
+    parents = torch.where(valid, parents, -1)
+    depths = torch.zeros(num_rows, width, dtype=torch.long)
+    ancestors = torch.eye(width, dtype=torch.bool).repeat(num_rows, 1, 1)
+    rows = torch.arange(num_rows)
+    for node in range(1, width):  # parents precede children: each row's parent entry is final already
+        parent = parents[:, node]
+        has_parent = parent >= 0
+        safe = parent.clamp(min=0)
+        depths[:, node] = torch.where(has_parent, depths[rows, safe] + 1, 0)
+        inherited = ancestors[rows, safe] & has_parent[:, None]
+        ancestors[:, node] |= inherited
+    return depths, ancestors
