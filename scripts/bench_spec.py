@@ -1,6 +1,7 @@
 """Speculative decoding vs none, side by side in one process, on the shipped tiny models and task.
 
     python scripts/bench_spec.py --batch-sizes 1 4 16 64 256 --ks 1 2 4 8 --temperature 1.0
+    python scripts/bench_spec.py --batch-sizes 1 4 16 --ks 4 8 --methods ngram --candidates 1 2 4   # chain vs tree
 
 For each batch size b: b held-out prompts, one sample each, `--max-new-tokens` short enough that most rows are still
 running at the end, so the batch stays near b. Rows: no speculation, n-gram and draft model at each K. Columns:
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"])
+    parser.add_argument("--candidates", type=int, nargs="+", default=[1], help="n-gram tree widths (1 = chain)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -60,12 +63,17 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=0)
     rows = []
     print(f"{'batch':>5} {'method':>12} {'K':>2} {'tokens/s':>9} {'vs none':>8} {'accept':>7} {'tok/row-step':>12}")
+    lookup = {"prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": max(4, args.prompt_lookup_min)}
     for batch_size in args.batch_sizes:
         configs = [("none", 0, None)]
         for method in args.methods:
             for k in args.ks:
-                extra = {"model": draft} if method == "draft_model" else {"prompt_lookup_min": 1}
-                configs.append((method, k, SpecConfig(method=method, num_speculative_tokens=k, **extra)))
+                if method == "draft_model":
+                    configs.append((method, k, SpecConfig(method=method, num_speculative_tokens=k, model=draft)))
+                    continue
+                for c in args.candidates:
+                    name = "ngram" if c == 1 else f"ngram-tree{c}"
+                    configs.append((name, k, SpecConfig(num_speculative_tokens=k, num_candidates=c, **lookup)))
         baseline = None
         for method, k, spec in configs:
             result = run(model, prompts[:batch_size], batch_size, spec, params, max_seq_len)
