@@ -41,7 +41,11 @@ def hf_generate(model, tokenizer, prompts, batch_size, max_new_tokens):
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
             out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
                 pad_token_id=pad,
             )
         for row in out[:, width:].tolist():
