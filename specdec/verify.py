@@ -38,10 +38,7 @@ def verify_chain(
     sample_uniforms: Tensor,  # [rows] float64
 ) -> VerifyResult:
     """Accept or reject each row's drafts losslessly and emit one more token (recovered or bonus) per row."""
-    num_tokens = target_logits.shape[0]
-    token_sampling = sampling.repeat(num_target_rows_per_row, num_tokens)
-    logprobs = processed_logprobs(target_logits, token_sampling)
-    use_triton = target_logits.is_cuda
+    token_sampling, logprobs, use_triton = _process(target_logits, sampling, num_target_rows_per_row)
     if sampling.all_greedy:
         op = greedy_verify if use_triton else greedy_verify_ref
         out, num_emitted = op(draft_token_ids, cu_num_draft_tokens, target_logits, max_num_draft_tokens)
@@ -59,10 +56,8 @@ def verify_chain(
         )
     rows = out.shape[0]
     starts = cu_num_draft_tokens - num_target_rows_per_row + 1 + torch.arange(rows, device=out.device)
-    index = (starts[:, None] + torch.arange(max_num_draft_tokens + 1, device=out.device)).clamp(max=num_tokens - 1)
-    emitted = out >= 0
-    token_logprobs = logprobs[index, out.clamp(min=0)].to(torch.float64)
-    return VerifyResult(out, num_emitted, torch.where(emitted, token_logprobs, 0.0))
+    index = starts[:, None] + torch.arange(max_num_draft_tokens + 1, device=out.device)
+    return VerifyResult(out, num_emitted, _emitted_logprobs(logprobs, index, out))
 
 
 def verify_tree(
@@ -78,10 +73,7 @@ def verify_tree(
 ) -> VerifyResult:
     """Accept the longest path the target agrees with (greedy) or samples (candidates tried in order, rejected
     siblings removed from p); emit one more token per row. Log-probs come from the path's target rows."""
-    num_tokens = target_logits.shape[0]
-    token_sampling = sampling.repeat(num_nodes_per_row, num_tokens)
-    logprobs = processed_logprobs(target_logits, token_sampling)
-    use_triton = target_logits.is_cuda
+    token_sampling, logprobs, use_triton = _process(target_logits, sampling, num_nodes_per_row)
     if sampling.all_greedy:
         op = tree_greedy_verify if use_triton else tree_greedy_verify_ref
         out, num_emitted, accepted = op(tree_token_ids, tree_parents, cu_num_nodes, target_logits, max_depth)
@@ -95,6 +87,19 @@ def verify_tree(
     starts = cu_num_nodes - num_nodes_per_row
     # emitted token j was drawn at the path's node j - 1 (the root for j = 0)
     path = torch.cat([torch.zeros(rows, 1, dtype=accepted.dtype, device=out.device), accepted.clamp(min=0)], dim=1)
-    index = starts[:, None] + path
+    return VerifyResult(out, num_emitted, _emitted_logprobs(logprobs, starts[:, None] + path, out), accepted)
+
+
+def _process(target_logits: Tensor, sampling: RowSampling, target_rows_per_row: Tensor):
+    """Per-row settings expanded to target rows, the processed log-probs, and whether the Triton kernels run
+    (CUDA tensors) or their torch references (anything else)."""
+    token_sampling = sampling.repeat(target_rows_per_row, target_logits.shape[0])
+    return token_sampling, processed_logprobs(target_logits, token_sampling), target_logits.is_cuda
+
+
+def _emitted_logprobs(logprobs: Tensor, index: Tensor, out: Tensor) -> Tensor:
+    """`[rows, W]` float64 log-prob of each emitted token `out` under the target row `index` it was drawn from;
+    0 after the emitted tokens (padding indices are clamped into range and masked)."""
+    index = index.clamp(max=logprobs.shape[0] - 1)
     token_logprobs = logprobs[index, out.clamp(min=0)].to(torch.float64)
-    return VerifyResult(out, num_emitted, torch.where(out >= 0, token_logprobs, 0.0), accepted)
+    return torch.where(out >= 0, token_logprobs, 0.0)
