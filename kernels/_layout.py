@@ -76,13 +76,18 @@ def check_python_int(value: object, name: str) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+def check_index_vectors(tensors: dict[str, object]) -> None:
+    """Check 1-D contiguous int64 tensors, all on the device of the first one (named in the device message)."""
+    first_name, first = next(iter(tensors.items()))
+    if not isinstance(first, Tensor):
+        raise TypeError(f"{first_name} must be a torch.Tensor, got {type(first).__name__}")
+    for name, tensor in tensors.items():
+        check_tensor(tensor, name, 1, (torch.int64,), first.device, first_name)
+
+
 def check_draft_layout(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, max_num_draft_tokens: int) -> int:
     """Check the flattened draft arguments; return num_rows. Only host-side checks: no device sync."""
-    if not isinstance(draft_token_ids, Tensor):
-        raise TypeError(f"draft_token_ids must be a torch.Tensor, got {type(draft_token_ids).__name__}")
-    device = draft_token_ids.device
-    check_tensor(draft_token_ids, "draft_token_ids", 1, (torch.int64,), device)
-    check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", 1, (torch.int64,), device)
+    check_index_vectors({"draft_token_ids": draft_token_ids, "cu_num_draft_tokens": cu_num_draft_tokens})
     check_python_int(max_num_draft_tokens, "max_num_draft_tokens")
     return cu_num_draft_tokens.shape[0]
 
@@ -146,28 +151,6 @@ def padded_drafts(
     return drafts, draft_row, draft_pos
 
 
-def inverse_cdf(
-    weights: Tensor,  # [num_rows, vocab_size] float64, >= 0
-    uniforms: Tensor,  # [num_rows] float64 in [0, 1)
-    block_size: int,
-) -> Tensor:  # [num_rows] int64
-    """Per row, the first t with weights[t] > 0 and cdf[t] > u * total, summed block by block like the kernels."""
-    num_rows, vocab_size = weights.shape
-    num_blocks = triton.cdiv(vocab_size, block_size)
-    padded = F.pad(weights, (0, num_blocks * block_size - vocab_size))
-    block_cdf = padded.view(num_rows, num_blocks, block_size).cumsum(dim=2)
-    # Sequential cumsum of block totals: running_{b+1} = running_b + total_b, as the kernel adds them.
-    running = block_cdf[:, :, -1].cumsum(dim=1)  # [num_rows, num_blocks]
-    exclusive = torch.cat([running.new_zeros(num_rows, 1), running[:, :-1]], dim=1)
-    cdf = (exclusive[:, :, None] + block_cdf).view(num_rows, num_blocks * block_size)[:, :vocab_size]
-    nonzero = weights > 0
-    hit = (cdf > (uniforms * running[:, -1])[:, None]) & nonzero
-    token_ids = torch.arange(vocab_size, device=weights.device)
-    # u * total rounded up to total: the last token with weight (0 for an all-zero row).
-    last_nonzero = torch.where(nonzero, token_ids, 0).amax(dim=1)
-    return torch.where(hit.any(dim=1), hit.long().argmax(dim=1), last_nonzero)  # argmax: first maximum
-
-
 # ---------------------------------------------------------------------------------------------
 # Token trees: row i owns nodes [cu[i-1], cu[i]) (cu[-1] = 0); local node 0 is the root (the pending token),
 # tree_parents holds local parent indices (-1 for the root) with parent[v] < v, and target row v belongs to node v.
@@ -175,12 +158,7 @@ def inverse_cdf(
 
 def check_tree_layout(tree_token_ids: Tensor, tree_parents: Tensor, cu_num_nodes: Tensor, max_depth: int) -> int:
     """Check the flattened tree arguments; return num_rows. Only host-side checks: no device sync."""
-    if not isinstance(tree_token_ids, Tensor):
-        raise TypeError(f"tree_token_ids must be a torch.Tensor, got {type(tree_token_ids).__name__}")
-    device = tree_token_ids.device
-    for name, tensor in (("tree_token_ids", tree_token_ids), ("tree_parents", tree_parents)):
-        check_tensor(tensor, name, 1, (torch.int64,), device, "tree_token_ids")
-    check_tensor(cu_num_nodes, "cu_num_nodes", 1, (torch.int64,), device, "tree_token_ids")
+    check_index_vectors({"tree_token_ids": tree_token_ids, "tree_parents": tree_parents, "cu_num_nodes": cu_num_nodes})
     check_python_int(max_depth, "max_depth")
     num_nodes, num_rows = tree_token_ids.shape[0], cu_num_nodes.shape[0]
     if tree_parents.shape[0] != num_nodes:

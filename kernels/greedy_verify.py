@@ -21,13 +21,13 @@ from kernels._layout import (
     empty_outputs,
     padded_drafts,
 )
+from kernels._triton_common import _chain_row, _row_argmax, compute_dtype_for
 
 
 # Greedy rule for a row with drafts d_0..d_{K-1} and target rows t_0..t_K:
 #   n = first j with d_j != argmax(t_j), or K; emit d_0..d_{n-1} then argmax(t_n).
 # As d_j == argmax(t_j) for j < n, the emitted tokens are argmax(t_j) for j = 0..n.
-# Ties go to the lowest index (torch.argmax's first occurrence): a later block wins only with a
-# strictly larger maximum, and inside a block the smallest index holding the maximum is taken.
+# Ties go to the lowest index (torch.argmax's first occurrence): see `_row_argmax`.
 @triton.jit
 def _greedy_verify_kernel(
     draft_token_ids_ptr,  # [num_draft_tokens] int64
@@ -40,29 +40,15 @@ def _greedy_verify_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    draft_start = tl.load(cu_num_draft_tokens_ptr + row - 1, mask=row > 0, other=0)
-    # Clamped so that a row with more drafts than promised cannot write past its output row.
-    num_drafts = tl.minimum(tl.load(cu_num_draft_tokens_ptr + row) - draft_start, max_num_draft_tokens)
-    target_start = draft_start + row
-    out_ptr = output_token_ids_ptr + row.to(tl.int64) * (max_num_draft_tokens + 1)
-    offsets = tl.arange(0, BLOCK_SIZE)
-
+    row, draft_start, num_drafts, target_start, out_ptr = _chain_row(
+        cu_num_draft_tokens_ptr, output_token_ids_ptr, max_num_draft_tokens
+    )
     pos = draft_start * 0  # int64 position in the row
     accepting = pos == 0
     while accepting:
-        row_ptr = target_logits_ptr + (target_start + pos) * vocab_size
-        best_value = tl.full((), float("-inf"), COMPUTE_DTYPE)
-        best_index = pos * 0  # a row of -inf gives 0, as torch.argmax does
-        for block_start in range(0, vocab_size, BLOCK_SIZE):
-            cols = block_start + offsets
-            in_vocab = cols < vocab_size
-            logits = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(COMPUTE_DTYPE)
-            block_max = tl.max(logits, axis=0)
-            block_index = tl.min(tl.where((logits == block_max) & in_vocab, cols, vocab_size), axis=0)
-            better = block_max > best_value
-            best_value = tl.where(better, block_max, best_value)
-            best_index = tl.where(better, block_index.to(tl.int64), best_index)
+        best_index = _row_argmax(
+            target_logits_ptr + (target_start + pos) * vocab_size, vocab_size, COMPUTE_DTYPE, BLOCK_SIZE
+        )
         tl.store(out_ptr + pos, best_index)
         draft = tl.load(draft_token_ids_ptr + draft_start + pos, mask=pos < num_drafts, other=-1)
         accepting = (pos < num_drafts) & (draft == best_index)
@@ -104,7 +90,7 @@ def greedy_verify(
         num_emitted,
         vocab_size,
         max_num_draft_tokens,
-        COMPUTE_DTYPE=tl.float64 if target_logits.dtype == torch.float64 else tl.float32,
+        COMPUTE_DTYPE=compute_dtype_for(target_logits.dtype),
         BLOCK_SIZE=block_size_for(vocab_size),
     )
     return output_token_ids, num_emitted

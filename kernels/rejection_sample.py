@@ -20,16 +20,16 @@ from kernels._layout import (
     check_tensor,
     draft_row_ranges,
     empty_outputs,
-    inverse_cdf,
     padded_drafts,
 )
+from kernels._triton_common import _chain_row, _inverse_cdf, _weights_total, inverse_cdf_ref
 
 
 @triton.jit
 def _sampling_weights(
+    cols,  # [BLOCK_SIZE] int32 token ids of this block
     target_row_ptr,  # [vocab_size] p at the sampled position
     draft_row_ptr,  # [vocab_size] q at the sampled position, read below q_limit only
-    cols,  # [BLOCK_SIZE] int32 token ids of this block
     vocab_size,
     q_limit,  # vocab_size to subtract q, 0 to sample from p
     excluded_token,  # without draft probs: the rejected draft, removed from p (-1 for none)
@@ -43,29 +43,6 @@ def _sampling_weights(
     else:
         # q is one-hot at the draft: max(p - q, 0) is p with the draft removed.
         return tl.where(cols == excluded_token, 0.0, p)
-
-
-@triton.jit
-def _weights_total(
-    target_row_ptr,  # [vocab_size]
-    draft_row_ptr,  # [vocab_size]
-    vocab_size,
-    q_limit,
-    excluded_token,
-    HAS_DRAFT_PROBS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    # A block's total is the last entry of its cumsum, so the search pass reaches exactly this total.
-    total = tl.full((), 0.0, tl.float64)
-    last_nonzero = -1
-    for block_start in range(0, vocab_size, BLOCK_SIZE):
-        cols = block_start + tl.arange(0, BLOCK_SIZE)
-        weights = _sampling_weights(
-            target_row_ptr, draft_row_ptr, cols, vocab_size, q_limit, excluded_token, HAS_DRAFT_PROBS
-        )
-        total += tl.max(tl.cumsum(weights, axis=0), axis=0)
-        last_nonzero = tl.maximum(last_nonzero, tl.max(tl.where(weights > 0, cols, -1), axis=0))
-    return total, last_nonzero
 
 
 # Row with drafts x_j ~ q_j and target distributions p_j (j = 0..K, p_K for the bonus token):
@@ -89,13 +66,9 @@ def _rejection_sample_kernel(
     HAS_DRAFT_PROBS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    draft_start = tl.load(cu_num_draft_tokens_ptr + row - 1, mask=row > 0, other=0)
-    # Clamped so that a row with more drafts than promised cannot write past its output row.
-    num_drafts = tl.minimum(tl.load(cu_num_draft_tokens_ptr + row) - draft_start, max_num_draft_tokens)
-    target_start = draft_start + row
-    out_ptr = output_token_ids_ptr + row.to(tl.int64) * (max_num_draft_tokens + 1)
-
+    row, draft_start, num_drafts, target_start, out_ptr = _chain_row(
+        cu_num_draft_tokens_ptr, output_token_ids_ptr, max_num_draft_tokens
+    )
     pos = draft_start * 0  # int64: accepted drafts so far
     accepting = pos < num_drafts
     while accepting:
@@ -119,34 +92,18 @@ def _rejection_sample_kernel(
     excluded_token = tl.load(draft_token_ids_ptr + draft_start + pos, mask=residual, other=-1)
     target_row_ptr = target_probs_ptr + (target_start + pos) * vocab_size
     draft_row_ptr = draft_probs_ptr + (draft_start + pos) * vocab_size
-    total, last_nonzero = _weights_total(
-        target_row_ptr, draft_row_ptr, vocab_size, q_limit, excluded_token, HAS_DRAFT_PROBS, BLOCK_SIZE
-    )
+    weights_args = (target_row_ptr, draft_row_ptr, vocab_size, q_limit, excluded_token)
+    total, last_nonzero = _weights_total(_sampling_weights, weights_args, HAS_DRAFT_PROBS, vocab_size, BLOCK_SIZE)
     if residual & (total == 0):  # p == q: fall back to p
         q_limit = q_limit * 0
         excluded_token = excluded_token * 0 - 1
-        total, last_nonzero = _weights_total(
-            target_row_ptr, draft_row_ptr, vocab_size, q_limit, excluded_token, HAS_DRAFT_PROBS, BLOCK_SIZE
-        )
+        weights_args = (target_row_ptr, draft_row_ptr, vocab_size, q_limit, excluded_token)
+        total, last_nonzero = _weights_total(_sampling_weights, weights_args, HAS_DRAFT_PROBS, vocab_size, BLOCK_SIZE)
     threshold = tl.load(sample_uniforms_ptr + row) * total
-    token = -1
-    running = tl.full((), 0.0, tl.float64)
-    block_start = 0
-    while (token < 0) & (block_start < vocab_size):
-        cols = block_start + tl.arange(0, BLOCK_SIZE)
-        weights = _sampling_weights(
-            target_row_ptr, draft_row_ptr, cols, vocab_size, q_limit, excluded_token, HAS_DRAFT_PROBS
-        )
-        cdf = tl.cumsum(weights, axis=0)
-        # Zero-weight tokens are skipped: a zero-probability token is never returned.
-        hit = (running + cdf > threshold) & (weights > 0)
-        first = tl.min(tl.where(hit, cols, vocab_size), axis=0)
-        token = tl.where(first < vocab_size, first, -1)
-        running += tl.max(cdf, axis=0)
-        block_start += BLOCK_SIZE
-    # v * total rounded up to total: take the last token with weight (0 for an all-zero row).
-    token = tl.where(token < 0, tl.maximum(last_nonzero, 0), token)
-    tl.store(out_ptr + pos, token.to(tl.int64))
+    token = _inverse_cdf(
+        _sampling_weights, weights_args, HAS_DRAFT_PROBS, vocab_size, threshold, last_nonzero, BLOCK_SIZE
+    )
+    tl.store(out_ptr + pos, token)
     tl.store(num_emitted_ptr + row, pos + 1)
 
 
@@ -251,8 +208,7 @@ def rejection_sample_ref(
         weights[residual_rows, draft_token_ids[rejected]] = 0.0
     else:
         weights[residual_rows] = (p[residual_rows] - draft_probs[rejected].double()).clamp_min(0.0)
-    weights = torch.where(weights.any(dim=1, keepdim=True), weights, p)  # residual all zero (p == q): use p
-    tokens = inverse_cdf(weights, sample_uniforms, block_size_for(vocab_size))
+    tokens = inverse_cdf_ref(weights, p, sample_uniforms)  # p where the residual is all zero (p == q)
 
     positions = torch.arange(max_num_draft_tokens + 1, device=device)
     output_token_ids = torch.where(positions < num_accepted[:, None], drafts, PLACEHOLDER_TOKEN_ID)

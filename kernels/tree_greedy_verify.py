@@ -5,7 +5,6 @@ token, fed but never verified), `tree_parents` holds local parents with `parent[
 target's distribution of the token that follows node v.
 """
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -22,6 +21,7 @@ from kernels._layout import (
     tree_outputs_ref,
     walk_tree_ref,
 )
+from kernels._triton_common import _row_argmax, _tree_row, compute_dtype_for
 
 
 # Greedy rule from the root v = 0: t = argmax(target row of v); if a child of v holds t (the first in index order),
@@ -43,30 +43,18 @@ def _tree_greedy_verify_kernel(
     BLOCK_SIZE: tl.constexpr,
     NODE_BLOCK_SIZE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    node_start = tl.load(cu_num_nodes_ptr + row - 1, mask=row > 0, other=0)
-    num_nodes = tl.load(cu_num_nodes_ptr + row) - node_start
-    out_ptr = output_token_ids_ptr + row.to(tl.int64) * (max_depth + 1)
-    accepted_ptr = accepted_nodes_ptr + row.to(tl.int64) * max_depth
-    offsets = tl.arange(0, BLOCK_SIZE)
+    row, node_start, num_nodes, out_ptr, accepted_ptr = _tree_row(
+        cu_num_nodes_ptr, output_token_ids_ptr, accepted_nodes_ptr, max_depth
+    )
     node_offsets = tl.arange(0, NODE_BLOCK_SIZE)
 
     node = node_start * 0  # int64 local index of the current node
     depth = node_start * 0  # int64 accepted nodes so far
     walking = depth == 0
     while walking:
-        row_ptr = target_logits_ptr + (node_start + node) * vocab_size
-        best_value = tl.full((), float("-inf"), COMPUTE_DTYPE)
-        best_index = depth * 0  # a row of -inf gives 0, as torch.argmax does
-        for block_start in range(0, vocab_size, BLOCK_SIZE):
-            cols = block_start + offsets
-            in_vocab = cols < vocab_size
-            logits = tl.load(row_ptr + cols, mask=in_vocab, other=float("-inf")).to(COMPUTE_DTYPE)
-            block_max = tl.max(logits, axis=0)
-            block_index = tl.min(tl.where((logits == block_max) & in_vocab, cols, vocab_size), axis=0)
-            better = block_max > best_value
-            best_value = tl.where(better, block_max, best_value)
-            best_index = tl.where(better, block_index.to(tl.int64), best_index)
+        best_index = _row_argmax(
+            target_logits_ptr + (node_start + node) * vocab_size, vocab_size, COMPUTE_DTYPE, BLOCK_SIZE
+        )
         tl.store(out_ptr + depth, best_index)
 
         # Children come after their parent: scan nodes node+1.. for the first child holding the argmax.
@@ -129,7 +117,7 @@ def tree_greedy_verify(
         accepted_nodes,
         vocab_size,
         max_depth,
-        COMPUTE_DTYPE=tl.float64 if target_logits.dtype == torch.float64 else tl.float32,
+        COMPUTE_DTYPE=compute_dtype_for(target_logits.dtype),
         BLOCK_SIZE=block_size_for(vocab_size),
         NODE_BLOCK_SIZE=NODE_BLOCK_SIZE,
     )

@@ -20,19 +20,19 @@ from kernels._layout import (
     check_tensor,
     check_tree_layout,
     empty_tree_outputs,
-    inverse_cdf,
     tree_nodes_ref,
     tree_outputs_ref,
     walk_tree_ref,
 )
+from kernels._triton_common import _inverse_cdf, _tree_row, _weights_total, inverse_cdf_ref
 
 
 @triton.jit
 def _residual_weights(
+    cols,  # [BLOCK_SIZE] int32 token ids of this block
     target_row_ptr,  # [vocab_size] p at the node
     tree_token_ids_ptr,  # [num_row_nodes] this row's nodes
     tree_parents_ptr,  # [num_row_nodes]
-    cols,  # [BLOCK_SIZE] int32 token ids of this block
     vocab_size,
     node,  # local index whose children are removed from p
     scan_start,  # node + 1 to remove them, num_row_nodes to keep p whole
@@ -49,39 +49,6 @@ def _residual_weights(
         hits = (child_tokens[:, None] == cols[None, :]).to(tl.int32)  # [NODE_BLOCK_SIZE, BLOCK_SIZE]
         removed = removed | (tl.max(hits, axis=0) > 0)
     return tl.where(removed, 0.0, p)
-
-
-@triton.jit
-def _residual_total(
-    target_row_ptr,
-    tree_token_ids_ptr,
-    tree_parents_ptr,
-    vocab_size,
-    node,
-    scan_start,
-    num_row_nodes,
-    BLOCK_SIZE: tl.constexpr,
-    NODE_BLOCK_SIZE: tl.constexpr,
-):
-    # A block's total is the last entry of its cumsum, so the search pass reaches exactly this total.
-    total = tl.full((), 0.0, tl.float64)
-    last_nonzero = -1
-    for block_start in range(0, vocab_size, BLOCK_SIZE):
-        cols = block_start + tl.arange(0, BLOCK_SIZE)
-        weights = _residual_weights(
-            target_row_ptr,
-            tree_token_ids_ptr,
-            tree_parents_ptr,
-            cols,
-            vocab_size,
-            node,
-            scan_start,
-            num_row_nodes,
-            NODE_BLOCK_SIZE,
-        )
-        total += tl.max(tl.cumsum(weights, axis=0), axis=0)
-        last_nonzero = tl.maximum(last_nonzero, tl.max(tl.where(weights > 0, cols, -1), axis=0))
-    return total, last_nonzero
 
 
 # At node v with target p (a row summing to 1) and children x_1..x_m tried in order:
@@ -112,14 +79,12 @@ def _tree_rejection_sample_kernel(
     BLOCK_SIZE: tl.constexpr,
     NODE_BLOCK_SIZE: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    node_start = tl.load(cu_num_nodes_ptr + row - 1, mask=row > 0, other=0)
-    num_row_nodes = tl.load(cu_num_nodes_ptr + row) - node_start
+    row, node_start, num_row_nodes, out_ptr, accepted_ptr = _tree_row(
+        cu_num_nodes_ptr, output_token_ids_ptr, accepted_nodes_ptr, max_depth
+    )
     row_token_ids_ptr = tree_token_ids_ptr + node_start
     row_parents_ptr = tree_parents_ptr + node_start
     row_accept_uniforms_ptr = accept_uniforms_ptr + node_start
-    out_ptr = output_token_ids_ptr + row.to(tl.int64) * (max_depth + 1)
-    accepted_ptr = accepted_nodes_ptr + row.to(tl.int64) * max_depth
 
     node = node_start * 0  # int64 local index of the current node
     depth = node_start * 0  # int64 accepted nodes so far
@@ -151,57 +116,17 @@ def _tree_rejection_sample_kernel(
     # Every child of the last node was rejected (or it has none): sample from p without them.
     target_row_ptr = target_probs_ptr + (node_start + node) * vocab_size
     scan_start = node + 1
-    total, last_nonzero = _residual_total(
-        target_row_ptr,
-        row_token_ids_ptr,
-        row_parents_ptr,
-        vocab_size,
-        node,
-        scan_start,
-        num_row_nodes,
-        BLOCK_SIZE,
-        NODE_BLOCK_SIZE,
-    )
+    weights_args = (target_row_ptr, row_token_ids_ptr, row_parents_ptr, vocab_size, node, scan_start, num_row_nodes)
+    total, last_nonzero = _weights_total(_residual_weights, weights_args, NODE_BLOCK_SIZE, vocab_size, BLOCK_SIZE)
     if total == 0:  # all the mass sat on rejected children (rounding only): fall back to p
         scan_start = num_row_nodes + node * 0
-        total, last_nonzero = _residual_total(
-            target_row_ptr,
-            row_token_ids_ptr,
-            row_parents_ptr,
-            vocab_size,
-            node,
-            scan_start,
-            num_row_nodes,
-            BLOCK_SIZE,
-            NODE_BLOCK_SIZE,
-        )
+        weights_args = (target_row_ptr, row_token_ids_ptr, row_parents_ptr, vocab_size, node, scan_start, num_row_nodes)
+        total, last_nonzero = _weights_total(_residual_weights, weights_args, NODE_BLOCK_SIZE, vocab_size, BLOCK_SIZE)
     threshold = tl.load(sample_uniforms_ptr + row) * total
-    token = -1
-    running = tl.full((), 0.0, tl.float64)
-    block_start = 0
-    while (token < 0) & (block_start < vocab_size):
-        cols = block_start + tl.arange(0, BLOCK_SIZE)
-        weights = _residual_weights(
-            target_row_ptr,
-            row_token_ids_ptr,
-            row_parents_ptr,
-            cols,
-            vocab_size,
-            node,
-            scan_start,
-            num_row_nodes,
-            NODE_BLOCK_SIZE,
-        )
-        cdf = tl.cumsum(weights, axis=0)
-        # Zero-weight tokens are skipped: a zero-probability or rejected token is never returned.
-        hit = (running + cdf > threshold) & (weights > 0)
-        first = tl.min(tl.where(hit, cols, vocab_size), axis=0)
-        token = tl.where(first < vocab_size, first, -1)
-        running += tl.max(cdf, axis=0)
-        block_start += BLOCK_SIZE
-    # v * total rounded up to total: take the last token with weight (0 for an all-zero row).
-    token = tl.where(token < 0, tl.maximum(last_nonzero, 0), token)
-    tl.store(out_ptr + depth, token.to(tl.int64))
+    token = _inverse_cdf(
+        _residual_weights, weights_args, NODE_BLOCK_SIZE, vocab_size, threshold, last_nonzero, BLOCK_SIZE
+    )
+    tl.store(out_ptr + depth, token)
     tl.store(num_emitted_ptr + row, depth + 1)
 
 
@@ -294,8 +219,7 @@ def tree_rejection_sample_ref(
     weights = p.clone()
     removed = parents == last_node[node_row[drafts]]
     weights[node_row[drafts][removed], tokens[removed]] = 0.0
-    weights = torch.where(weights.any(dim=1, keepdim=True), weights, p)
-    last_token_ids = inverse_cdf(weights, sample_uniforms, block_size_for(vocab_size))
+    last_token_ids = inverse_cdf_ref(weights, p, sample_uniforms)  # p where nothing is left
     output_token_ids = tree_outputs_ref(tree_token_ids, node_start, accepted_nodes, num_accepted, last_token_ids)
     return output_token_ids, num_accepted + 1, accepted_nodes
 

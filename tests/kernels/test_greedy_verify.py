@@ -7,19 +7,13 @@ import re
 
 import pytest
 import torch
+from kernel_cases import DRAFT_COUNTS
+from kernel_cases import LOGIT_DTYPES as DTYPES
+from kernel_cases import assert_kernel_matches_reference as assert_matches
 
 from kernels import greedy_verify, greedy_verify_ref
 
 torch.set_num_threads(1)
-
-# Draft counts per row: rows with 0, 1 and the maximum number of drafts, alone and mixed.
-DRAFT_COUNTS = {
-    "no_drafts": [0, 0, 0],
-    "one_draft": [1, 1],
-    "max_drafts": [4, 4, 4],
-    "mixed": [0, 4, 1, 3, 0, 2, 4],
-}
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 def make_case(counts: list[int], vocab_size: int, dtype: torch.dtype, mode: str, seed: int = 0):
@@ -45,14 +39,13 @@ def make_case(counts: list[int], vocab_size: int, dtype: torch.dtype, mode: str,
 
 
 def assert_kernel_matches_reference(draft_token_ids, cu_num_draft_tokens, target_logits, max_num_draft_tokens):
-    inputs = (draft_token_ids, cu_num_draft_tokens, target_logits)
-    copies = [t.clone() for t in inputs]
-    out, num_emitted = greedy_verify(*inputs, max_num_draft_tokens)
-    ref_out, ref_num_emitted = greedy_verify_ref(*inputs, max_num_draft_tokens)
-    assert torch.equal(out, ref_out), f"kernel {out.tolist()} != reference {ref_out.tolist()}"
-    assert torch.equal(num_emitted, ref_num_emitted)
-    assert all(torch.equal(t, c) for t, c in zip(inputs, copies)), "an input was modified in place"
-    return out, num_emitted
+    args = dict(
+        draft_token_ids=draft_token_ids,
+        cu_num_draft_tokens=cu_num_draft_tokens,
+        target_logits=target_logits,
+        max_num_draft_tokens=max_num_draft_tokens,
+    )
+    return assert_matches(greedy_verify, greedy_verify_ref, args, ("output_token_ids", "num_emitted"))
 
 
 @pytest.mark.parametrize("mode", ["random", "all_accept", "all_reject"])

@@ -8,30 +8,18 @@ import re
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from kernel_cases import (
+    DRAFT_COUNTS,
+    LARGEST_UNIFORM_BELOW_ONE,
+    MIN_P_VALUE,
+    chi_square_p_value,
+    sparse_distributions,
+)
+from kernel_cases import assert_kernel_matches_reference as assert_matches
 
 from kernels import rejection_sample, rejection_sample_ref
 
 torch.set_num_threads(1)
-
-DRAFT_COUNTS = {
-    "no_drafts": [0, 0, 0],
-    "one_draft": [1, 1],
-    "max_drafts": [4, 4, 4],
-    "mixed": [0, 4, 1, 3, 0, 2, 4],
-}
-# No tolerances anywhere: kernel and reference agree exactly. The chi-square tests use fixed seeds; this is the
-# p-value below which a distribution counts as different from the target.
-MIN_P_VALUE = 1e-3
-LARGEST_UNIFORM_BELOW_ONE = 1.0 - 2.0**-53
-
-
-def sparse_distributions(num: int, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
-    """Peaked float64 distributions with about a third of the tokens at probability 0 (as after top-k/top-p)."""
-    logits = 2.0 * torch.randn(num, vocab_size, generator=generator, dtype=torch.float64)
-    logits[torch.rand(num, vocab_size, generator=generator) < 0.3] = float("-inf")
-    logits[:, 0] = 0.0  # at least one token with probability > 0
-    return torch.softmax(logits, dim=-1)
 
 
 def make_case(counts, vocab_size, dtype, with_draft_probs, mode, seed=0):
@@ -66,13 +54,7 @@ def make_case(counts, vocab_size, dtype, with_draft_probs, mode, seed=0):
 
 
 def assert_kernel_matches_reference(args):
-    tensors = {name: value.clone() for name, value in args.items() if isinstance(value, torch.Tensor)}
-    out, num_emitted = rejection_sample(**args)
-    ref_out, ref_num_emitted = rejection_sample_ref(**args)
-    assert torch.equal(out, ref_out), f"kernel {out.tolist()} != reference {ref_out.tolist()}"
-    assert torch.equal(num_emitted, ref_num_emitted)
-    assert all(torch.equal(args[name], value) for name, value in tensors.items()), "an input was modified"
-    return out, num_emitted
+    return assert_matches(rejection_sample, rejection_sample_ref, args, ("output_token_ids", "num_emitted"))
 
 
 def emitted_target_probs(args, out):
@@ -248,13 +230,6 @@ def sample_chains(with_draft_probs: bool, seed: int):
     )
     out, num_emitted = rejection_sample_ref(**args)
     return drafts, out, num_emitted
-
-
-def chi_square_p_value(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    counts = torch.bincount(tokens, minlength=probs.shape[0]).double()
-    assert counts[probs == 0].sum() == 0, f"tokens of probability 0 were emitted: {counts.tolist()}"
-    support = probs > 0
-    return chisquare(counts[support].numpy(), (probs[support] * counts.sum()).numpy()).pvalue
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["draft_probs", "ngram"])

@@ -9,49 +9,13 @@ import re
 
 import pytest
 import torch
+from kernel_cases import LOGIT_DTYPES as DTYPES
+from kernel_cases import TREE_SHAPES, assert_tree_walk, children_of, random_parents, tree_layout
+from kernel_cases import assert_kernel_matches_reference as assert_matches
 
 from kernels import greedy_verify, tree_greedy_verify, tree_greedy_verify_ref
 
 torch.set_num_threads(1)
-
-# (depth, most children per node) of each row's tree: only a root, chains, wide and deep trees, mixed.
-TREE_SHAPES = {
-    "root_only": [(0, 0), (0, 0), (0, 0)],
-    "chains": [(1, 1), (8, 1), (0, 0), (3, 1)],
-    "wide": [(1, 4), (2, 4), (1, 2)],
-    "mixed": [(0, 0), (8, 2), (3, 4), (5, 3), (1, 1), (6, 4)],
-}
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-
-
-def random_parents(depth: int, width: int, rng: random.Random, max_nodes: int = 20) -> list[int]:
-    """Local parents of a random tree exactly `depth` deep, the root with `width` children, other nodes with at most
-    `width`, numbered in a random order that keeps parents first (siblings are rarely adjacent)."""
-    parents, depths, num_children = [-1], [0], [0]
-    for node in range(depth):  # a spine reaches the full depth
-        parents.append(node), depths.append(node + 1), num_children.append(0)
-        num_children[node] += 1
-    node = 0
-    while node < len(parents):
-        while depths[node] < depth and num_children[node] < width and len(parents) < max_nodes:
-            if node > 0 and rng.random() < 0.4:
-                break
-            parents.append(node), depths.append(depths[node] + 1), num_children.append(0)
-            num_children[node] += 1
-        node += 1
-    order, available = [], [0]  # a random topological order
-    while available:
-        order.append(available.pop(rng.randrange(len(available))))
-        available += [child for child, parent in enumerate(parents) if parent == order[-1]]
-    label = {old: new for new, old in enumerate(order)}
-    return [-1] + [label[parents[old]] for old in order[1:]]
-
-
-def children_of(parents: list[int]) -> list[list[int]]:
-    children = [[] for _ in parents]
-    for node, parent in enumerate(parents[1:], start=1):
-        children[parent].append(node)
-    return children
 
 
 def make_case(shapes, vocab_size: int, dtype: torch.dtype, mode: str, seed: int = 0) -> dict:
@@ -76,47 +40,27 @@ def make_case(shapes, vocab_size: int, dtype: torch.dtype, mode: str, seed: int 
                 row_tokens[child] = token
         tokens += row_tokens
         start += len(parents)
-    return dict(
-        tree_token_ids=torch.tensor(tokens, dtype=torch.int64),
-        tree_parents=torch.tensor([p for parents in trees for p in parents], dtype=torch.int64),
-        cu_num_nodes=torch.tensor([len(parents) for parents in trees]).cumsum(0),
-        target_logits=target_logits,
-        max_depth=max(depth for depth, _ in shapes),
-    )
+    return dict(**tree_layout(trees, tokens), target_logits=target_logits, max_depth=max(depth for depth, _ in shapes))
 
 
 def assert_kernel_matches_reference(args: dict):
-    tensors = {name: value.clone() for name, value in args.items() if isinstance(value, torch.Tensor)}
-    outputs = tree_greedy_verify(**args)
-    ref_outputs = tree_greedy_verify_ref(**args)
-    for name, out, ref in zip(("output_token_ids", "num_emitted", "accepted_nodes"), outputs, ref_outputs):
-        assert torch.equal(out, ref), f"{name}: kernel {out.tolist()} != reference {ref.tolist()}"
-    assert all(torch.equal(args[name], value) for name, value in tensors.items()), "an input was modified"
-    return outputs
+    names = ("output_token_ids", "num_emitted", "accepted_nodes")
+    return assert_matches(tree_greedy_verify, tree_greedy_verify_ref, args, names)
 
 
 def assert_greedy_walk(args: dict, out, num_emitted, accepted_nodes) -> list[list[int]]:
-    """The accepted nodes form a path from the root whose tokens are the emitted ones, every emitted token is the
-    argmax of the previous path node's row, and the walk stops where no child holds that argmax. Returns the
-    children of each row's last node."""
-    cu = [0] + args["cu_num_nodes"].tolist()
+    """A path from the root, every emitted token the argmax of the previous path node's row, and the walk stops where
+    no child holds that argmax (see `assert_tree_walk`). Returns the children of each row's last node."""
     argmax = args["target_logits"].argmax(dim=-1)
-    assert torch.equal((out >= 0).sum(dim=1), num_emitted), "every slot after the emitted tokens holds -1"
-    assert torch.equal((accepted_nodes >= 0).sum(dim=1) + 1, num_emitted)
-    last_children = []
-    for row in range(len(cu) - 1):
-        start = cu[row]
-        parents = args["tree_parents"][start : cu[row + 1]].tolist()
-        tokens = args["tree_token_ids"][start : cu[row + 1]].tolist()
-        path = [0] + accepted_nodes[row, : num_emitted[row] - 1].tolist()
-        for j, node in enumerate(path[1:]):
-            assert parents[node] == path[j] and out[row, j] == tokens[node], f"row {row}: {path} is not a path"
-        for j, node in enumerate(path):
-            assert out[row, j] == argmax[start + node], f"row {row}: token {j} is not the argmax"
-        children = children_of(parents)[path[-1]]
-        assert all(tokens[c] != out[row, len(path) - 1] for c in children), f"row {row} stopped early"
-        last_children.append(children)
-    return last_children
+    return assert_tree_walk(
+        args,
+        out,
+        num_emitted,
+        accepted_nodes,
+        lambda node, token: token == argmax[node],
+        "is not the argmax",
+        "stopped early",
+    )
 
 
 @pytest.mark.parametrize("mode", ["random", "all_accept", "all_reject"])

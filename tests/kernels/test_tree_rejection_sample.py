@@ -10,62 +10,26 @@ import re
 
 import pytest
 import torch
+from kernel_cases import (
+    LARGEST_UNIFORM_BELOW_ONE,
+    MIN_P_VALUE,
+    assert_tree_walk,
+    chi_square_p_value,
+    children_of,
+    random_parents,
+    sparse_distributions,
+    tree_layout,
+)
+from kernel_cases import TREE_SHAPES as COMMON_TREE_SHAPES
+from kernel_cases import assert_kernel_matches_reference as assert_matches
 from scipy.stats import chisquare
 
 from kernels import rejection_sample, tree_rejection_sample, tree_rejection_sample_ref
 
 torch.set_num_threads(1)
 
-# (depth, most children per node) of each row's tree: only a root, chains, wide and deep trees, mixed.
-TREE_SHAPES = {
-    "root_only": [(0, 0), (0, 0), (0, 0)],
-    "chains": [(1, 1), (8, 1), (0, 0), (3, 1)],
-    "wide": [(1, 4), (2, 4), (1, 2)],
-    "mixed": [(0, 0), (8, 2), (3, 4), (5, 3), (1, 1), (6, 4)],
-    "bushy": [(2, 4)] * 12,  # many later siblings tried after a rejection
-}
-# No tolerances anywhere: kernel and reference agree exactly. The chi-square tests use fixed seeds; this is the
-# p-value below which a distribution counts as different from the target.
-MIN_P_VALUE = 1e-3
-LARGEST_UNIFORM_BELOW_ONE = 1.0 - 2.0**-53
-
-
-def random_parents(depth: int, width: int, rng: random.Random, max_nodes: int = 20) -> list[int]:
-    """Local parents of a random tree exactly `depth` deep, the root with `width` children, other nodes with at most
-    `width`, numbered in a random order that keeps parents first (siblings are rarely adjacent)."""
-    parents, depths, num_children = [-1], [0], [0]
-    for node in range(depth):  # a spine reaches the full depth
-        parents.append(node), depths.append(node + 1), num_children.append(0)
-        num_children[node] += 1
-    node = 0
-    while node < len(parents):
-        while depths[node] < depth and num_children[node] < width and len(parents) < max_nodes:
-            if node > 0 and rng.random() < 0.4:
-                break
-            parents.append(node), depths.append(depths[node] + 1), num_children.append(0)
-            num_children[node] += 1
-        node += 1
-    order, available = [], [0]  # a random topological order
-    while available:
-        order.append(available.pop(rng.randrange(len(available))))
-        available += [child for child, parent in enumerate(parents) if parent == order[-1]]
-    label = {old: new for new, old in enumerate(order)}
-    return [-1] + [label[parents[old]] for old in order[1:]]
-
-
-def children_of(parents: list[int]) -> list[list[int]]:
-    children = [[] for _ in parents]
-    for node, parent in enumerate(parents[1:], start=1):
-        children[parent].append(node)
-    return children
-
-
-def sparse_distributions(num: int, vocab_size: int, generator: torch.Generator, scale: float = 2.0) -> torch.Tensor:
-    """Peaked float64 distributions with about a third of the tokens at probability 0 (as after top-k/top-p)."""
-    logits = scale * torch.randn(num, vocab_size, generator=generator, dtype=torch.float64)
-    logits[torch.rand(num, vocab_size, generator=generator) < 0.3] = float("-inf")
-    logits[:, 0] = 0.0  # at least one token with probability > 0
-    return torch.softmax(logits, dim=-1)
+# The shared tree shapes, plus many later siblings tried after a rejection.
+TREE_SHAPES = {**COMMON_TREE_SHAPES, "bushy": [(2, 4)] * 12}
 
 
 def make_case(shapes, vocab_size: int, dtype: torch.dtype, mode: str, seed: int = 0) -> dict:
@@ -94,9 +58,7 @@ def make_case(shapes, vocab_size: int, dtype: torch.dtype, mode: str, seed: int 
         tokens += row_tokens
         start += len(parents)
     return dict(
-        tree_token_ids=torch.tensor(tokens, dtype=torch.int64),
-        tree_parents=torch.tensor([p for parents in trees for p in parents], dtype=torch.int64),
-        cu_num_nodes=torch.tensor([len(parents) for parents in trees]).cumsum(0),
+        **tree_layout(trees, tokens),
         target_probs=target_probs.to(dtype),
         accept_uniforms=torch.rand(start, generator=generator, dtype=torch.float64),
         sample_uniforms=torch.rand(len(trees), generator=generator, dtype=torch.float64),
@@ -105,36 +67,23 @@ def make_case(shapes, vocab_size: int, dtype: torch.dtype, mode: str, seed: int 
 
 
 def assert_kernel_matches_reference(args: dict):
-    tensors = {name: value.clone() for name, value in args.items() if isinstance(value, torch.Tensor)}
-    outputs = tree_rejection_sample(**args)
-    ref_outputs = tree_rejection_sample_ref(**args)
-    for name, out, ref in zip(("output_token_ids", "num_emitted", "accepted_nodes"), outputs, ref_outputs):
-        assert torch.equal(out, ref), f"{name}: kernel {out.tolist()} != reference {ref.tolist()}"
-    assert all(torch.equal(args[name], value) for name, value in tensors.items()), "an input was modified"
-    return outputs
+    names = ("output_token_ids", "num_emitted", "accepted_nodes")
+    return assert_matches(tree_rejection_sample, tree_rejection_sample_ref, args, names)
 
 
 def assert_valid_walk(args: dict, out, num_emitted, accepted_nodes) -> list[list[int]]:
-    """The accepted nodes form a path from the root whose tokens are the emitted ones; every emitted token has
-    probability > 0 under the row that emitted it, and the last one is none of the (rejected) children where the
-    walk stopped. Returns the children of each row's last node."""
-    cu = [0] + args["cu_num_nodes"].tolist()
-    assert torch.equal((out >= 0).sum(dim=1), num_emitted), "every slot after the emitted tokens holds -1"
-    assert torch.equal((accepted_nodes >= 0).sum(dim=1) + 1, num_emitted)
-    last_children = []
-    for row in range(len(cu) - 1):
-        start = cu[row]
-        parents = args["tree_parents"][start : cu[row + 1]].tolist()
-        tokens = args["tree_token_ids"][start : cu[row + 1]].tolist()
-        path = [0] + accepted_nodes[row, : num_emitted[row] - 1].tolist()
-        for j, node in enumerate(path[1:]):
-            assert parents[node] == path[j] and out[row, j] == tokens[node], f"row {row}: {path} is not a path"
-        for j, node in enumerate(path):
-            assert args["target_probs"][start + node, out[row, j]] > 0, f"row {row}: token {j} has probability 0"
-        children = children_of(parents)[path[-1]]
-        assert all(tokens[c] != out[row, len(path) - 1] for c in children), f"row {row}: a rejected child was emitted"
-        last_children.append(children)
-    return last_children
+    """A path from the root, every emitted token of probability > 0 under the row that emitted it, and the last one
+    none of the (rejected) children where the walk stopped (see `assert_tree_walk`). Returns the children of each
+    row's last node."""
+    return assert_tree_walk(
+        args,
+        out,
+        num_emitted,
+        accepted_nodes,
+        lambda node, token: args["target_probs"][node, token] > 0,
+        "has probability 0",
+        "a rejected child was emitted",
+    )
 
 
 @pytest.mark.parametrize("mode", ["random", "all_accept", "all_reject"])
@@ -364,13 +313,6 @@ def without_sibling_removal(args: dict) -> torch.Tensor:
         node = torch.where(going, chosen, node)
         walking = going
     return out
-
-
-def chi_square_p_value(tokens: torch.Tensor, probs: torch.Tensor) -> float:
-    counts = torch.bincount(tokens, minlength=probs.shape[0]).double()
-    assert counts[probs == 0].sum() == 0, f"tokens of probability 0 were emitted: {counts.tolist()}"
-    support = probs > 0
-    return chisquare(counts[support].numpy(), (probs[support] * counts.sum()).numpy()).pvalue
 
 
 def conditional_p_value(previous: torch.Tensor, tokens: torch.Tensor) -> float:
