@@ -32,10 +32,13 @@ def generate_completions(
     num_samples: int = 1,
     do_sample: bool = False,
     seed: int = 0,
-    batch_size: int = 64,
+    batch_size: int = 16,
     max_new_tokens: int = MAX_NEW_TOKENS,
 ) -> list[list[int]]:
     """Completion token ids (cut after the first EOS, which is kept) for each prompt, `num_samples` per prompt.
+
+    Small batches of similar prompts are faster on CPU than large ones: `generate` runs every row until the
+    longest is done, and a long-tailed batch mostly waits for its one long problem.
 
     Returns a list ordered prompt-major: samples of prompt i are at [i * num_samples, (i + 1) * num_samples).
     """

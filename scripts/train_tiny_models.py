@@ -176,6 +176,8 @@ def save(model, tokenizer, folder: pathlib.Path) -> None:
     )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    for file in folder.iterdir():
+        file.chmod(0o644)  # safetensors writes owner-only files; shipped package data must be world-readable
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ def models():
 
 @pytest.fixture(scope="module")
 def eval_prompts():
-    problems = generate_problems(48, split="eval", seed=123)
+    problems = generate_problems(32, split="eval", seed=123)
     return [format_prompt(p.problem) for p in problems], [p.answer for p in problems]
 
 
@@ -105,7 +105,7 @@ def test_target_greedy_accuracy(models, eval_prompts, greedy):
 def test_sampling_gives_mixed_rewards_and_long_tailed_lengths(models, eval_prompts):
     target, _, tokenizer = models
     prompts, answers = eval_prompts
-    prompts, answers, num_samples = prompts[:24], answers[:24], 8
+    prompts, answers, num_samples = prompts[:16], answers[:16], 8
     completions = ev.generate_completions(target, tokenizer, prompts, num_samples=num_samples, do_sample=True, seed=7)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards = arithmetic_reward(texts, [a for a in answers for _ in range(num_samples)])
