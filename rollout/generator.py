@@ -173,9 +173,10 @@ class Generator:
             )
         num_draft = drafts.num_draft_tokens if drafts is not None else [0] * num_rows
         width = 1 + max(num_draft)
-        input_ids = torch.tensor([[seq.pending] for seq in active])
-        if width > 1:
-            input_ids = torch.cat([input_ids, drafts.token_ids[:, : width - 1].cpu().clamp(min=0)], dim=1)
+        input_ids = torch.tensor([[seq.pending] for seq in active]).to(self.device)
+        if width > 1:  # drafts stay where the proposer made them (a draft model's on the device): no round trip
+            draft_ids = drafts.token_ids[:, : width - 1].to(self.device).clamp(min=0)
+            input_ids = torch.cat([input_ids, draft_ids], dim=1)
         cache_lens = [seq.cache_len for seq in active]
         num_inputs = [1 + n for n in num_draft]
         tree = drafts is not None and drafts.parents is not None and width > 1
@@ -191,9 +192,8 @@ class Generator:
         flat_index = (torch.arange(num_rows)[:, None] * width + offsets)[fed].to(self.device)
         target_logits = logits.reshape(num_rows * width, -1)[flat_index]
         if tree:
-            result = self._verify_tree(
-                target_logits, active, num_inputs, uniforms, input_ids[fed], parents[fed], depths
-            )
+            tree_tokens = input_ids.reshape(-1)[flat_index]
+            result = self._verify_tree(target_logits, active, num_inputs, uniforms, tree_tokens, parents[fed], depths)
             if result.accepted_nodes.numel():  # move accepted paths next to their roots (a chain path stays put)
                 rows = torch.arange(num_rows, device=self.device)
                 lens = torch.tensor(cache_lens, device=self.device)
@@ -255,9 +255,11 @@ class Generator:
         half = uniforms.shape[1] // 2
         drafted = torch.arange(half)[None, :] < torch.tensor(num_draft)[:, None]
         if drafts is not None and max(num_draft) > 0:
-            draft_ids = drafts.token_ids[:, : max(num_draft)]
-            flat = drafted[:, : max(num_draft)]
-            draft_token_ids = draft_ids[flat.to(draft_ids.device)].to(self.device)
+            width = max(num_draft)
+            # flatten by an index built on the host (a boolean mask on the device would sync to count it)
+            flat_index = (torch.arange(len(num_draft))[:, None] * width + torch.arange(width))[drafted[:, :width]]
+            draft_ids = drafts.token_ids[:, :width].to(self.device)
+            draft_token_ids = draft_ids.reshape(-1)[flat_index.to(self.device)]
             draft_probs = drafts.probs
         else:
             draft_token_ids = torch.zeros(0, dtype=torch.long, device=self.device)

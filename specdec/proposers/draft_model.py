@@ -71,12 +71,13 @@ class DraftModelProposer(Proposer):
             draft_probs.append(probs)
             if j + 1 < max_k:  # the last draft is never fed: verification decides whether it is kept
                 feeding = [int(k > j + 1) for k in batch.num_draft_tokens]
-                step_logits = self.runner.decode(0, tokens[:, None].cpu(), feeding, cache_lens)[:, 0]
+                step_logits = self.runner.decode(0, tokens[:, None], feeding, cache_lens)[:, 0]
                 cache_lens = [c + f for c, f in zip(cache_lens, feeding)]
+        host_drafts = draft_ids.cpu().tolist()  # one transfer: the next step reconciles against these on the host
         for row, state in enumerate(batch.states):
             k = batch.num_draft_tokens[row]
             state.update(cache_len=cache_lens[row], base=batch.num_tokens[row])
-            state["cached_drafts"] = draft_ids[row, : max(k - 1, 0)].tolist() if k > 1 else []
+            state["cached_drafts"] = host_drafts[row][: k - 1] if k > 1 else []
         # rows back to back, each row's positions j < K_i, matching the verifier's flattened layout
         stacked = torch.stack(draft_probs, dim=1) if draft_probs else None  # [rows, max_k, V]
         keep = torch.tensor([[j < k for j in range(max_k)] for k in batch.num_draft_tokens], device=device)
