@@ -146,7 +146,7 @@ class Generator:
             self.history[row, : len(seq.prompt)] = torch.tensor(seq.prompt)
         num_draft = [0] * len(sequences)
         uniforms = self._draw_uniforms(sequences, num_draft)
-        result = self._verify(logits[group_of], sequences, num_draft, uniforms)
+        result = self._verify(logits[group_of], self._row_sampling(sequences), num_draft, uniforms)
         num_emitted, _ = self._commit(row_start, sequences, result, num_draft)
         active.extend(sequences)
         self.last_trace.append(StepRecord("prefill", len(groups), 0, 0, 0, num_emitted, time.perf_counter() - start))
@@ -159,6 +159,7 @@ class Generator:
         # never draft past the length cap: those tokens could not be kept
         asked = [max(0, min(k, seq.max_new_tokens - len(seq.token_ids) - 1)) for seq in active]
         uniforms = self._draw_uniforms(active, asked)
+        sampling = self._row_sampling(active)  # built once: the proposer and the verifier share it
         drafts = None
         if max(asked) > 0:
             drafts = self.proposer.propose(
@@ -166,7 +167,7 @@ class Generator:
                     token_ids=self.history[:num_rows],
                     num_tokens=[seq.num_tokens for seq in active],
                     num_draft_tokens=asked,
-                    sampling=self._row_sampling(active),
+                    sampling=sampling,
                     draft_uniforms=uniforms[:, : max(asked)],
                     states=[seq.proposer_state for seq in active],
                 )
@@ -193,14 +194,14 @@ class Generator:
         target_logits = logits.reshape(num_rows * width, -1)[flat_index]
         if tree:
             tree_tokens = input_ids.reshape(-1)[flat_index]
-            result = self._verify_tree(target_logits, active, num_inputs, uniforms, tree_tokens, parents[fed], depths)
+            result = self._verify_tree(target_logits, sampling, num_inputs, uniforms, tree_tokens, parents[fed], depths)
             if result.accepted_nodes.numel():  # move accepted paths next to their roots (a chain path stays put)
                 rows = torch.arange(num_rows, device=self.device)
                 lens = torch.tensor(cache_lens, device=self.device)
                 self.runner.cache.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
             per_depth = [int(((depths == j + 1) & fed).any(dim=1).sum()) for j in range(int(depths.max()))]
         else:
-            result = self._verify(target_logits, active, num_draft, uniforms, drafts)
+            result = self._verify(target_logits, sampling, num_draft, uniforms, drafts)
             per_depth = [sum(n > j for n in num_draft) for j in range(max(num_draft))]
         num_emitted, accepted = self._commit(0, active, result, num_draft)
         self.last_trace.append(
@@ -247,7 +248,7 @@ class Generator:
     def _verify(
         self,
         target_logits: Tensor,
-        sequences: list[Sequence],
+        sampling: RowSampling,
         num_draft: list[int],
         uniforms: Tensor,
         drafts=None,
@@ -270,7 +271,7 @@ class Generator:
             draft_token_ids,
             torch.cumsum(counts, 0),
             draft_probs,
-            self._row_sampling(sequences),
+            sampling,
             counts + 1,
             max(num_draft),
             uniforms[:, half : 2 * half][drafted].to(self.device),
@@ -280,7 +281,7 @@ class Generator:
     def _verify_tree(
         self,
         target_logits: Tensor,
-        sequences: list[Sequence],
+        sampling: RowSampling,
         num_nodes: list[int],
         uniforms: Tensor,
         tree_token_ids: Tensor,
@@ -289,7 +290,7 @@ class Generator:
     ) -> VerifyResult:
         """Verify token trees; node i > 0 of a row uses the row's i-th accept uniform (the root's is unused)."""
         half = uniforms.shape[1] // 2
-        accept = torch.cat([torch.zeros(len(sequences), 1, dtype=torch.float64), uniforms[:, half : 2 * half]], 1)
+        accept = torch.cat([torch.zeros(len(num_nodes), 1, dtype=torch.float64), uniforms[:, half : 2 * half]], 1)
         fed = torch.arange(accept.shape[1])[None, :] < torch.tensor(num_nodes)[:, None]
         counts = torch.tensor(num_nodes, device=self.device)
         return verify_tree(
@@ -297,7 +298,7 @@ class Generator:
             tree_token_ids.to(self.device),
             tree_parents.to(self.device),
             torch.cumsum(counts, 0),
-            self._row_sampling(sequences),
+            sampling,
             counts,
             int(depths.max()),
             accept[fed].to(self.device),

@@ -103,10 +103,6 @@ class SlotKVCache(Cache):
     def finish(self) -> None:
         self.step = None
 
-    @property
-    def is_allocated(self) -> bool:
-        return all(layer.is_initialized for layer in self.layers)
-
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int | None = None) -> None:
         """Copy slots `src` into slots `dst` (`[n]` each), keys and values; sources are read before any write.
 
