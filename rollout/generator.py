@@ -13,6 +13,7 @@ import hashlib
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -80,12 +81,19 @@ class Generator:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams | None = None,
+        on_step: Callable[[StepRecord, int, int], None] | None = None,
+    ) -> list[Completion]:
         """Sample `params.n` completions for every prompt.
 
         Args:
             prompt_ids: token ids of each prompt.
             params: sampling settings shared by all prompts.
+            on_step: called after every step with (its trace record, samples finished so far, samples in total),
+                e.g. for a progress display.
         Returns:
             `len(prompt_ids) * params.n` completions, prompt-major (all samples of prompt 0 first).
         """
@@ -95,14 +103,24 @@ class Generator:
         self.last_trace = []
         queue = deque(sequences)
         active: list[Sequence] = []
+        num_finished = num_reported = 0
+
+        def release() -> None:  # free finished rows, then report every step recorded since the last report
+            nonlocal num_finished, num_reported
+            num_finished += self._release_finished(active)
+            if on_step is not None:
+                for record in self.last_trace[num_reported:]:
+                    on_step(record, num_finished, len(sequences))
+            num_reported = len(self.last_trace)
+
         with torch.inference_mode(), _eval_mode(self.model):
             while queue or active:
                 if queue and len(active) < self.max_batch_size:
                     self._admit(queue, active)
-                    self._release_finished(active)
+                    release()
                 if active:
                     self._decode_step(active)
-                    self._release_finished(active)
+                    release()
         return [seq.completion() for seq in sequences]
 
     # ---- scheduling -------------------------------------------------------------------------------------------
@@ -331,11 +349,12 @@ class Generator:
             kept_total += kept
         return kept_total, [n - 1 for n in num_emitted]
 
-    def _release_finished(self, active: list[Sequence]) -> None:
-        """Drop finished rows and keep the active rows packed at the front: the last rows move into the holes."""
+    def _release_finished(self, active: list[Sequence]) -> int:
+        """Drop finished rows and keep the active rows packed at the front: the last rows move into the holes.
+        Returns the number of rows dropped."""
         finished = [i for i, seq in enumerate(active) if seq.finish_reason is not None]
         if not finished:
-            return
+            return 0
         remaining = len(active) - len(finished)
         holes = [i for i in finished if i < remaining]
         movers = [i for i in range(remaining, len(active)) if active[i].finish_reason is None]
@@ -351,6 +370,7 @@ class Generator:
             for hole, mover in zip(holes, movers):
                 active[hole] = active[mover]
         del active[remaining:]
+        return len(finished)
 
     # ---- input ------------------------------------------------------------------------------------------------
 

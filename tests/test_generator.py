@@ -231,3 +231,18 @@ def test_generator_restores_training_mode_and_uses_current_weights():
     after = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6))
     assert [o.token_ids for o in after] == [hf_greedy(model.eval(), p, 6) for p in prompts]
     assert [o.token_ids for o in before] != [o.token_ids for o in after]
+
+
+def test_on_step_reports_every_step_and_the_finished_count():
+    model = make_model("llama", "sdpa", torch.float32, eos_token_id=3)
+    gen = Generator(model, max_batch_size=3, max_seq_len=48)
+    calls = []
+    outs = gen.generate(
+        random_prompts(5, min_len=4, max_len=9, seed=1),
+        SamplingParams(n=2, max_new_tokens=12, seed=0),
+        on_step=lambda record, done, total: calls.append((record, done, total)),
+    )
+    assert [c[0] for c in calls] == gen.last_trace
+    assert all(total == len(outs) == 10 for _, _, total in calls)
+    done = [c[1] for c in calls]
+    assert done == sorted(done) and done[-1] == 10 and done[0] < 10
