@@ -8,7 +8,7 @@ slots. A decode step feeds every row its pending token plus up to K draft tokens
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import hashlib
 import random
 import time
@@ -19,16 +19,19 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from rollout.model_runner import ModelRunner
+from rollout.model_runner import ModelRunner, eval_mode
 from rollout.sampling import Completion, SamplingParams
 from rollout.sequence import Sequence
-from rollout.speculation import build_policy, build_proposer
+from rollout.speculation import build_policy, build_proposers, default_route
 from rollout.trace import StepRecord
+from rollout.warm_up import warm_up
+from specdec.auto_policy import AutoPolicy, StepObservation
 from specdec.config import SpecConfig
+from specdec.policies import Decision
 from specdec.processing import RowSampling
 from specdec.proposers.base import ProposalBatch
-from specdec.tree import depths_and_ancestors, with_root
-from specdec.verify import VerifyResult, verify_chain, verify_tree
+from specdec.tree import layout_drafts
+from specdec.verify import VerifyResult, verify
 
 
 class Generator:
@@ -70,12 +73,19 @@ class Generator:
         num_positions = max_seq_len + self.max_block
         self.runner = ModelRunner(model, num_slots=max_batch_size, num_positions=num_positions)
         self.device = self.runner.device
-        self.proposer = build_proposer(spec, self.runner, max_batch_size, num_positions) if spec else None
-        self.policy = build_policy(spec, max_batch_size) if spec else None
+        self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
+        self._methods = spec.methods if spec else ()
+        self._default_route = default_route(spec) if spec else ""
+        self.policy = build_policy(spec, max_batch_size, self.proposers) if spec else None
         # host copy of every row's tokens (prompt + completion): proposers read it without a device transfer
         self.history = torch.zeros(max_batch_size, num_positions, dtype=torch.long)
         self.eos_token_ids = _eos_token_ids(model)
         self.last_trace: list[StepRecord] = []
+        self.warm_up_seconds = 0.0
+        if isinstance(self.policy, AutoPolicy):  # seed its step-time model once per generator, as vLLM profiles
+            start = time.perf_counter()
+            warm_up(self, self.policy)
+            self.warm_up_seconds = time.perf_counter() - start
 
     @property
     def vocab_size(self) -> int:
@@ -84,22 +94,22 @@ class Generator:
     def generate(
         self,
         prompt_ids: list[list[int]],
-        params: SamplingParams | None = None,
+        params: SamplingParams | list[SamplingParams] | None = None,
         on_step: Callable[[StepRecord, int, int], None] | None = None,
     ) -> list[Completion]:
         """Sample `params.n` completions for every prompt.
 
         Args:
             prompt_ids: token ids of each prompt.
-            params: sampling settings shared by all prompts.
+            params: sampling settings shared by all prompts, or one per prompt (a batch may mix them, speculation
+                settings included: `SamplingParams(spec=SpecDecodeParams(enabled=False))` turns drafts off for one).
             on_step: called after every step with (its trace record, samples finished so far, samples in total),
                 e.g. for a progress display.
         Returns:
-            `len(prompt_ids) * params.n` completions, prompt-major (all samples of prompt 0 first).
+            `params.n` completions per prompt, prompt-major (all samples of prompt 0 first).
         """
-        params = SamplingParams() if params is None else params
         self._check_prompts(prompt_ids)
-        sequences = self._make_sequences(prompt_ids, params)
+        sequences = self._make_sequences(prompt_ids, self._check_params(params, len(prompt_ids)))
         self.last_trace = []
         queue = deque(sequences)
         active: list[Sequence] = []
@@ -113,7 +123,7 @@ class Generator:
                     on_step(record, num_finished, len(sequences))
             num_reported = len(self.last_trace)
 
-        with torch.inference_mode(), _eval_mode(self.model):
+        with torch.inference_mode(), eval_mode(self.model):
             while queue or active:
                 if queue and len(active) < self.max_batch_size:
                     self._admit(queue, active)
@@ -157,84 +167,119 @@ class Generator:
         if len(sequences) > len(groups):  # fan each prompt's KV out to its samples' slots
             dst = torch.arange(row_start, row_start + len(sequences), device=self.device)
             self.runner.copy_rows(row_start + group_of, dst, num_positions=width)
-        if self.proposer is not None and self.proposer.needs_prefill:
-            self.proposer.prefill(row_start, prompts, group_of, [seq.proposer_state for seq in sequences])
+        if self.proposers is not None and self.proposers.needs_prefill:
+            self.proposers.prefill(row_start, prompts, group_of, [seq.proposer_state for seq in sequences])
         for row, seq in enumerate(sequences, start=row_start):
             seq.cache_len = len(seq.prompt)
             self.history[row, : len(seq.prompt)] = torch.tensor(seq.prompt)
-        num_draft = [0] * len(sequences)
-        uniforms = self._draw_uniforms(sequences, num_draft)
-        result = self._verify(logits[group_of], self._row_sampling(sequences), num_draft, uniforms)
-        num_emitted, _ = self._commit(row_start, sequences, result, num_draft)
+        uniforms = self._draw_uniforms(sequences, [0] * len(sequences))
+        layout = layout_drafts([0] * len(sequences), None)
+        no_tokens = torch.zeros(len(sequences), dtype=torch.long, device=self.device)
+        sampling = self._row_sampling(sequences)
+        result = verify(
+            logits[group_of],
+            no_tokens,
+            layout,
+            None,
+            sampling,
+            uniforms[:, 0].to(self.device),
+            uniforms[:, -1].contiguous().to(self.device),
+        )
+        num_emitted, _ = self._commit(row_start, sequences, result)
         active.extend(sequences)
         self.last_trace.append(StepRecord("prefill", len(groups), 0, 0, 0, num_emitted, time.perf_counter() - start))
 
-    def _decode_step(self, active: list[Sequence]) -> None:
-        """Feed each active row its pending token plus its drafts, verify them in the same forward, commit."""
+    def _decode_step(self, active: list[Sequence], force_k: int | None = None) -> None:
+        """Feed each active row its pending token plus its drafts (a tree rooted at the pending token; a chain is the
+        one-child tree), verify them all in the same forward, commit the accepted path. `force_k` overrides the
+        policy (warm-up profiling)."""
         start = time.perf_counter()
         num_rows = len(active)
-        k = self.policy.choose(num_rows) if self.proposer is not None else 0
-        # never draft past the length cap: those tokens could not be kept
-        asked = [max(0, min(k, seq.max_new_tokens - len(seq.token_ids) - 1)) for seq in active]
+        # never draft past the length cap (those tokens could not be kept), nor past the request's own cap
+        caps = [min(seq.spec_cap, seq.max_new_tokens - len(seq.token_ids) - 1) for seq in active]
+        decision = Decision(0)
+        if force_k is not None:
+            decision = Decision(force_k)
+        elif self.proposers is not None:
+            decision = self.policy.choose(num_rows, caps, [self._route(seq) for seq in active])
+        asked = [max(0, min(decision.num_draft_tokens, cap)) for cap in caps]
         uniforms = self._draw_uniforms(active, asked)
-        sampling = self._row_sampling(active)  # built once: the proposer and the verifier share it
-        drafts = None
+        sampling = self._row_sampling(active)  # built once: the proposers and the verifier share it
+        drafts, served = None, [None] * num_rows
         if max(asked) > 0:
-            drafts = self.proposer.propose(
-                ProposalBatch(
-                    token_ids=self.history[:num_rows],
-                    num_tokens=[seq.num_tokens for seq in active],
-                    num_draft_tokens=asked,
-                    sampling=sampling,
-                    draft_uniforms=uniforms[:, : max(asked)],
-                    states=[seq.proposer_state for seq in active],
-                )
+            batch = ProposalBatch(
+                token_ids=self.history[:num_rows],
+                num_tokens=[seq.num_tokens for seq in active],
+                num_draft_tokens=asked,
+                sampling=sampling,
+                draft_uniforms=uniforms[:, : max(asked)],
+                states=[seq.proposer_state for seq in active],
             )
-        num_draft = drafts.num_draft_tokens if drafts is not None else [0] * num_rows
-        width = 1 + max(num_draft)
+            drafts, served = self.proposers.propose(batch, [seq.params.spec.method for seq in active])
+        layout = layout_drafts(
+            drafts.num_draft_tokens if drafts is not None else [0] * num_rows,
+            drafts.parents if drafts is not None else None,
+        )
         input_ids = torch.tensor([[seq.pending] for seq in active]).to(self.device)
-        if width > 1:  # drafts stay where the proposer made them (a draft model's on the device): no round trip
-            draft_ids = drafts.token_ids[:, : width - 1].to(self.device).clamp(min=0)
+        if layout.width > 1:  # drafts stay where the proposer made them (a draft model's on the device): no round trip
+            draft_ids = drafts.token_ids[:, : layout.width - 1].to(self.device).clamp(min=0)
             input_ids = torch.cat([input_ids, draft_ids], dim=1)
         cache_lens = [seq.cache_len for seq in active]
-        num_inputs = [1 + n for n in num_draft]
-        tree = drafts is not None and drafts.parents is not None and width > 1
-        if tree:
-            parents = with_root(drafts.parents[:, : width - 1].cpu())
-            depths, ancestors = depths_and_ancestors(parents, num_inputs)
-            logits = self.runner.decode(0, input_ids, num_inputs, cache_lens, depths, ancestors)
-        else:
-            logits = self.runner.decode(0, input_ids, num_inputs, cache_lens)
-        # flatten to the verifier's layout: row i's 1 + K_i target rows (pending token first), back to back
-        offsets = torch.arange(width)
-        fed = offsets[None, :] < torch.tensor(num_inputs)[:, None]
-        flat_index = (torch.arange(num_rows)[:, None] * width + offsets)[fed].to(self.device)
-        target_logits = logits.reshape(num_rows * width, -1)[flat_index]
-        if tree:
-            tree_tokens = input_ids.reshape(-1)[flat_index]
-            result = self._verify_tree(target_logits, sampling, num_inputs, uniforms, tree_tokens, parents[fed], depths)
-            if result.accepted_nodes.numel():  # move accepted paths next to their roots (a chain path stays put)
-                rows = torch.arange(num_rows, device=self.device)
-                lens = torch.tensor(cache_lens, device=self.device)
-                self.runner.cache.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
-            per_depth = [int(((depths == j + 1) & fed).any(dim=1).sum()) for j in range(int(depths.max()))]
-        else:
-            result = self._verify(target_logits, sampling, num_draft, uniforms, drafts)
-            per_depth = [sum(n > j for n in num_draft) for j in range(max(num_draft))]
-        num_emitted, accepted = self._commit(0, active, result, num_draft)
+        logits = self.runner.decode(0, input_ids, layout.num_nodes, cache_lens, layout.depths, layout.ancestors)
+        # flatten to the verifier's layout: row i's nodes (pending token first), rows back to back
+        fed = torch.arange(layout.width)[None, :] < torch.tensor(layout.num_nodes)[:, None]
+        flat_index = (torch.arange(num_rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
+        flat_index = flat_index.to(self.device)
+        half = uniforms.shape[1] // 2  # node j > 0 takes the row's accept uniform j - 1
+        node_uniforms = torch.cat([torch.zeros(num_rows, 1, dtype=torch.float64), uniforms[:, half : 2 * half]], 1)
+        result = verify(
+            logits.reshape(num_rows * layout.width, -1)[flat_index],
+            input_ids.reshape(-1)[flat_index],
+            layout,
+            drafts.probs if drafts is not None else None,
+            sampling,
+            node_uniforms[:, : layout.width][fed].to(self.device),
+            uniforms[:, -1].contiguous().to(self.device),
+        )
+        if not layout.is_chain:  # move accepted paths next to their roots (a chain's path is in place already)
+            rows = torch.arange(num_rows, device=self.device)
+            lens = torch.tensor(cache_lens, device=self.device)
+            self.runner.cache.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
+        num_emitted, accepted = self._commit(0, active, result)
+        seconds = time.perf_counter() - start
+        if self.policy is not None:
+            self._observe(active, decision, asked, served, accepted, layout, seconds, force_k is not None)
+        by_method = collections.Counter(m for m, k in zip(served, asked) if k > 0)
         self.last_trace.append(
             StepRecord(
                 "decode",
                 num_rows,
-                max(asked),
-                sum(num_draft),
+                decision.num_draft_tokens,
+                sum(layout.num_nodes) - num_rows,
                 sum(accepted),
                 num_emitted,
-                time.perf_counter() - start,
-                drafted_per_position=per_depth,
-                accepted_per_position=[sum(a > j for a in accepted) for j in range(len(per_depth))],
+                seconds,
+                drafted_per_position=[sum(d > j for d in layout.row_depths) for j in range(layout.max_depth)],
+                accepted_per_position=[sum(a > j for a in accepted) for j in range(layout.max_depth)],
+                predicted_gain=decision.predicted_gain,
+                rows_by_method=dict(by_method),
             )
         )
+
+    def _route(self, seq: Sequence) -> str:
+        """Where a row's drafts come from: the proposer its request names, or the configured cascade."""
+        return seq.params.spec.method or self._default_route
+
+    def _observe(self, active, decision, asked, served, accepted, layout, seconds, warm_up: bool) -> None:
+        """Tell the policy what the step cost and what each route's drafts earned."""
+        num_asked: dict[str, tuple[list[int], list[int]]] = {}
+        for seq, k, a in zip(active, asked, accepted):
+            if k > 0:
+                rows = num_asked.setdefault(self._route(seq), ([], []))
+                rows[0].append(k)
+                rows[1].append(a)
+        passes = decision.num_draft_tokens if "draft_model" in served else 0
+        self.policy.observe(StepObservation(len(active), layout.width, passes, seconds, num_asked), warm_up)
 
     # ---- verification and commit ------------------------------------------------------------------------------
 
@@ -263,69 +308,7 @@ class Generator:
                 uniforms[row, -1] = draws[2 * k]
         return uniforms
 
-    def _verify(
-        self,
-        target_logits: Tensor,
-        sampling: RowSampling,
-        num_draft: list[int],
-        uniforms: Tensor,
-        drafts=None,
-    ) -> VerifyResult:
-        half = uniforms.shape[1] // 2
-        drafted = torch.arange(half)[None, :] < torch.tensor(num_draft)[:, None]
-        if drafts is not None and max(num_draft) > 0:
-            width = max(num_draft)
-            # flatten by an index built on the host (a boolean mask on the device would sync to count it)
-            flat_index = (torch.arange(len(num_draft))[:, None] * width + torch.arange(width))[drafted[:, :width]]
-            draft_ids = drafts.token_ids[:, :width].to(self.device)
-            draft_token_ids = draft_ids.reshape(-1)[flat_index.to(self.device)]
-            draft_probs = drafts.probs
-        else:
-            draft_token_ids = torch.zeros(0, dtype=torch.long, device=self.device)
-            draft_probs = None
-        counts = torch.tensor(num_draft, device=self.device)
-        return verify_chain(
-            target_logits,
-            draft_token_ids,
-            torch.cumsum(counts, 0),
-            draft_probs,
-            sampling,
-            counts + 1,
-            max(num_draft),
-            uniforms[:, half : 2 * half][drafted].to(self.device),
-            uniforms[:, -1].contiguous().to(self.device),
-        )
-
-    def _verify_tree(
-        self,
-        target_logits: Tensor,
-        sampling: RowSampling,
-        num_nodes: list[int],
-        uniforms: Tensor,
-        tree_token_ids: Tensor,
-        tree_parents: Tensor,
-        depths: Tensor,
-    ) -> VerifyResult:
-        """Verify token trees; node i > 0 of a row uses the row's i-th accept uniform (the root's is unused)."""
-        half = uniforms.shape[1] // 2
-        accept = torch.cat([torch.zeros(len(num_nodes), 1, dtype=torch.float64), uniforms[:, half : 2 * half]], 1)
-        fed = torch.arange(accept.shape[1])[None, :] < torch.tensor(num_nodes)[:, None]
-        counts = torch.tensor(num_nodes, device=self.device)
-        return verify_tree(
-            target_logits,
-            tree_token_ids.to(self.device),
-            tree_parents.to(self.device),
-            torch.cumsum(counts, 0),
-            sampling,
-            counts,
-            int(depths.max()),
-            accept[fed].to(self.device),
-            uniforms[:, -1].contiguous().to(self.device),
-        )
-
-    def _commit(
-        self, row_start: int, sequences: list[Sequence], result: VerifyResult, num_draft: list[int]
-    ) -> tuple[int, list[int]]:
+    def _commit(self, row_start: int, sequences: list[Sequence], result: VerifyResult) -> tuple[int, list[int]]:
         """Bring the step's result to the host in ONE transfer and append it.
 
         Returns the tokens kept (after stops and length caps) and the drafts accepted per row.
@@ -364,8 +347,8 @@ class Generator:
             src = torch.tensor(movers, device=self.device)
             dst = torch.tensor(holes, device=self.device)
             self.runner.copy_rows(src, dst, num_positions=longest)
-            if self.proposer is not None:
-                self.proposer.copy_rows(src, dst, longest)
+            if self.proposers is not None:
+                self.proposers.copy_rows(src, dst, longest)
             self.history[holes] = self.history[movers]
             for hole, mover in zip(holes, movers):
                 active[hole] = active[mover]
@@ -393,19 +376,40 @@ class Generator:
                     f"for a completion: shorten the prompt or raise max_seq_len above {len(prompt)}"
                 )
 
-    def _make_sequences(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sequence]:
-        stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids or ())
-        base_seed = params.seed if params.seed is not None else random.SystemRandom().getrandbits(62)
+    def _check_params(self, params, num_prompts: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt; a request's spec settings must name a configured proposer."""
+        params = SamplingParams() if params is None else params
+        per_prompt = [params] * num_prompts if isinstance(params, SamplingParams) else params
+        if not isinstance(per_prompt, (list, tuple)) or len(per_prompt) != num_prompts:
+            raise ValueError(
+                f"params must be one SamplingParams or a list of one per prompt ({num_prompts}), got {params!r:.80}"
+            )
+        for index, p in enumerate(per_prompt):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params[{index}] ({p!r:.60}) must be a SamplingParams")
+            method = p.spec.method
+            if method is not None and method not in self._methods:
+                raise ValueError(
+                    f"params[{index}].spec.method ({method!r}) is not a configured proposer: the generator's spec has "
+                    f"{list(self._methods) or 'no speculation'}; name one of those or leave method None"
+                )
+        return list(per_prompt)
+
+    def _make_sequences(self, prompt_ids: list[list[int]], per_prompt: list[SamplingParams]) -> list[Sequence]:
+        call_seed = random.SystemRandom().getrandbits(62)
+        max_k = self.spec.num_speculative_tokens if self.spec is not None else 0
         sequences = []
-        for prompt_index, prompt in enumerate(prompt_ids):
+        for prompt_index, (prompt, params) in enumerate(zip(prompt_ids, per_prompt)):
+            stop_ids = frozenset(self.eos_token_ids) | frozenset(params.stop_token_ids or ())
+            base_seed = params.seed if params.seed is not None else call_seed
             max_new = min(params.max_new_tokens, self.max_seq_len - len(prompt))
             for sample_index in range(params.n):
                 generator = None
                 if params.temperature > 0:
                     generator = torch.Generator().manual_seed(_mix_seed(base_seed, prompt_index, sample_index))
-                sequences.append(
-                    Sequence(prompt_index, sample_index, list(prompt), params, max_new, stop_ids, generator)
-                )
+                seq = Sequence(prompt_index, sample_index, list(prompt), params, max_new, stop_ids, generator)
+                seq.spec_cap = min(params.spec.cap(max_k), max_k)
+                sequences.append(seq)
         return sequences
 
 
@@ -423,14 +427,3 @@ def _eos_token_ids(model: PreTrainedModel) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: PreTrainedModel):
-    """Generate in eval mode (no dropout) and hand the model back in the mode the trainer left it."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -194,3 +196,14 @@ def _probe(runner: ModelRunner) -> None:
         )
     if not torch.isfinite(logits).all():
         raise ValueError(f"{name} produced non-finite logits on a probe forward with the slot KV cache")
+
+
+@contextlib.contextmanager
+def eval_mode(model: PreTrainedModel):
+    """Generate in eval mode (no dropout) and hand the model back in the mode the trainer left it."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

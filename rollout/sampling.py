@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.config import SpecDecodeParams
+
 
 @dataclass
 class SamplingParams:
@@ -16,6 +18,7 @@ class SamplingParams:
     max_new_tokens: int = 256  # completion length cap (finish_reason "length")
     stop_token_ids: list[int] | None = None  # extra stop tokens besides the model's EOS ids
     seed: int | None = None  # same seed + same inputs = same completions
+    spec: SpecDecodeParams | None = None  # this request's speculation settings (off, a K cap, a proposer)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -33,6 +36,10 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids ({self.stop_token_ids!r}) must be a list of non-negative token ids")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed ({self.seed!r}) must be an integer or None")
+        if self.spec is None:
+            self.spec = SpecDecodeParams()
+        elif not isinstance(self.spec, SpecDecodeParams):
+            raise ValueError(f"spec ({self.spec!r}) must be a specdec.config.SpecDecodeParams or None")
 
 
 @dataclass

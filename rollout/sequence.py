@@ -34,7 +34,8 @@ class Sequence:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.cache_len = 0
-        self.proposer_state: dict = {}  # a proposer's per-sequence state (e.g. the draft model's cache length)
+        self.proposer_state: dict = {}  # proposers' per-sequence state, by proposer (e.g. the draft's cache length)
+        self.spec_cap = 0  # the most draft tokens this request takes per step (set by the generator)
         self.finish_reason: str | None = None
 
     @property

@@ -1,4 +1,4 @@
-"""Builds what a SpecConfig asks for: the proposer (loading a draft model where named) and the K policy."""
+"""Builds what a SpecConfig asks for: the proposers (loading a draft model where named) and the K policy."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rollout.model_runner import ModelRunner
+from specdec.auto_policy import AutoPolicy
 from specdec.config import SpecConfig
 from specdec.policies import StaticPolicy, TablePolicy
 from specdec.proposers.base import Drafts, ProposalBatch, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
+from specdec.proposers.multi import ProposerSet
 from specdec.proposers.ngram import NgramProposer
 from specdec.tree import merge_candidates
 
@@ -34,19 +36,32 @@ class NgramAdapter(Proposer):
         return Drafts(tokens, counts, parents=parents)
 
 
-def build_proposer(spec: SpecConfig, target: ModelRunner, num_slots: int, num_positions: int) -> Proposer:
-    if spec.method == "ngram":
-        return NgramAdapter(spec)
-    draft = load_draft_model(spec.model, target)
-    runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions)
-    return DraftModelProposer(runner, spec.num_speculative_tokens, target.vocab_size)
+def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_positions: int) -> ProposerSet:
+    proposers: dict[str, Proposer] = {}
+    for method in spec.methods:
+        if method == "ngram":
+            proposers[method] = NgramAdapter(spec)
+        else:
+            draft = load_draft_model(spec.model, target)
+            runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions)
+            proposers[method] = DraftModelProposer(runner, spec.num_speculative_tokens, target.vocab_size)
+    return ProposerSet(proposers)
 
 
-def build_policy(spec: SpecConfig, max_batch_size: int):
+def build_policy(spec: SpecConfig, max_batch_size: int, proposers: ProposerSet):
     table = spec.num_speculative_tokens_per_batch_size
     if table is None:
         return StaticPolicy(spec.num_speculative_tokens)
-    return TablePolicy(table, spec.num_speculative_tokens, max_batch_size)
+    if table != "auto":
+        return TablePolicy(table, spec.num_speculative_tokens, max_batch_size)
+    passes = {name: isinstance(p, DraftModelProposer) for name, p in proposers.proposers.items()}
+    passes[default_route(spec)] = "draft_model" in spec.methods
+    return AutoPolicy(spec.num_speculative_tokens, passes)
+
+
+def default_route(spec: SpecConfig) -> str:
+    """The route of a request that names no proposer: the single configured one, or the cascade of all of them."""
+    return "+".join(spec.methods)
 
 
 def load_draft_model(model, target: ModelRunner) -> PreTrainedModel:

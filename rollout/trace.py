@@ -9,13 +9,15 @@ from dataclasses import asdict, dataclass, field
 class StepRecord:
     phase: str  # "prefill" | "decode" (the rollout loop later splits decode into bulk / tail)
     batch_size: int  # rows in the forward pass (active rows for decode, prompts for prefill)
-    num_draft_tokens: int  # K asked of the proposer this step (the largest per-row K)
+    num_draft_tokens: int  # K the policy chose for this step (rows are further capped by request and length)
     num_drafted: int  # draft tokens actually proposed, all rows
     num_accepted: int  # draft tokens accepted, all rows
     num_emitted: int  # tokens appended to completions (accepted + one recovered/bonus per row, after stops)
     seconds: float
     drafted_per_position: list[int] = field(default_factory=list)  # rows that had a draft at position j
     accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft j was accepted
+    predicted_gain: float | None = None  # auto policy: predicted tokens/s with this K over K = 0
+    rows_by_method: dict[str, int] = field(default_factory=dict)  # rows asked for drafts, by the proposer serving them
 
     def to_dict(self) -> dict:
         return asdict(self)

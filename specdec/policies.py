@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass
+class Decision:
+    """A policy's choice for one decode step."""
+
+    num_draft_tokens: int  # K for the batch (each row is further capped by its request and its length limit)
+    predicted_gain: float | None = None  # auto: predicted tokens/s with this K over tokens/s with K = 0
 
 
 def validate_batch_size_table(table: Any, num_speculative_tokens: int) -> list[tuple[int, int, int]]:
@@ -45,15 +54,19 @@ class StaticPolicy:
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens
 
-    def choose(self, batch_size: int) -> int:
-        return self.num_speculative_tokens
+    def choose(self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None) -> Decision:
+        return Decision(self.num_speculative_tokens)
+
+    def observe(self, observation, warm_up: bool = False) -> None:
+        """Static and table policies learn nothing from a step."""
 
 
-class TablePolicy:
+class TablePolicy(StaticPolicy):
     """vLLM's per-batch-size table, looked up with the number of rows in decode (not requests in prefill, which
     is what makes vLLM's K flip: vllm-project/vllm#49548)."""
 
     def __init__(self, table: list, num_speculative_tokens: int, max_batch_size: int):
+        super().__init__(num_speculative_tokens)
         self.entries = validate_batch_size_table(table, num_speculative_tokens)
         if self.entries[-1][1] < max_batch_size:
             raise ValueError(
@@ -65,5 +78,5 @@ class TablePolicy:
             for batch_size in range(start, min(end, max_batch_size) + 1):
                 self.k_by_batch_size[batch_size] = k
 
-    def choose(self, batch_size: int) -> int:
-        return self.k_by_batch_size[batch_size]
+    def choose(self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None) -> Decision:
+        return Decision(self.k_by_batch_size[batch_size])

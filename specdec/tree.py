@@ -6,6 +6,8 @@ rank order (the order the sampling verifier tries them). A chain is the tree wit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -76,3 +78,44 @@ def depths_and_ancestors(parents: Tensor, num_nodes: list[int]) -> tuple[Tensor,
         inherited = ancestors[rows, safe] & has_parent[:, None]
         ancestors[:, node] |= inherited
     return depths, ancestors
+
+
+@dataclass
+class DraftLayout:
+    """Each row's drafts as a tree rooted at its pending token: what the mask, the verifier and the trace need.
+
+    Node 0 of a row is the pending token; nodes 1.. are its drafts. A chain is the tree whose node j's parent is
+    node j - 1; when every row is a chain, `depths` and `ancestors` are None (the causal default of the mask builder
+    is exactly a chain's ancestor relation) and the verifier takes the chain kernels.
+    """
+
+    num_nodes: list[int]  # per row: 1 + draft tokens
+    parents: Tensor  # [rows, width] kernel-local parent of each node, -1 for the root and padding
+    row_depths: list[int]  # per row: depth of its deepest node (= draft tokens for a chain)
+    is_chain: bool
+    depths: Tensor | None = None  # [rows, width] (trees only)
+    ancestors: Tensor | None = None  # [rows, width, width] bool (trees only)
+
+    @property
+    def width(self) -> int:
+        return self.parents.shape[1]
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.row_depths)
+
+
+def layout_drafts(num_draft_tokens: list[int], draft_parents: Tensor | None) -> DraftLayout:
+    """Build the layout from per-row draft counts and draft-local parents `[rows, >= max count]` (-1 = child of the
+    pending token); `draft_parents` None means every row is a chain."""
+    num_nodes = [1 + n for n in num_draft_tokens]
+    width = max(num_nodes)
+    valid = torch.arange(width)[None, :] < torch.tensor(num_nodes)[:, None]
+    chain = torch.where(valid, torch.arange(-1, width - 1)[None, :], -1)
+    if draft_parents is not None and width > 1:
+        parents = torch.where(valid, with_root(draft_parents[:, : width - 1].cpu()), -1)
+        if not bool((parents == chain).all()):
+            depths, ancestors = depths_and_ancestors(parents, num_nodes)
+            row_depths = depths.max(dim=1).values.tolist()
+            return DraftLayout(num_nodes, parents, row_depths, False, depths, ancestors)
+    return DraftLayout(num_nodes, chain, list(num_draft_tokens), True)

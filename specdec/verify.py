@@ -1,4 +1,7 @@
-"""Verification of chain drafts: target logits + drafts -> emitted tokens and their log-probabilities.
+"""Verification: target logits + drafts -> emitted tokens and their log-probabilities.
+
+`verify` is the decode step's entry point: it takes every row's drafts as a tree rooted at the pending token and runs
+the chain kernels when every row is a chain (they also take a draft model's q), the tree kernels otherwise.
 
 Rows are flattened the way the kernels take them (see `kernels/rejection_sample.py`): row i feeds its pending token
 plus K_i drafts, so it owns K_i + 1 target rows starting at `cu_num_draft_tokens[i - 1] + i`.
@@ -16,6 +19,7 @@ from kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from kernels.tree_greedy_verify import tree_greedy_verify, tree_greedy_verify_ref
 from kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
 from specdec.processing import RowSampling, processed_logprobs, target_probs
+from specdec.tree import DraftLayout
 
 
 @dataclass
@@ -24,6 +28,50 @@ class VerifyResult:
     num_emitted: Tensor  # [rows] int64: accepted drafts + 1
     logprobs: Tensor  # [rows, max_num_draft_tokens + 1] float64, 0 after the emitted tokens
     accepted_nodes: Tensor | None = None  # [rows, max_depth] tree-local accepted path (trees only), -1 padded
+
+
+def verify(
+    target_logits: Tensor,  # [num_nodes, V]: one target row per node, each row's root (pending token) first
+    node_token_ids: Tensor,  # [num_nodes] (the root's entry is unused)
+    layout: DraftLayout,
+    draft_probs: Tensor | None,  # [num_nodes - rows, V] q of every non-root node, rows back to back; None = n-gram
+    sampling: RowSampling,  # per row
+    node_uniforms: Tensor,  # [num_nodes] float64 acceptance uniform of each node (the root's is unused)
+    sample_uniforms: Tensor,  # [rows] float64
+) -> VerifyResult:
+    """Verify each row's drafts against the target and emit the accepted ones plus one more token per row."""
+    device = target_logits.device
+    num_nodes = torch.tensor(layout.num_nodes, device=device)
+    if layout.is_chain:
+        # draft nodes = every node but each row's root; indexed on the host (a device mask would sync to count)
+        is_draft = torch.ones(sum(layout.num_nodes), dtype=torch.bool)
+        is_draft[torch.tensor([0] + layout.num_nodes[:-1]).cumsum(0)] = False
+        drafts = torch.nonzero(is_draft)[:, 0].to(device)
+        counts = num_nodes - 1
+        return verify_chain(
+            target_logits,
+            node_token_ids[drafts],
+            torch.cumsum(counts, 0),
+            draft_probs,
+            sampling,
+            num_nodes,
+            layout.max_depth,
+            node_uniforms[drafts],
+            sample_uniforms,
+        )
+    assert draft_probs is None, "expected n-gram trees: tree verification takes no draft probabilities"
+    parents = layout.parents[torch.arange(layout.width)[None, :] < torch.tensor(layout.num_nodes)[:, None]]
+    return verify_tree(
+        target_logits,
+        node_token_ids,
+        parents.to(device),
+        torch.cumsum(num_nodes, 0),
+        sampling,
+        num_nodes,
+        layout.max_depth,
+        node_uniforms,
+        sample_uniforms,
+    )
 
 
 def verify_chain(

@@ -13,7 +13,7 @@ from specdec.policies import StaticPolicy, TablePolicy
 def test_ngram_defaults_and_vllm_field_names():
     spec = SpecConfig(**{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (1, 4)
-    assert StaticPolicy(5).choose(300) == 5
+    assert StaticPolicy(5).choose(300).num_draft_tokens == 5
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,7 @@ def test_ngram_defaults_and_vllm_field_names():
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, r"prompt_lookup_min \(3\) must be <= prompt_lookup_max"),
         ({"prompt_lookup_min": 0}, r"prompt_lookup_min \(0\)"),
         ({"method": "draft_model"}, "method 'draft_model' needs model"),
-        ({"model": "tiny-draft"}, "set method='draft_model'"),
+        ({"model": "tiny-draft"}, "add .draft_model. to method"),
     ],
 )
 def test_invalid_spec_configs(kwargs, match):
@@ -52,7 +52,7 @@ def test_invalid_batch_size_tables_quote_the_entry(table, match):
 def test_table_lookup_is_inclusive_and_must_cover_the_batch():
     table = [[1, 64, 3], [65, 128, 1], [129, 512, 0]]  # vLLM's documentation example
     policy = TablePolicy(table, num_speculative_tokens=3, max_batch_size=512)
-    assert [policy.choose(b) for b in (1, 64, 65, 128, 129, 512)] == [3, 3, 1, 1, 0, 0]
+    assert [policy.choose(b).num_draft_tokens for b in (1, 64, 65, 128, 129, 512)] == [3, 3, 1, 1, 0, 0]
     with pytest.raises(ValueError, match="ends at batch size 128 but max_batch_size is 256"):
         TablePolicy(table[:2], num_speculative_tokens=3, max_batch_size=256)
 

@@ -1,0 +1,46 @@
+"""Warm-up profile for the `auto` K policy: time real decode steps before the first rollout.
+
+Each profiled step is a full decode step (drafting, the verification forward, the verifier, the commit) of B rows at
+a forced K, so the step-time model starts from what a step really costs on this machine, host work included. Rows
+hold random prompts; after every step they are rolled back (lengths lowered, proposer state restored), so the same
+rows serve every (B, K) pair and a short `max_seq_len` is enough. B runs over powers of four up to the slot count,
+K over 0, 1, K/2 and K. Acceptance is not learned here: random text says nothing about the real drafts.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from rollout.model_runner import eval_mode
+from rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout.generator import Generator
+    from specdec.auto_policy import AutoPolicy
+
+
+def warm_up(gen: Generator, policy: AutoPolicy, prompt_len: int = 32) -> None:
+    max_k = policy.num_speculative_tokens
+    prompt_len = max(1, min(prompt_len, gen.max_seq_len - max_k - 2))
+    sizes = sorted({min(4**i, gen.max_batch_size) for i in range(gen.max_batch_size.bit_length())})
+    ks = sorted({0, 1, max_k // 2, max_k})
+    noise = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, gen.vocab_size, (gen.max_batch_size, prompt_len), generator=noise).tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=gen.max_seq_len, seed=0)
+    sequences = gen._make_sequences(prompts, [params] * len(prompts))
+    active = []
+    with torch.inference_mode(), eval_mode(gen.model):
+        gen._admit(deque(sequences), active)
+        for batch_size in sizes:
+            rows = active[:batch_size]
+            for k in ks:
+                saved = [(len(s.token_ids), s.cache_len, copy.deepcopy(s.proposer_state)) for s in rows]
+                gen._decode_step(rows, force_k=k)
+                for seq, (num_generated, cache_len, state) in zip(rows, saved):
+                    del seq.token_ids[num_generated:], seq.logprobs[num_generated:]
+                    seq.cache_len, seq.proposer_state, seq.finish_reason = cache_len, state, None
+    gen.last_trace = []

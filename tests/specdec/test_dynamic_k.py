@@ -1,0 +1,127 @@
+"""Dynamic K in the generator: every policy, several proposers at once and per-request settings stay lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, random_prompts
+from test_generator import teacher_forced_logprobs
+
+from rollout import Generator, SamplingParams
+from specdec.auto_policy import AutoPolicy
+from specdec.config import SpecConfig, SpecDecodeParams
+
+BOTH = ["ngram", "draft_model"]
+
+
+def prompts_with_and_without_matches():
+    # repetitive prompts give the n-gram proposer matches; random ones mostly fall through to the draft model
+    return [p * 3 for p in random_prompts(5, max_len=5, seed=3)] + random_prompts(5, seed=4)
+
+
+def decode_steps(gen):
+    return [r for r in gen.last_trace if r.phase == "decode"]
+
+
+@pytest.mark.parametrize(
+    "method,table",
+    [
+        ("draft_model", "auto"),
+        ("ngram", "auto"),
+        (BOTH, None),
+        (BOTH, "auto"),
+        (BOTH, [[1, 2, 4], [3, 6, 2]]),
+    ],
+    ids=["draft-auto", "ngram-auto", "both-static", "both-auto", "both-table"],
+)
+def test_greedy_with_every_policy_equals_plain_greedy(method, table):
+    model = make_model("llama")
+    draft = make_model("llama", seed=1, num_hidden_layers=1)
+    prompts = prompts_with_and_without_matches()
+    params = SamplingParams(temperature=0, max_new_tokens=24)
+    plain = Generator(model, max_batch_size=6, max_seq_len=96).generate(prompts, params)
+    model_arg = draft if "draft_model" in method else None
+    spec = SpecConfig(
+        method=method, model=model_arg, num_speculative_tokens=4, num_speculative_tokens_per_batch_size=table
+    )
+    gen = Generator(model, max_batch_size=6, max_seq_len=96, spec=spec)
+    outs = gen.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    if table == "auto":
+        assert isinstance(gen.policy, AutoPolicy) and gen.warm_up_seconds > 0
+        floor = 1 / (1 + gen.policy.hysteresis) - 1e-9  # a kept K may trail K = 0 by the hysteresis margin
+        assert all(r.predicted_gain is not None and r.predicted_gain >= floor for r in decode_steps(gen))
+    if method == BOTH and table is None:  # both proposers served rows, sharing verification forwards
+        served = {m for r in decode_steps(gen) for m in r.rows_by_method}
+        assert served == set(BOTH)
+        assert any(len(r.rows_by_method) == 2 for r in decode_steps(gen))
+
+
+def test_mixed_per_request_settings_in_one_batch_stay_exact():
+    model = make_model("qwen2")
+    draft = make_model("qwen2", seed=1, num_hidden_layers=1)
+    prompts = prompts_with_and_without_matches()[:8]
+    settings = [
+        SpecDecodeParams(enabled=False),
+        SpecDecodeParams(max_num_draft_tokens=1),
+        SpecDecodeParams(method="ngram"),
+        SpecDecodeParams(method="draft_model", max_num_draft_tokens=2),
+        SpecDecodeParams(),
+        SpecDecodeParams(enabled=False),
+        SpecDecodeParams(method="ngram", max_num_draft_tokens=0),
+        SpecDecodeParams(method="draft_model"),
+    ]
+    params = [SamplingParams(temperature=0, max_new_tokens=20, spec=s) for s in settings]
+    plain = Generator(model, max_batch_size=8, max_seq_len=96).generate(prompts, params[0])
+    spec = SpecConfig(method=BOTH, model=draft, num_speculative_tokens=4)
+    gen = Generator(model, max_batch_size=8, max_seq_len=96, spec=spec)
+    outs = gen.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    steps = decode_steps(gen)
+    # at most 5 of the 8 rows may draft (two are off, one capped at 0), and a capped row drafts at most its cap
+    assert all(sum(r.rows_by_method.values()) <= 5 for r in steps)
+    assert sum(r.num_drafted for r in steps) > 0
+
+
+def test_per_request_caps_and_off_bound_the_drafts():
+    model = make_model("llama")
+    draft = make_model("llama", seed=1, num_hidden_layers=1)
+    prompts = random_prompts(4, seed=2)
+    spec = SpecConfig(method="draft_model", model=draft, num_speculative_tokens=4)
+    gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec)
+    gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12, spec=SpecDecodeParams(enabled=False)))
+    assert sum(r.num_drafted for r in gen.last_trace) == 0
+    gen.generate(
+        prompts, SamplingParams(temperature=0, max_new_tokens=12, spec=SpecDecodeParams(max_num_draft_tokens=1))
+    )
+    steps = decode_steps(gen)
+    assert all(r.num_drafted <= r.batch_size for r in steps) and sum(r.num_drafted for r in steps) > 0
+
+
+def test_logprobs_with_mixed_proposers_equal_teacher_forced_pass():
+    """Sampling through one rejection pass where n-gram rows carry one-hot q next to draft-model rows."""
+    model = make_model("llama")
+    draft = make_model("llama", seed=1)
+    prompts = prompts_with_and_without_matches()
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3, n=2)
+    gen = Generator(model, max_batch_size=8, max_seq_len=96, spec=SpecConfig(method=BOTH, model=draft))
+    outs = gen.generate(prompts, params)
+    assert any(len(r.rows_by_method) == 2 for r in decode_steps(gen))
+    for out in outs:
+        expected = teacher_forced_logprobs(model, prompts[out.prompt_index], out.token_ids, params)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), expected, atol=1e-9, rtol=0)
+
+
+def test_bad_per_request_settings_are_named():
+    model = make_model("llama")
+    gen = Generator(model, max_batch_size=2, max_seq_len=32, spec=SpecConfig(method="ngram"))
+    with pytest.raises(ValueError, match=r"params\[0\].spec.method \('draft_model'\) is not a configured proposer"):
+        gen.generate([[1, 2, 3]], SamplingParams(spec=SpecDecodeParams(method="draft_model")))
+    with pytest.raises(ValueError, match=r"max_num_draft_tokens \(-1\) must be an integer >= 0"):
+        SpecDecodeParams(max_num_draft_tokens=-1)
+    with pytest.raises(ValueError, match=r"method \('eagle'\)"):
+        SpecDecodeParams(method="eagle")
+    with pytest.raises(ValueError, match=r"one per prompt \(2\)"):
+        gen.generate([[1, 2], [3, 4]], [SamplingParams()])
+    with pytest.raises(ValueError, match=r"method \(\['ngram', 'ngram'\]\) must be one of"):
+        SpecConfig(method=["ngram", "ngram"])

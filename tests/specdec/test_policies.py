@@ -1,0 +1,131 @@
+"""K policies: the auto policy's choices on synthetic step-time models, its acceptance estimate and step-time fit,
+and the one-hot q that lets n-gram rows share a rejection-sampling pass with draft-model rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.rejection_sample import rejection_sample_ref
+from specdec.auto_policy import AcceptanceStats, AutoPolicy, StepObservation
+from specdec.step_time import StepTimeModel
+
+MAX_K = 8
+
+
+def profiled(step_seconds) -> StepTimeModel:
+    """A step-time model whose warm-up profile is `step_seconds(B, W, P)` on the usual grid."""
+    model = StepTimeModel()
+    for batch_size in (1, 4, 16, 64, 256):
+        for k in (0, 1, 4, 8):
+            model.add(batch_size, k + 1, k, step_seconds(batch_size, k + 1, k), prior=True)
+    return model
+
+
+def policy_with(step_seconds, acceptance: float, hysteresis: float = 0.03) -> AutoPolicy:
+    """An auto policy for one draft-model route whose measured per-position acceptance is `acceptance`."""
+    policy = AutoPolicy(MAX_K, {"draft_model": True}, profiled(step_seconds), hysteresis=hysteresis)
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # 200 steps of 16 rows asked for 8 drafts: accepted prefix lengths ~ geometric
+        accepted = [int(np.argmin(np.append(rng.random(MAX_K) < acceptance, False))) for _ in range(16)]
+        policy.stats["draft_model"].update([MAX_K] * 16, accepted)
+    return policy
+
+
+def overhead_then_compute(batch_size, width, passes):
+    """A forward costs 2 ms of overhead plus 0.02 ms per token fed; a draft pass 0.1 ms plus 0.002 ms per row."""
+    return 2e-3 + 2e-5 * batch_size * width + passes * (1e-4 + 2e-6 * batch_size)
+
+
+def test_acceptance_stats_measure_per_position_rates():
+    stats = AcceptanceStats(3, prior_weight=1e-9)
+    # 4 rows asked for 3 drafts: accepted 0, 1, 3, 3 -> position 1: 3/4, position 2: 2/3, position 3: 2/2
+    stats.update([3, 3, 3, 3], [0, 1, 3, 3])
+    np.testing.assert_allclose(stats.rates(), [0.75, 2 / 3, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(stats.expected_emitted(), [1, 1.75, 2.25, 2.75], rtol=1e-6)
+    # a position no row reached inherits the rate before it
+    fresh = AcceptanceStats(3, prior_rate=0.5)
+    fresh.update([1, 1], [1, 1])
+    assert fresh.rates()[2] == pytest.approx(fresh.rates()[1]) == pytest.approx(fresh.rates()[0])
+
+
+def test_auto_raises_k_as_the_batch_shrinks():
+    policy = policy_with(overhead_then_compute, acceptance=0.8)
+    ks = {}
+    for batch_size in (256, 128, 64, 32, 16, 8, 4, 2, 1):  # a rollout's batch only ever shrinks
+        ks[batch_size] = policy.choose(batch_size).num_draft_tokens
+    assert list(ks.values()) == sorted(ks.values()), ks
+    assert ks[256] <= 1 and ks[1] >= 6, ks
+
+
+def test_auto_picks_zero_when_step_time_grows_faster_than_acceptance_pays():
+    # every token fed costs as much as a whole plain step: K drafts cost (1 + K) x, earning < 1 + K tokens
+    policy = policy_with(lambda b, w, p: 1e-3 * w + 1e-3 * p, acceptance=0.9)
+    for batch_size in (1, 8, 64):
+        decision = policy.choose(batch_size)
+        assert decision.num_draft_tokens == 0
+        assert decision.predicted_gain == pytest.approx(1.0)
+    # the same acceptance with nearly free tokens: speculation, and a predicted gain above 1
+    cheap = policy_with(lambda b, w, p: 1e-3 + 1e-6 * w, acceptance=0.9)
+    decision = cheap.choose(8)
+    assert decision.num_draft_tokens == MAX_K and decision.predicted_gain > 3
+
+
+def test_measured_steps_refit_the_level_and_can_turn_speculation_off():
+    # the profile says tokens are nearly free; the run then measures drafted steps costing far more than profiled
+    policy = policy_with(lambda b, w, p: 1e-3 + 1e-6 * w, acceptance=0.5)
+    assert policy.choose(16).num_draft_tokens > 0
+    no_profile = AutoPolicy(MAX_K, {"draft_model": True}, StepTimeModel(), hysteresis=0.0)
+    no_profile.stats = policy.stats
+    for k in (0, 1, 2, 4, 8) * 20:  # measured only: each draft token costs a full step
+        no_profile.observe(StepObservation(16, k + 1, k, 1e-3 * (1 + 2 * k), {}))
+    assert no_profile.choose(16).num_draft_tokens == 0
+
+
+def test_hysteresis_keeps_k_at_a_boundary():
+    policy = policy_with(overhead_then_compute, acceptance=0.8, hysteresis=0.05)
+    plain = policy_with(overhead_then_compute, acceptance=0.8, hysteresis=0.0)
+    sizes = [b for b in range(40, 400, 4)]
+    boundary = next(b for b in sizes if plain.choose(b).num_draft_tokens != plain.choose(sizes[0]).num_draft_tokens)
+    flips = {"hysteresis": 0, "none": 0}
+    for name, p in (("hysteresis", policy), ("none", plain)):
+        last = None
+        for step in range(40):  # the batch wobbles around the boundary
+            k = p.choose(boundary + (4 if step % 2 else -4)).num_draft_tokens
+            flips[name] += last is not None and k != last
+            last = k
+    assert flips["none"] > 10 and flips["hysteresis"] <= 1, flips
+
+
+def test_row_caps_bound_the_choice():
+    policy = policy_with(overhead_then_compute, acceptance=0.9)
+    assert policy.choose(4, caps=[0, 0, 0, 0]).num_draft_tokens == 0
+    assert policy.choose(4, caps=[2, 2, 1, 0]).num_draft_tokens <= 2
+
+
+def test_one_hot_draft_probs_verify_exactly_like_ngram_drafts():
+    """Rows of n-gram drafts get one-hot q when they share a pass with draft-model rows: accept iff u < p(x), and a
+    rejection samples p with x removed, exactly the n-gram rule, for the same uniforms."""
+    counts, vocab_size = [3, 0, 5, 1, 8], 37
+    generator = torch.Generator().manual_seed(0)
+    num_drafts, num_rows = sum(counts), len(counts)
+    # peaked target rows, drafts their argmax 80% of the time: some drafts are accepted, some rejected
+    target_probs = torch.softmax(4 * torch.randn(num_drafts + num_rows, vocab_size, generator=generator), -1).double()
+    verifying = torch.arange(num_drafts) + torch.repeat_interleave(torch.arange(num_rows), torch.tensor(counts))
+    likely = target_probs[verifying].argmax(dim=-1)
+    random_ids = torch.randint(0, vocab_size, (num_drafts,), generator=generator)
+    case = dict(
+        draft_token_ids=torch.where(torch.rand(num_drafts, generator=generator) < 0.8, likely, random_ids),
+        cu_num_draft_tokens=torch.tensor(counts).cumsum(0),
+        draft_probs=None,
+        target_probs=target_probs,
+        accept_uniforms=torch.rand(num_drafts, generator=generator, dtype=torch.float64),
+        sample_uniforms=torch.rand(num_rows, generator=generator, dtype=torch.float64),
+        max_num_draft_tokens=max(counts),
+    )
+    ngram = rejection_sample_ref(**case)
+    one_hot = torch.nn.functional.one_hot(case["draft_token_ids"], vocab_size).to(torch.float64)
+    as_draft = rejection_sample_ref(**{**case, "draft_probs": one_hot})
+    assert torch.equal(ngram[0], as_draft[0]) and torch.equal(ngram[1], as_draft[1])
+    assert 0 < int(ngram[1].sum()) - 5 < 17, "the case must accept some drafts and reject others"
