@@ -30,6 +30,10 @@ from specdec.config import SpecConfig  # noqa: E402
 def configs(args) -> dict[str, SpecConfig | None]:
     draft = dict(method="draft_model", model="tiny-draft")
     out: dict[str, SpecConfig | None] = {"none": None}
+    # speculation configured but off for every row: what the machinery costs when it drafts nothing
+    out["K=0 (table of zeros)"] = SpecConfig(
+        **draft, num_speculative_tokens=8, num_speculative_tokens_per_batch_size=[[1, args.batch_size, 0]]
+    )
     for k in args.ks:
         out[f"static K={k}"] = SpecConfig(**draft, num_speculative_tokens=k)
     b = args.batch_size
@@ -71,7 +75,7 @@ def run(model, spec, prompt_ids, params, args) -> dict:
 def plot(results: dict, path: pathlib.Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     for name, row in results.items():
-        if name == "none":
+        if name == "none" or name.startswith("K=0"):
             continue
         t = [s["elapsed"] for s in row["steps"] if s["phase"] != "prefill"]
         top.plot(t, [s["batch_size"] for s in row["steps"] if s["phase"] != "prefill"], label=name, lw=1)
@@ -117,6 +121,9 @@ def main() -> None:
         )
     auto = results["auto"]
     statics = {n: r for n, r in results.items() if n.startswith("static")}
+    off = results["K=0 (table of zeros)"]
+    ratio = off["seconds"] / base["seconds"]
+    print(f"speculation off (K = 0 every row) vs spec=None: time ratio {ratio:.3f} (target <= 1.03)")
     print(f"auto warm-up profile {auto['warm_up_seconds']:.2f} s (once per generator; not in its rollout time)")
     for phase in ("bulk", "tail"):
         best_name = max(statics, key=lambda n: statics[n]["phases"][phase]["tokens_per_s"])

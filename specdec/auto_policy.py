@@ -8,6 +8,8 @@ named, or the configured cascade of proposers as a whole (its mix of n-gram and 
 model seeded by a warm-up profile and refitted from every measured step (`StepTimeModel`). K is one number per batch:
 the forward is padded to the widest row, so a row given fewer drafts saves no compute (per-request caps still apply).
 K = 0 unless some K beats plain decoding, and a new K must beat the current one by `hysteresis` to replace it.
+Every `explore_every` steps one step drafts the largest K the rows allow, so the acceptance of positions beyond the
+current K stays measured (the early tokens of a completion accept differently from the later ones).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class AcceptanceStats:
     rows outweigh `prior_weight`); a pessimistic one would keep K = 0 and never measure.
     """
 
-    def __init__(self, max_k: int, prior_rate: float = 0.9, prior_weight: float = 2.0, decay: float = 0.995):
+    def __init__(self, max_k: int, prior_rate: float = 0.9, prior_weight: float = 2.0, decay: float = 0.99):
         self.max_k = max_k
         self.prior_rate = prior_rate
         self.prior_weight = prior_weight
@@ -78,6 +80,7 @@ class AutoPolicy:
         draft_passes: the routes rows can take (a proposer's name, or the cascade's), each True if it runs a draft
             model once per draft token.
         hysteresis: relative gain a new K needs over the current one before it is taken.
+        explore_every: steps between exploration steps at the largest K (0 = never explore).
     """
 
     def __init__(
@@ -86,7 +89,10 @@ class AutoPolicy:
         draft_passes: dict[str, bool],
         time_model: StepTimeModel | None = None,
         hysteresis: float = 0.03,
+        explore_every: int = 50,
     ):
+        self.explore_every = explore_every
+        self.num_steps = 0
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_passes = draft_passes
         self.time_model = time_model if time_model is not None else StepTimeModel()
@@ -115,6 +121,9 @@ class AutoPolicy:
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
             best = current
         self.current = best
+        self.num_steps += 1
+        if self.explore_every and self.num_steps % self.explore_every == 0 and best > 0:
+            best = usable  # exploration (only while drafting pays at all): refresh the later positions' acceptance
         return Decision(best, float(rate[best] / rate[0]))
 
     def observe(self, observation: StepObservation, warm_up: bool = False) -> None:
