@@ -1,70 +1,109 @@
 """The `rollout` command line.
 
-    rollout generate [--model tiny-target] [--num-prompts 64] [--method ngram|draft_model] [--k 3] [--draft tiny-draft]
+    rollout run RECIPE [key=value ...]     run a recipe; write its output folder (rollouts, steps, summary, plot, W&B)
+    rollout bench RECIPE [key=value ...]   baseline, no speculation, static K values and the recipe's policy, one table
+    rollout report OUTPUT_DIR              print the per-phase table of a finished run and write its plot
 
-`generate` samples completions for held-out problems of the embedded arithmetic task and prints accuracy and
-tokens/s. User errors print one line and exit with status 2.
+`key.sub=value` overrides win over the recipe file, e.g. `rollout run recipes/quickstart.yaml rollout.n=8`.
+User errors print one line `rollout <command>: error: ...` on stderr and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import sys
-import time
 
 
-def _generate(args: argparse.Namespace) -> None:
+def _setup(recipe_path: str, overrides: list[str]):
+    """Load the recipe, then set torch threads and quiet the model loaders' progress bars."""
+    from rollout.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides)
     import torch
+    import transformers
 
-    from rollout import Generator, SamplingParams, zoo
-    from rollout.tasks import arithmetic_dataset, arithmetic_reward
-    from specdec.config import SpecConfig
+    if recipe.threads > 0:
+        torch.set_num_threads(recipe.threads)
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    return recipe
 
-    torch.set_num_threads(args.threads)
-    model, tokenizer = zoo.load_model(args.model)
-    rows = arithmetic_dataset(args.num_prompts, split="eval", seed=args.seed)
-    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in rows["prompt"]]
-    spec = None
-    if args.method is not None:
-        draft = args.draft if args.method == "draft_model" else None
-        spec = SpecConfig(method=args.method, num_speculative_tokens=args.k, model=draft)
-    gen = Generator(model, max_batch_size=args.batch_size, max_seq_len=args.max_seq_len, spec=spec)
-    params = SamplingParams(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
-    start = time.perf_counter()
-    outs = gen.generate(prompt_ids, params)
-    seconds = time.perf_counter() - start
-    texts = tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
-    answers = [rows["answer"][o.prompt_index] for o in outs]
-    rewards = arithmetic_reward(texts, answers)
-    tokens = sum(len(o.token_ids) for o in outs)
-    trace = gen.last_trace
-    drafted = sum(r.num_drafted for r in trace)
-    accepted = sum(r.num_accepted for r in trace)
-    print(f"model {args.model}: {len(prompt_ids)} held-out prompts x {args.n} samples, temperature {args.temperature}")
-    print(f"sample: {rows['prompt'][0]!r} -> {texts[0]!r}")
-    print(f"accuracy {sum(rewards) / len(rewards):.3f}")
-    print(f"{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s ({len(trace)} steps)")
-    if spec is not None:
-        print(f"speculation {args.method} K={args.k}: acceptance {accepted / max(drafted, 1):.3f}")
+
+def _run(args: argparse.Namespace) -> None:
+    from rollout.phases import format_table
+    from rollout.recipe import method_name
+    from rollout.runs import run_recipe
+
+    recipe = _setup(args.recipe, args.overrides)
+    spec = recipe.spec
+    policy = method_name(spec.method)
+    if policy != "none":
+        table = spec.num_speculative_tokens_per_batch_size
+        how = "static" if table is None else ("auto" if table == "auto" else "table")
+        policy += f" ({how}, K<={spec.num_speculative_tokens})"
+    print(
+        f"model {recipe.model.name} | data {recipe.data.dataset} | n {recipe.rollout.n} | "
+        f"max_new_tokens {recipe.sampling.max_new_tokens} | speculation {policy}",
+        flush=True,
+    )
+    summary, tracker = run_recipe(recipe)
+    print(format_table(summary))
+    print(
+        f"{summary['num_samples']} samples, reward mean {summary['reward_mean']:.3f}, {summary['wall_seconds']:.2f} s"
+    )
+    print(f"output: {tracker.output_dir}")
+    if tracker.wandb_dir is not None:
+        print(f"W&B run: {tracker.wandb_dir}")
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from rollout.bench import format_bench, run_bench
+
+    recipe = _setup(args.recipe, args.overrides)
+    rows = run_bench(recipe)
+    print(format_bench(rows))
+    print(f"rows written to {pathlib.Path(recipe.output_dir) / 'bench.json'}")
+
+
+def _report(args: argparse.Namespace) -> None:
+    from rollout.phases import format_table, summarize
+    from rollout.plots import plot_steps
+    from rollout.tracking import PLOT_NAME
+
+    folder = pathlib.Path(args.output_dir)
+    steps_path = folder / "steps.jsonl"
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: no such folder")
+    if not steps_path.is_file():
+        raise FileNotFoundError(f"{steps_path}: not found; is {folder} the output_dir of a finished `rollout run`?")
+    steps = [json.loads(line) for line in steps_path.read_text().splitlines() if line.strip()]
+    if not steps:
+        raise ValueError(f"{steps_path} is empty: the run recorded no steps")
+    summary_path = folder / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else summarize(steps)
+    print(format_table(summary))
+    if "reward_mean" in summary:
+        print(f"reward mean {summary['reward_mean']:.3f}")
+    print(f"plot: {plot_steps(steps, folder / PLOT_NAME, title=str(folder))}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout", description="RL rollout generation with speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="sample completions for held-out problems; print accuracy and tokens/s")
-    gen.add_argument("--model", default="tiny-target", help="a shipped model short name")
-    gen.add_argument("--num-prompts", type=int, default=64)
-    gen.add_argument("--n", type=int, default=1, help="samples per prompt")
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--max-new-tokens", type=int, default=384)
-    gen.add_argument("--max-seq-len", type=int, default=640)
-    gen.add_argument("--batch-size", type=int, default=64)
-    gen.add_argument("--method", choices=["ngram", "draft_model"], default=None, help="speculative proposer")
-    gen.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    gen.add_argument("--draft", default="tiny-draft", help="draft model (short name or path) for --method draft_model")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--threads", type=int, default=1, help="torch threads (1 gives stable timings)")
-    gen.set_defaults(func=_generate)
+    overrides_help = "recipe overrides key.sub=value (win over the file), e.g. rollout.n=8 spec.method=null"
+    run = sub.add_parser("run", help="run a recipe and write its output folder")
+    run.add_argument("recipe", help="a recipe YAML file, e.g. recipes/quickstart.yaml")
+    run.add_argument("overrides", nargs="*", help=overrides_help)
+    run.set_defaults(func=_run)
+    bench = sub.add_parser("bench", help="baseline vs no speculation vs static K vs the recipe's policy")
+    bench.add_argument("recipe", help="a recipe YAML file")
+    bench.add_argument("overrides", nargs="*", help=overrides_help)
+    bench.set_defaults(func=_bench)
+    report = sub.add_parser("report", help="per-phase table and plot of a finished run")
+    report.add_argument("output_dir", help="the output_dir of a finished `rollout run`")
+    report.set_defaults(func=_report)
     return parser
 
 
@@ -72,9 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        print(f"rollout {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as err:  # OSError: missing files, unreachable hub ids
+        message = " ".join(str(err).split())  # one line, whatever the message held
+        print(f"rollout {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"rollout {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,0 +1,161 @@
+"""`rollout bench`: the same prompts through `model.generate` in padded batches (the baseline), the generator without
+speculation, with static K values, and with the recipe's own speculation policy; one row each.
+
+Rows (also written to `bench.json` in the output folder): `name`, `seconds` (wall time of the generate call),
+`tokens` (completion tokens), `tokens_per_s`, `tokens_per_s_per_phase` ({prefill, bulk, tail}; null for the
+baseline, which has no step trace), `mean_k`, `acceptance_rate`, `reward_mean`. Every row gets a short warm-up
+first. Time with one torch thread and read the ratios: absolute times move with the machine's load.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from dataclasses import replace
+
+import torch
+
+from rollout.phases import PHASES
+from rollout.recipe import Recipe, method_name, sampling_params
+from rollout.rewards import build_rewards, score
+from rollout.runs import RecipeInputs, load_inputs, make_rollout, recipe_spec
+from rollout.sampling import SamplingParams
+
+BASELINE = "model.generate (padded)"
+
+
+def run_bench(recipe: Recipe) -> list[dict]:
+    """Run every row of the benchmark on the recipe's prompts; write bench.json; return the rows."""
+    inputs = load_inputs(recipe)
+    params = sampling_params(recipe)
+    rows = [_baseline_row(recipe, inputs, params)] if recipe.bench.baseline else []
+    method = recipe.spec.method if recipe.spec.method not in (None, "none") else "ngram"
+    configured = None if recipe.spec.method in (None, "none") else recipe.spec
+    plain_recipe_k = configured is not None and configured.num_speculative_tokens_per_batch_size is None
+    runs = [("no speculation", None)]
+    for k in recipe.bench.static_k:
+        is_recipe = plain_recipe_k and configured.num_speculative_tokens == k
+        name = f"{method_name(method)} K={k}" + (" (recipe)" if is_recipe else "")
+        runs.append((name, dict(method=method, num_speculative_tokens=k, num_speculative_tokens_per_batch_size=None)))
+    if configured is not None and not (plain_recipe_k and configured.num_speculative_tokens in recipe.bench.static_k):
+        runs.append((f"recipe ({_policy_name(configured)})", {}))
+    for name, changes in runs:
+        spec = recipe_spec(recipe, **changes) if changes is not None else None
+        rollout = make_rollout(recipe, inputs, spec)
+        rollout.generator.generate(inputs.prompt_ids[:2], replace(params, n=1, max_new_tokens=8))  # warm-up
+        batch = rollout(inputs.data)
+        seconds = batch.summary["wall_seconds"]
+        phases = batch.summary["phases"]
+        rows.append(
+            {
+                "name": name,
+                "seconds": seconds,
+                "tokens": batch.num_tokens,
+                "tokens_per_s": batch.num_tokens / seconds if seconds > 0 else 0.0,
+                "tokens_per_s_per_phase": {p: phases[p]["tokens_per_s"] for p in PHASES},
+                "mean_k": batch.summary["total"]["mean_k"],
+                "acceptance_rate": batch.summary["total"]["acceptance_rate"],
+                "reward_mean": batch.summary["reward_mean"],
+            }
+        )
+    out = pathlib.Path(recipe.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    workload = {
+        "model": recipe.model.name,
+        "dataset": recipe.data.dataset,
+        "num_prompts": len(inputs.prompt_ids),
+        "n": recipe.rollout.n,
+        "max_new_tokens": recipe.sampling.max_new_tokens,
+        "temperature": recipe.sampling.temperature,
+        "max_batch_size": recipe.rollout.max_batch_size,
+        "threads": torch.get_num_threads(),
+    }
+    (out / "bench.json").write_text(json.dumps({"workload": workload, "rows": rows}, indent=2) + "\n")
+    return rows
+
+
+def _policy_name(spec) -> str:
+    table = spec.num_speculative_tokens_per_batch_size
+    if table is None:
+        return f"{method_name(spec.method)} K={spec.num_speculative_tokens}"
+    return f"{method_name(spec.method)} {'auto' if table == 'auto' else 'table'} K<={spec.num_speculative_tokens}"
+
+
+def _baseline_row(recipe: Recipe, inputs: RecipeInputs, params: SamplingParams) -> dict:
+    """`model.generate` over left-padded batches of `max_batch_size` rows, each prompt repeated n times."""
+    model, tokenizer = inputs.model, inputs.tokenizer
+    eos = model.generation_config.eos_token_id
+    stop_ids = set([eos] if isinstance(eos, int) else (eos or [])) | set(params.stop_token_ids or [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
+    prompts = [p for p in inputs.prompt_ids for _ in range(params.n)]
+    size = recipe.rollout.max_batch_size
+    sampling = dict(do_sample=params.temperature > 0, max_new_tokens=params.max_new_tokens, pad_token_id=pad)
+    if params.temperature > 0:
+        sampling.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+    if stop_ids:
+        sampling["eos_token_id"] = sorted(stop_ids)
+
+    def generate(batch: list[list[int]], **overrides) -> list[list[int]]:
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, **{**sampling, **overrides})
+        return [_cut(row, stop_ids) for row in out[:, width:].tolist()]
+
+    generate(prompts[:2], max_new_tokens=8)  # warm-up
+    torch.manual_seed(recipe.seed)
+    start = time.perf_counter()
+    completions = [c for i in range(0, len(prompts), size) for c in generate(prompts[i : i + size])]
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c) for c in completions)
+    reward = _baseline_reward(recipe, inputs, completions, stop_ids)
+    return {
+        "name": BASELINE,
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "tokens_per_s_per_phase": None,
+        "mean_k": 0.0,
+        "acceptance_rate": 0.0,
+        "reward_mean": reward,
+    }
+
+
+def _cut(row: list[int], stop_ids: set[int]) -> list[int]:
+    """A completion up to and including its first stop token (the padding after it is not output)."""
+    for i, token in enumerate(row):
+        if token in stop_ids:
+            return row[: i + 1]
+    return row
+
+
+def _baseline_reward(recipe: Recipe, inputs: RecipeInputs, completions: list[list[int]], stop_ids: set[int]) -> float:
+    """The mean reward of the baseline's completions, with the keyword arguments the rollout loop passes."""
+    n = recipe.rollout.n
+    rows = list(inputs.data)
+    texts = inputs.tokenizer.batch_decode(completions, skip_special_tokens=True)
+    columns = {name: [rows[i // n][name] for i in range(len(texts))] for name in rows[0]}
+    columns["prompts"] = [inputs.prompts[i // n] for i in range(len(texts))]
+    columns["completion_ids"] = completions
+    columns["finish_reasons"] = ["stop" if c and c[-1] in stop_ids else "length" for c in completions]
+    total, _ = score(build_rewards([(r.name, r.weight) for r in recipe.rewards]), texts, columns)
+    return sum(total) / len(total)
+
+
+def format_bench(rows: list[dict]) -> str:
+    """The benchmark table, with speed-ups against the first row."""
+    base = rows[0]["tokens_per_s"] if rows else 0.0
+    header = f"{'name':32s}{'seconds':>9s}{'tokens':>8s}{'tokens/s':>10s}{'speed-up':>9s}"
+    header += "".join(f"{p + '/s':>10s}" for p in PHASES) + f"{'K':>6s}{'accept':>8s}{'reward':>8s}"
+    lines = [header]
+    for row in rows:
+        per_phase = row["tokens_per_s_per_phase"]
+        cells = "".join(f"{per_phase[p]:10.1f}" if per_phase else f"{'-':>10s}" for p in PHASES)
+        speedup = row["tokens_per_s"] / base if base else 0.0
+        lines.append(
+            f"{row['name']:32s}{row['seconds']:9.2f}{row['tokens']:8d}{row['tokens_per_s']:10.1f}{speedup:8.2f}x"
+            f"{cells}{row['mean_k']:6.2f}{row['acceptance_rate']:8.3f}{row['reward_mean']:8.3f}"
+        )
+    return "\n".join(lines)

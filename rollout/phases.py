@@ -1,0 +1,104 @@
+"""Phases of a rollout (prefill, bulk, tail) and per-phase throughput.
+
+A generator step is `prefill` when it processes prompts. A decode step is `bulk` while its batch is at least
+`tail_fraction` of the largest decode batch seen so far in the rollout, and `tail` below that: the few long
+sequences that hold up the end of every rollout. Prefill steps interleave with decode steps when there are more
+samples than slots; they do not move the peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PHASES = ("prefill", "bulk", "tail")
+SUMMARY_KEYS = (
+    "seconds",
+    "tokens",
+    "tokens_per_s",
+    "mean_batch_size",
+    "mean_k",
+    "acceptance_rate",
+    "mean_accepted_length",
+    "num_steps",
+)
+
+
+class PhaseLabeler:
+    """Labels steps in order; holds the peak decode batch size of one rollout.
+
+    Args:
+        tail_fraction: a decode step is `tail` when its batch size < tail_fraction * peak decode batch size so far.
+    """
+
+    def __init__(self, tail_fraction: float = 0.25):
+        if not isinstance(tail_fraction, (int, float)) or not 0.0 <= tail_fraction <= 1.0:
+            raise ValueError(f"tail_fraction ({tail_fraction!r}) must be in [0, 1], e.g. 0.25 (0 = no tail phase)")
+        self.tail_fraction = float(tail_fraction)
+        self.peak_batch_size = 0
+
+    def label(self, phase: str, batch_size: int) -> str:
+        """The phase of the next step, given the generator's phase ("prefill" | "decode") and its batch size."""
+        if phase == "prefill":
+            return "prefill"
+        assert phase == "decode", f"expected a 'prefill' or 'decode' step, got {phase!r}"
+        self.peak_batch_size = max(self.peak_batch_size, batch_size)
+        return "tail" if batch_size < self.tail_fraction * self.peak_batch_size else "bulk"
+
+
+def summarize(steps: Iterable[dict]) -> dict:
+    """Per-phase and total throughput of labelled steps (dicts with the step-trace fields, phase relabelled).
+
+    Returns `{"phases": {phase: stats for each of PHASES}, "total": stats}`, where stats holds:
+
+    - `seconds`: the summed wall time of the steps (generator-measured; host time between steps excluded).
+    - `tokens`: emitted completion tokens (`num_emitted`; a prefill step emits each sample's first token).
+    - `tokens_per_s`: tokens / seconds.
+    - `mean_batch_size`: mean `batch_size` per step: active rows for decode steps, prompts per forward for prefill.
+      `total` averages over its decode steps only (prefill batches count prompts, not rows).
+    - `mean_k`: mean `num_draft_tokens` (the K chosen that step) per step; `total` over its decode steps only
+      (prefill never drafts).
+    - `acceptance_rate`: accepted / drafted draft tokens (0.0 when nothing was drafted).
+    - `mean_accepted_length`: accepted draft tokens per row per decode step, i.e. sum(num_accepted) /
+      sum(decode batch_size); a decode step emits 1 + this many tokens per row before stops. 0.0 for prefill.
+    - `num_steps`: the number of steps.
+
+    A phase with no steps has zeros everywhere.
+    """
+    steps = list(steps)
+    phases = {phase: _stats([s for s in steps if s["phase"] == phase]) for phase in PHASES}
+    return {"phases": phases, "total": _stats(steps)}
+
+
+def _stats(steps: list[dict]) -> dict:
+    seconds = sum(s["seconds"] for s in steps)
+    tokens = sum(s["num_emitted"] for s in steps)
+    drafted = sum(s["num_drafted"] for s in steps)
+    accepted = sum(s["num_accepted"] for s in steps)
+    decode = [s for s in steps if s["phase"] != "prefill"]
+    decode_rows = sum(s["batch_size"] for s in decode)
+    averaged = decode or steps  # per-step means over the decode steps when there are any
+    num_steps = len(steps)
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "mean_batch_size": sum(s["batch_size"] for s in averaged) / len(averaged) if averaged else 0.0,
+        "mean_k": sum(s["num_draft_tokens"] for s in averaged) / len(averaged) if averaged else 0.0,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": accepted / decode_rows if decode_rows else 0.0,
+        "num_steps": num_steps,
+    }
+
+
+def format_table(summary: dict) -> str:
+    """The per-phase table of `summarize`'s output, one row per phase and a total row."""
+    header = f"{'phase':8s}{'steps':>7s}{'seconds':>9s}{'tokens':>9s}{'tokens/s':>10s}{'batch':>7s}{'K':>6s}"
+    header += f"{'accept':>8s}{'acc.len':>9s}"
+    lines = [header]
+    rows = [(phase, summary["phases"][phase]) for phase in PHASES] + [("total", summary["total"])]
+    for name, s in rows:
+        lines.append(
+            f"{name:8s}{s['num_steps']:7d}{s['seconds']:9.2f}{s['tokens']:9d}{s['tokens_per_s']:10.1f}"
+            f"{s['mean_batch_size']:7.1f}{s['mean_k']:6.2f}{s['acceptance_rate']:8.3f}{s['mean_accepted_length']:9.3f}"
+        )
+    return "\n".join(lines)

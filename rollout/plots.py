@@ -1,0 +1,78 @@
+"""The rollout plot: batch size, K and tokens/s over time, with the phases shaded."""
+
+from __future__ import annotations
+
+import pathlib
+
+from rollout.phases import PHASES
+
+PHASE_COLORS = {"prefill": "#9ecae1", "bulk": "#c7e9c0", "tail": "#fdd0a2"}
+
+
+def plot_steps(steps: list[dict], path: str | pathlib.Path, title: str | None = None) -> pathlib.Path:
+    """Write a PNG of the step trace to `path`.
+
+    Args:
+        steps: step dicts with `phase` (prefill / bulk / tail), `elapsed`, `seconds`, `batch_size`,
+            `num_draft_tokens` and `num_emitted`, in order.
+        path: the PNG file to write.
+        title: the figure title.
+    Returns:
+        the path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)  # files only: never needs a display
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    path = pathlib.Path(path)
+    ends = [s["elapsed"] for s in steps]
+    starts = [max(0.0, e - s["seconds"]) for e, s in zip(ends, steps)]
+    # batch size and K of decode steps only: a prefill's batch counts prompts, not rows in decode
+    decode = [(end, s) for end, s in zip(ends, steps) if s["phase"] != "prefill"]
+    window = max(1, len(steps) // 50)  # tokens/s over a running window of ~2% of the steps: one step is noisy
+    fig, axes = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
+    series = [
+        ([e for e, _ in decode], [s["batch_size"] for _, s in decode], "decode batch size"),
+        ([e for e, _ in decode], [s["num_draft_tokens"] for _, s in decode], "K (draft tokens)"),
+        (ends, _windowed_rate(steps, window), "tokens/s"),
+    ]
+    for ax, (times, values, label) in zip(axes, series):
+        for phase, start, end in _phase_spans(steps, starts, ends):
+            ax.axvspan(start, end, color=PHASE_COLORS[phase], linewidth=0)
+        ax.step(times, values, where="pre", color="black", linewidth=1)
+        ax.set_ylim(0, 1.1 * max([1, *values]))  # from zero: a constant K should not look like noise
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("seconds since the start")
+    handles = [Patch(color=PHASE_COLORS[p], label=p) for p in PHASES]
+    axes[0].legend(handles=handles, loc="upper right", ncol=3, fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _windowed_rate(steps: list[dict], window: int) -> list[float]:
+    """Tokens/s of the last `window` steps at every step: emitted tokens over the seconds they took."""
+    rates = []
+    for i in range(len(steps)):
+        chunk = steps[max(0, i - window + 1) : i + 1]
+        seconds = sum(s["seconds"] for s in chunk)
+        rates.append(sum(s["num_emitted"] for s in chunk) / seconds if seconds > 0 else 0.0)
+    return rates
+
+
+def _phase_spans(steps: list[dict], starts: list[float], ends: list[float]) -> list[tuple[str, float, float]]:
+    """Runs of consecutive steps in one phase, as (phase, start, end): one shaded span per run."""
+    spans: list[tuple[str, float, float]] = []
+    for step, start, end in zip(steps, starts, ends):
+        if spans and spans[-1][0] == step["phase"]:
+            spans[-1] = (step["phase"], spans[-1][1], end)
+        else:
+            spans.append((step["phase"], start, end))
+    return spans

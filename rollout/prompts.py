@@ -1,0 +1,79 @@
+"""Turning dataset rows into prompt text and token ids: a plain template or the tokenizer's chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def check_prompt_column(column_names: Sequence[str], prompt_column: str) -> None:
+    if prompt_column not in column_names:
+        raise ValueError(
+            f"data.prompt_column: the dataset has no column {prompt_column!r}; its columns: "
+            f"{', '.join(column_names)}; set data.prompt_column to the one that holds the prompts"
+        )
+
+
+class PromptFormatter:
+    """Formats rows into prompts.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        prompt_column: the column holding the prompt: a string, or (with `chat_template`) a list of chat messages.
+        template: a `str.format` template over the row's columns, e.g. "Question: {question}\\nAnswer:";
+            None uses the prompt column as is.
+        chat_template: wrap the text as a user message (after `system_prompt`) in the tokenizer's chat template,
+            with the generation prompt added.
+        system_prompt: the system message for `chat_template`; None sends none.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_column: str = "prompt",
+        template: str | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+    ):
+        if chat_template and getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "data.chat_template is true but the tokenizer has no chat template; "
+                "set data.chat_template=false and give a plain data.template"
+            )
+        self.tokenizer = tokenizer
+        self.prompt_column = prompt_column
+        self.template = template
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+
+    def text(self, row: dict) -> str:
+        """The prompt text of one row (chat-templated when asked)."""
+        value = row[self.prompt_column]
+        if self.template is not None:
+            try:
+                value = self.template.format(**row)
+            except KeyError as err:
+                raise ValueError(
+                    f"data.template names the column {err.args[0]!r} that the dataset lacks; "
+                    f"its columns: {', '.join(row)}"
+                ) from None
+        if not self.chat_template:
+            if not isinstance(value, str):
+                raise ValueError(
+                    f"data.prompt_column {self.prompt_column!r} holds {type(value).__name__}, not text: "
+                    "set data.chat_template=true for chat messages, or give a data.template"
+                )
+            return value
+        if isinstance(value, list):  # already a conversation
+            messages = list(value)
+        else:
+            messages = [{"role": "user", "content": str(value)}]
+        if self.system_prompt is not None:
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def __call__(self, rows: Sequence[dict]) -> tuple[list[str], list[list[int]]]:
+        """(prompt texts, prompt token ids) of the rows."""
+        texts = [self.text(row) for row in rows]
+        # a chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. a BOS)
+        encoded = self.tokenizer(texts, add_special_tokens=not self.chat_template)["input_ids"]
+        return texts, [list(ids) for ids in encoded]

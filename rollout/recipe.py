@@ -1,0 +1,234 @@
+"""Recipes: YAML files loaded into typed dataclasses (OmegaConf structured configs), with `key.sub=value` overrides.
+
+Unknown keys and values of the wrong type are errors naming the key path; values are checked in `__post_init__`
+and by building the generator's own settings (`SamplingParams`, `SpecConfig`, the K table) before any model loads.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from rollout.sampling import SamplingParams
+from specdec.config import SpecConfig
+from specdec.policies import TablePolicy
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelRecipe:
+    name: str = "tiny-target"  # a shipped short name (tiny-target, tiny-draft), a local folder, or a hub id org/name
+    dtype: str = "float32"  # float32 | float16 | bfloat16 | float64
+    device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda when there is a GPU)
+
+    def __post_init__(self) -> None:
+        dtypes = ("float32", "float16", "bfloat16", "float64")
+        _require(self.dtype in dtypes, f"model.dtype ({self.dtype!r}) must be one of {', '.join(dtypes)}")
+
+
+@dataclass
+class DataRecipe:
+    dataset: str = "arithmetic"  # embedded "arithmetic", a .json/.jsonl/.csv/.parquet file, a saved dataset, a hub id
+    split: str = "eval"  # split to read (arithmetic: train | eval)
+    config_name: str | None = None  # hub dataset config, e.g. "main" for openai/gsm8k
+    prompt_column: str = "prompt"  # the column holding the prompt (text, or chat messages with chat_template)
+    template: str | None = None  # str.format template over the row's columns; None uses the prompt column as is
+    chat_template: bool = False  # wrap the prompt as a user message in the tokenizer's chat template
+    system_prompt: str | None = None  # system message for chat_template
+    num_prompts: int | None = 32  # first rows to use; None = all
+
+    def __post_init__(self) -> None:
+        n = self.num_prompts
+        _require(n is None or n >= 1, f"data.num_prompts ({n}) must be >= 1, or null for every row")
+
+
+@dataclass
+class SamplingRecipe:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256  # completion length cap
+    stop_token_ids: list[int] | None = None  # extra stop ids besides the model's EOS
+
+
+@dataclass
+class SpecRecipe:
+    """vLLM's `--speculative-config` field names; `method: null` decodes without speculation."""
+
+    method: Any = None  # null (no speculation) | ngram | draft_model | a list of both in priority order
+    num_speculative_tokens: int = 3  # the largest K
+    prompt_lookup_max: int | None = None  # ngram: longest suffix matched (default 4)
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix matched (default 1)
+    model: str | None = None  # draft_model: shipped short name, local folder or hub id
+    num_candidates: int = 1  # ngram: continuations merged into a token tree; 1 = a chain
+    num_speculative_tokens_per_batch_size: Any = None  # [[start_bs, end_bs, K], ...] inclusive ranges, or "auto"
+
+
+@dataclass
+class RolloutRecipe:
+    n: int = 4  # completions per prompt (GRPO group size)
+    max_batch_size: int = 64  # generator slots: sequences decoded at once
+    max_seq_len: int | None = None  # prompt + completion cap; null = longest prompt + sampling.max_new_tokens
+    tail_fraction: float = 0.25  # decode steps with batch < tail_fraction * peak decode batch are the tail phase
+
+    def __post_init__(self) -> None:
+        _require(self.n >= 1, f"rollout.n ({self.n}) must be >= 1: completions per prompt")
+        _require(self.max_batch_size >= 1, f"rollout.max_batch_size ({self.max_batch_size}) must be >= 1")
+        _require(
+            0.0 <= self.tail_fraction <= 1.0,
+            f"rollout.tail_fraction ({self.tail_fraction}) must be in [0, 1], e.g. 0.25 (0 = no tail phase)",
+        )
+
+
+@dataclass
+class RewardRecipe:
+    name: str = "arithmetic"  # a built-in reward (arithmetic, gsm8k) or a module:function import path
+    weight: float = 1.0  # the total reward is the weighted sum of all rewards
+
+
+@dataclass
+class LoggingRecipe:
+    wandb_mode: str = "offline"  # offline | online | disabled; the WANDB_MODE environment variable wins when set
+    project: str = "rollout"  # W&B project
+    run_name: str | None = None  # W&B run name; null lets W&B pick one
+    num_table_rows: int = 32  # samples in the W&B table of completions and rewards
+    progress: bool = True  # live progress line on stderr (when it is a terminal)
+    plot: bool = True  # write the PNG plot at the end
+
+
+@dataclass
+class BenchRecipe:
+    static_k: list[int] = field(default_factory=lambda: [1, 3, 5])  # K values run as static-K rows
+    baseline: bool = True  # include model.generate in padded batches as the baseline row
+
+    def __post_init__(self) -> None:
+        _require(all(k >= 1 for k in self.static_k), f"bench.static_k ({self.static_k}) must hold K values >= 1")
+
+
+@dataclass
+class Recipe:
+    model: ModelRecipe = field(default_factory=ModelRecipe)
+    data: DataRecipe = field(default_factory=DataRecipe)
+    sampling: SamplingRecipe = field(default_factory=SamplingRecipe)
+    spec: SpecRecipe = field(default_factory=SpecRecipe)
+    rollout: RolloutRecipe = field(default_factory=RolloutRecipe)
+    rewards: list[RewardRecipe] = field(default_factory=lambda: [RewardRecipe()])
+    logging: LoggingRecipe = field(default_factory=LoggingRecipe)
+    bench: BenchRecipe = field(default_factory=BenchRecipe)
+    output_dir: str = "outputs/rollout"  # where the run writes rollouts.jsonl, steps.jsonl, summary.json, ...
+    seed: int = 0  # sampling seed: the same seed and inputs give the same rollouts
+    threads: int = 1  # torch CPU threads (1 gives stable timings); 0 keeps torch's default
+
+    def __post_init__(self) -> None:
+        _require(self.threads >= 0, f"threads ({self.threads}) must be >= 0 (0 keeps torch's default)")
+        _require(len(self.rewards) >= 1, "rewards is empty: give at least one reward, e.g. [{name: arithmetic}]")
+
+
+def _error(err: OmegaConfBaseException, source: str) -> ValueError:
+    """OmegaConf's multi-line message as one line that names the key path."""
+    key = getattr(err, "full_key", None)
+    message = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+    return ValueError(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+
+
+def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe: the defaults, then the YAML file at `path`, then `key.sub=value` overrides (later wins).
+
+    Raises:
+        FileNotFoundError: no file at `path`.
+        ValueError: invalid YAML, an unknown key, a value of the wrong type or out of range, naming the key.
+    """
+    config = OmegaConf.structured(Recipe)
+    sources = []
+    if path is not None:
+        path = pathlib.Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe file not found: {path}")
+        try:
+            sources.append((str(path), OmegaConf.load(path)))
+        except Exception as err:  # the YAML parser's own error types
+            raise ValueError(f"{path}: invalid YAML: {str(err).splitlines()[0]}") from None
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must be key=value, e.g. rollout.n=8")
+        try:
+            sources.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
+        except OmegaConfBaseException as err:
+            raise _error(err, f"override {item!r}") from None
+    for source, values in sources:
+        try:
+            config = OmegaConf.merge(config, values)
+        except OmegaConfBaseException as err:
+            raise _error(err, source) from None
+    try:
+        recipe = OmegaConf.to_object(config)
+    except OmegaConfBaseException as err:
+        raise _error(err, str(path) if path else "recipe") from None
+    check_recipe(recipe)
+    return recipe
+
+
+def recipe_dict(recipe: Recipe) -> dict:
+    """The resolved recipe as plain dicts and lists (config.yaml, W&B config)."""
+    return OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)
+
+
+def sampling_params(recipe: Recipe) -> SamplingParams:
+    s = recipe.sampling
+    try:
+        return SamplingParams(
+            n=recipe.rollout.n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            max_new_tokens=s.max_new_tokens,
+            stop_token_ids=list(s.stop_token_ids) if s.stop_token_ids is not None else None,
+            seed=recipe.seed,
+        )
+    except ValueError as err:
+        raise ValueError(f"sampling: {err}") from None
+
+
+def method_name(method: Any) -> str:
+    """A spec method for display: "none", "ngram", "draft_model", "ngram+draft_model"."""
+    if method in (None, "none"):
+        return "none"
+    return method if isinstance(method, str) else "+".join(method)
+
+
+def spec_config(recipe: Recipe, draft_model: Any = None, **changes) -> SpecConfig | None:
+    """The recipe's `SpecConfig` (None when spec.method is null or "none"); `changes` replace fields (bench rows).
+
+    Args:
+        draft_model: what to pass as `SpecConfig.model` instead of spec.model (e.g. a model loaded from the hub).
+    """
+    fields = recipe_dict(recipe)["spec"]
+    fields.update(changes)
+    if fields["method"] in (None, "none"):
+        return None
+    if draft_model is not None:
+        fields["model"] = draft_model
+    try:
+        return SpecConfig(**fields)
+    except ValueError as err:
+        raise ValueError(f"spec: {err}") from None
+
+
+def check_recipe(recipe: Recipe) -> None:
+    """Build the generator's settings from the recipe so that their errors come before any model loads."""
+    sampling_params(recipe)
+    spec = spec_config(recipe)
+    table = spec.num_speculative_tokens_per_batch_size if spec is not None else None
+    if isinstance(table, (list, tuple)):
+        try:
+            TablePolicy(table, spec.num_speculative_tokens, recipe.rollout.max_batch_size)
+        except ValueError as err:
+            raise ValueError(f"spec: {err}") from None

@@ -1,0 +1,128 @@
+"""Reward functions: the built-in ones by name, any other by `module:function` import path, several summed with weights.
+
+A reward function takes the decoded completions and, as keyword arguments, everything known about each sample,
+one list entry per completion (TRL's convention), and returns one float per completion:
+
+    def my_reward(completions: list[str], **kwargs) -> list[float]: ...
+
+The keyword arguments are `prompts` (the formatted prompt text), `completion_ids` (token ids), `finish_reasons`
+("stop" | "length") and every column of the dataset row the sample came from (e.g. `answer`), repeated once per
+sample. Accept `**kwargs` so that new columns do not break the function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from rollout.tasks.arithmetic import arithmetic_reward
+
+RewardFn = Callable[..., list[float]]
+
+
+def arithmetic(completions: list[str], answer: list[str], **kwargs) -> list[float]:
+    """1.0 where the number after the last `####` equals the `answer` column, else 0.0."""
+    return arithmetic_reward(completions, [str(a) for a in answer])
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def gsm8k(completions: list[str], answer: list[str], **kwargs) -> list[float]:
+    """1.0 where the completion's final number equals GSM8K's reference (the number after `####` in the `answer`
+    column). The final number is the one after the completion's last `####` if it has one, else its last number."""
+    rewards = []
+    for completion, reference in zip(completions, answer):
+        target = _to_number(str(reference).rsplit("####", 1)[-1])
+        tail = completion.rsplit("####", 1)[-1] if "####" in completion else completion
+        numbers = _NUMBER.findall(tail)
+        found = numbers[0] if "####" in completion and numbers else (numbers[-1] if numbers else None)
+        rewards.append(1.0 if target is not None and found is not None and _to_number(found) == target else 0.0)
+    return rewards
+
+
+def _to_number(text: str) -> float | None:
+    match = _NUMBER.search(text)
+    return float(match.group(0).replace(",", "")) if match else None
+
+
+# read-only: register your own reward with a `module:function` path instead of mutating a global table
+BUILTIN_REWARDS = MappingProxyType({"arithmetic": arithmetic, "gsm8k": gsm8k})
+
+
+def resolve_reward(spec: str | RewardFn) -> RewardFn:
+    """A reward function from a built-in name (see `BUILTIN_REWARDS`), a `module:function` path, or a callable."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"reward ({spec!r}) must be a built-in name, a 'module:function' path or a callable")
+    if spec in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(
+            f"unknown reward name {spec!r}; built-in rewards: {', '.join(BUILTIN_REWARDS)}, "
+            "or give an import path as 'module:function'"
+        )
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+@dataclass
+class WeightedReward:
+    """One term of the total reward: `weight * fn(completions, **columns)`."""
+
+    name: str  # how the term is reported (rollouts.jsonl, W&B): the built-in name, the path or the function name
+    fn: RewardFn
+    weight: float = 1.0
+
+
+def build_rewards(specs: Sequence[tuple[str | RewardFn, float]]) -> list[WeightedReward]:
+    """Resolve `(name or path or callable, weight)` pairs; raises ValueError naming an unknown reward."""
+    terms = []
+    for spec, weight in specs:
+        fn = resolve_reward(spec)
+        name = spec if isinstance(spec, str) else getattr(fn, "__name__", "reward")
+        if any(t.name == name for t in terms):  # the same function twice: keep the reported names apart
+            name = f"{name}#{len(terms)}"
+        terms.append(WeightedReward(name, fn, float(weight)))
+    return terms
+
+
+def score(
+    terms: Sequence[WeightedReward], completions: list[str], columns: dict[str, list]
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Run every reward term over the completions.
+
+    Args:
+        terms: the reward terms.
+        completions: decoded completion texts, one per sample.
+        columns: keyword arguments for the reward functions, each a list with one entry per sample.
+    Returns:
+        (total, per_term): the weighted sum per sample, and each term's unweighted rewards by term name.
+    """
+    total = [0.0] * len(completions)
+    per_term: dict[str, list[float]] = {}
+    for term in terms:
+        try:
+            values = term.fn(completions, **columns)
+        except TypeError as err:  # most often a reward that needs a column the dataset lacks
+            raise ValueError(
+                f"reward {term.name!r} failed: {err}; it was given the columns {sorted(columns)}"
+            ) from None
+        if values is None or len(values) != len(completions):
+            got = "None" if values is None else f"{len(values)} values"
+            raise ValueError(f"reward {term.name!r} returned {got} for {len(completions)} completions: return one each")
+        values = [float(v) for v in values]
+        per_term[term.name] = values
+        total = [t + term.weight * v for t, v in zip(total, values)]
+    return total, per_term

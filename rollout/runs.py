@@ -1,0 +1,103 @@
+"""Running a recipe: load what it names (model, data, rewards), build the rollout loop, record the run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rollout.loop import Rollout
+from rollout.progress import Progress
+from rollout.prompts import PromptFormatter, check_prompt_column
+from rollout.recipe import Recipe, recipe_dict, sampling_params, spec_config
+from rollout.rewards import build_rewards
+from rollout.sources import draft_model_spec, load_dataset, load_model
+from rollout.tracking import RunTracker
+from specdec.config import SpecConfig
+
+
+@dataclass
+class RecipeInputs:
+    """What a recipe loads once: shared by every generator a run or a benchmark builds."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    data: object  # datasets.Dataset
+    prompts: list[str]  # the formatted prompts
+    prompt_ids: list[list[int]]  # their token ids
+    max_seq_len: int
+
+
+def load_inputs(recipe: Recipe) -> RecipeInputs:
+    """Check the rewards, load the data (checking its prompt column), then the model; format the prompts.
+
+    Cheap checks come first so that a bad recipe fails before a model loads.
+    """
+    build_rewards([(r.name, r.weight) for r in recipe.rewards])
+    d = recipe.data
+    data = load_dataset(d.dataset, d.split, d.config_name, d.num_prompts)
+    check_prompt_column(data.column_names, d.prompt_column)
+    if len(data) == 0:
+        raise ValueError(f"data.dataset {d.dataset!r} split {d.split!r} has no rows")
+    torch.manual_seed(recipe.seed)
+    model, tokenizer = load_model(recipe.model.name, recipe.model.dtype, recipe.model.device)
+    formatter = PromptFormatter(tokenizer, d.prompt_column, d.template, d.chat_template, d.system_prompt)
+    prompts, prompt_ids = formatter(list(data))
+    max_seq_len = recipe.rollout.max_seq_len
+    if max_seq_len is None:
+        max_seq_len = max(len(p) for p in prompt_ids) + recipe.sampling.max_new_tokens
+    return RecipeInputs(model, tokenizer, data, prompts, prompt_ids, max_seq_len)
+
+
+def recipe_spec(recipe: Recipe, **changes) -> SpecConfig | None:
+    """The recipe's SpecConfig (with `changes`), a hub draft model loaded here."""
+    method = changes.get("method", recipe.spec.method)
+    methods = [method] if isinstance(method, str) else list(method or [])
+    model = changes.get("model", recipe.spec.model)
+    draft = draft_model_spec(model, recipe.model.dtype, recipe.model.device) if "draft_model" in methods else None
+    return spec_config(recipe, draft_model=draft if not isinstance(draft, str) else None, **changes)
+
+
+def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) -> Rollout:
+    """The rollout loop over the loaded model, with `spec` for speculation (None: plain decoding)."""
+    d = recipe.data
+    return Rollout(
+        inputs.model,
+        inputs.tokenizer,
+        rewards=[(r.name, r.weight) for r in recipe.rewards],
+        sampling=sampling_params(recipe),
+        spec=spec,
+        max_batch_size=recipe.rollout.max_batch_size,
+        max_seq_len=inputs.max_seq_len,
+        prompt_column=d.prompt_column,
+        template=d.template,
+        chat_template=d.chat_template,
+        system_prompt=d.system_prompt,
+        tail_fraction=recipe.rollout.tail_fraction,
+    )
+
+
+def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
+    """Run the recipe's rollout and write its output folder; returns (summary, tracker)."""
+    inputs = load_inputs(recipe)
+    rollout = make_rollout(recipe, inputs, recipe_spec(recipe))
+    log = recipe.logging
+    tracker = RunTracker(
+        recipe.output_dir,
+        recipe_dict(recipe),
+        wandb_mode=log.wandb_mode,
+        project=log.project,
+        run_name=log.run_name,
+        num_table_rows=log.num_table_rows,
+        plot=log.plot,
+    )
+    progress = Progress(enabled=None if log.progress else False)
+    try:
+        batch = rollout(inputs.data, on_step=progress)
+    except BaseException:
+        tracker.abort()
+        raise
+    finally:
+        progress.close()
+    tracker.log_rollout(batch)
+    return tracker.finish(), tracker

@@ -1,0 +1,114 @@
+"""Where models and datasets come from: a shipped or embedded short name, a local path, or a Hugging Face hub id."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import torch
+
+from rollout import zoo
+
+EMBEDDED_DATASETS = ("arithmetic",)
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _kind(name: str, short_names: tuple[str, ...]) -> str:
+    """ "short", "path", "hub", or raises: a missing path or an unknown short name is a user error."""
+    if name in short_names:
+        return "short"
+    path = pathlib.Path(name).expanduser()
+    if path.exists():
+        return "path"
+    if name.startswith(("/", "./", "../", "~")) or path.suffix in DATA_FILE_BUILDERS:
+        raise FileNotFoundError(f"{name}: no such file or folder")
+    if _HUB_ID.match(name):
+        return "hub"
+    raise ValueError(
+        f"unknown name {name!r}: not one of the shipped names ({', '.join(short_names)}), not an existing path, "
+        "and not a hub id of the form 'org/name'"
+    )
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` is CUDA when there is a GPU, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(name: str, dtype: str = "float32", device: str = "cpu", key: str = "model.name"):
+    """Load a causal LM and its tokenizer from a shipped short name, a local folder or a hub id.
+
+    Args:
+        name: "tiny-target" / "tiny-draft" (see `rollout.zoo`), a folder with a transformers model, or "org/name".
+        dtype: one of `DTYPES`.
+        device: "cpu", "cuda", "cuda:1", ... or "auto".
+        key: the recipe key that named the model, quoted in errors.
+    Returns:
+        (model, tokenizer), the model in eval mode on `device`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        kind = _kind(name, zoo.MODEL_NAMES)
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"{key}: {err}") from None
+    if kind == "short":
+        model, tokenizer = zoo.load_model(name, DTYPES[dtype])
+    else:
+        local = kind == "path"
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], local_files_only=local)
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local)
+    return model.to(resolve_device(device)).eval(), tokenizer
+
+
+def draft_model_spec(name, dtype: str, device: str):
+    """What `SpecConfig.model` gets: a shipped name or a local path as is (the generator loads it in the target's
+    dtype); a hub id loaded here, since the generator loads only local models."""
+    if name is None or not isinstance(name, str):
+        return name
+    try:
+        kind = _kind(name, zoo.MODEL_NAMES)
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"spec.model: {err}") from None
+    if kind != "hub":
+        return name
+    model, _ = load_model(name, dtype, device, key="spec.model")
+    return model
+
+
+def load_dataset(name: str, split: str = "eval", config_name: str | None = None, num_prompts: int | None = None):
+    """A `datasets.Dataset` from the embedded `arithmetic` task, a local data file (json, jsonl, csv, parquet), a
+    folder written by `Dataset.save_to_disk`, or a hub id. `num_prompts` keeps the first rows (None: all)."""
+    import datasets
+
+    try:
+        kind = _kind(name, EMBEDDED_DATASETS)
+    except (ValueError, FileNotFoundError) as err:
+        raise type(err)(f"data.dataset: {err}") from None
+    if kind == "short":
+        from rollout.tasks import arithmetic_dataset
+
+        if split not in ("train", "eval"):
+            raise ValueError(f"data.split ({split!r}) must be 'train' or 'eval' for the arithmetic dataset")
+        return arithmetic_dataset(num_prompts if num_prompts is not None else 1000, split=split)
+    path = pathlib.Path(name).expanduser()
+    if kind == "path" and path.is_file():
+        builder = DATA_FILE_BUILDERS.get(path.suffix)
+        if builder is None:
+            raise ValueError(f"data.dataset: {name}: unknown file type; use one of {', '.join(DATA_FILE_BUILDERS)}")
+        data = datasets.load_dataset(builder, data_files=str(path), split="train")
+    elif kind == "path":
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            if split not in data:
+                raise ValueError(f"data.split ({split!r}) is not in {name}; its splits: {', '.join(data)}")
+            data = data[split]
+    else:
+        data = datasets.load_dataset(name, config_name, split=split)
+    if num_prompts is not None:
+        data = data.select(range(min(num_prompts, len(data))))
+    return data

@@ -1,0 +1,205 @@
+"""The `rollout` CLI: a recipe runs end to end and its output folder (JSONL, summary, config, plot, W&B run) agrees
+with itself; `report` and `bench`; every user error is one line naming the key or file, with exit status 2."""
+
+import json
+import pathlib
+import struct
+import subprocess
+import sys
+
+import pytest
+from wandb.proto import wandb_internal_pb2
+
+from rollout.cli import main
+from rollout.recipe import load_recipe
+from rollout.tasks import arithmetic_dataset, arithmetic_reward
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
+SMALL = ["data.num_prompts=3", "rollout.n=2", "sampling.max_new_tokens=32", "rollout.max_batch_size=4"]
+STEP_KEYS = {"phase", "batch_size", "num_draft_tokens", "num_drafted", "num_accepted", "num_emitted", "seconds"}
+PHASE_KEYS = {"seconds", "tokens", "tokens_per_s", "mean_batch_size", "mean_k", "acceptance_rate"}
+PHASE_KEYS |= {"mean_accepted_length"}
+
+
+def wandb_records(path: pathlib.Path):
+    """The records of a W&B `.wandb` run file, read with W&B's own protobuf schema.
+
+    The file is a LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of chunks, each
+    with a 7-byte header (checksum, length, type: 1 full, 2 first, 3 middle, 4 last) that never crosses a block.
+    """
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"expected a W&B run file, got {data[:4]!r}"
+    block, pos, parts = 32768, 7, []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0:  # zero padding up to the end of the block
+            pos += block - pos % block
+            continue
+        parts.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(parts))
+            parts = []
+            yield record
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One small quickstart run (n-gram speculation), W&B offline into the output folder."""
+    out = tmp_path_factory.mktemp("run")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WANDB_MODE", "offline")
+    mp.delenv("WANDB_DIR", raising=False)
+    mp.setenv("WANDB_SILENT", "true")
+    try:
+        code = main(["run", QUICKSTART, *SMALL, f"output_dir={out}"])
+    finally:
+        mp.undo()
+    assert code == 0
+    return out
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_run_writes_a_consistent_output_folder(finished_run):
+    rollouts = read_jsonl(finished_run / "rollouts.jsonl")
+    steps = read_jsonl(finished_run / "steps.jsonl")
+    summary = json.loads((finished_run / "summary.json").read_text())
+    assert len(rollouts) == 3 * 2
+    contract = {"prompt_index", "prompt", "completion", "completion_ids", "logprobs", "finish_reason", "reward"}
+    assert all(contract <= set(row) for row in rollouts)
+    assert all(len(row["logprobs"]) == len(row["completion_ids"]) for row in rollouts)
+    assert all(STEP_KEYS | {"elapsed"} <= set(step) for step in steps)
+    assert {s["phase"] for s in steps} <= {"prefill", "bulk", "tail"} and steps[0]["phase"] == "prefill"
+    assert any(s["num_draft_tokens"] > 0 for s in steps), "the quickstart recipe speculates"
+    # token counts add up across the three files
+    tokens = sum(len(row["completion_ids"]) for row in rollouts)
+    assert tokens == sum(s["num_emitted"] for s in steps) == summary["total"]["tokens"]
+    assert tokens == sum(summary["phases"][p]["tokens"] for p in ("prefill", "bulk", "tail"))
+    assert set(summary["phases"]) == {"prefill", "bulk", "tail"}
+    assert all(PHASE_KEYS <= set(stats) for stats in [*summary["phases"].values(), summary["total"]])
+    assert summary["total"]["seconds"] == pytest.approx(sum(s["seconds"] for s in steps))
+    assert summary["total"]["num_steps"] == len(steps)
+    # the rewards are the arithmetic reward of each completion against its problem's answer
+    answers = arithmetic_dataset(3, split="eval", seed=0)["answer"]
+    expected = arithmetic_reward([r["completion"] for r in rollouts], [answers[r["prompt_index"]] for r in rollouts])
+    assert [r["reward"] for r in rollouts] == expected
+    assert summary["reward_mean"] == pytest.approx(sum(expected) / len(expected))
+    # the resolved config is the recipe with the overrides applied
+    assert load_recipe(finished_run / "config.yaml") == load_recipe(QUICKSTART, [*SMALL, f"output_dir={finished_run}"])
+    assert (finished_run / "rollout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_wandb_offline_run_holds_the_metrics(finished_run):
+    run_files = list((finished_run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1
+    records = list(wandb_records(run_files[0]))
+    history, summary, config = [], {}, {}
+    items = lambda updates: {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append(items(record.history.item))
+        elif kind == "summary":
+            summary.update(items(record.summary.update))
+        elif kind == "run":  # wandb.init(config=...) travels in the run record
+            config.update(items(record.run.config.update))
+        elif kind == "config":
+            config.update(items(record.config.update))
+    steps = read_jsonl(finished_run / "steps.jsonl")
+    step_rows = [row for row in history if "step/index" in row]
+    assert [row["step/index"] for row in step_rows] == list(range(len(steps)))
+    assert [row["step/batch_size"] for row in step_rows] == [s["batch_size"] for s in steps]
+    assert [row["step/num_emitted"] for row in step_rows] == [s["num_emitted"] for s in steps]
+    expected = json.loads((finished_run / "summary.json").read_text())
+    for phase in ("prefill", "bulk", "tail"):
+        assert summary[f"phase/{phase}/tokens"] == expected["phases"][phase]["tokens"]
+        assert summary[f"phase/{phase}/tokens_per_s"] == pytest.approx(expected["phases"][phase]["tokens_per_s"])
+    assert summary["total/tokens"] == expected["total"]["tokens"]
+    assert summary["reward_mean"] == pytest.approx(expected["reward_mean"])
+    assert config["rollout"]["n"] == 2 and config["data"]["num_prompts"] == 3
+    tables = list((run_files[0].parent / "files" / "media" / "table").glob("samples_*.table.json"))
+    table = json.loads(tables[0].read_text())
+    rollouts = read_jsonl(finished_run / "rollouts.jsonl")
+    rewards = [row[table["columns"].index("reward")] for row in table["data"]]
+    assert rewards == [r["reward"] for r in rollouts]
+
+
+def test_report_prints_the_phase_table_and_writes_the_plot(finished_run, capsys):
+    (finished_run / "rollout.png").unlink()
+    assert main(["report", str(finished_run)]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("prefill", "bulk", "tail", "total", "tokens/s"))
+    assert (finished_run / "rollout.png").is_file()
+
+
+def test_bench_rows(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    code = main(["bench", QUICKSTART, "data.num_prompts=2", "rollout.n=2", "sampling.max_new_tokens=16",
+                 "bench.static_k=[2]", f"output_dir={tmp_path}"])  # fmt: skip
+    assert code == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == [
+        "model.generate (padded)",
+        "no speculation",
+        "ngram K=2",
+        "recipe (ngram auto K<=3)",
+    ]
+    for row in rows:
+        assert {"name", "seconds", "tokens", "tokens_per_s", "tokens_per_s_per_phase"} <= set(row)
+        assert row["tokens"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
+    assert rows[0]["tokens_per_s_per_phase"] is None
+    assert set(rows[1]["tokens_per_s_per_phase"]) == {"prefill", "bulk", "tail"}
+    out = capsys.readouterr().out
+    assert all(r["name"] in out for r in rows)
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {captured.err!r}"
+    assert lines[0].startswith(f"rollout {argv[0]}: error: ")
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_user_errors_are_one_line_naming_the_key_or_file(tmp_path, capsys):
+    unknown_key = tmp_path / "unknown_key.yaml"
+    unknown_key.write_text("model:\n  nme: tiny-target\n")
+    assert "model.nme" in _error(capsys, ["run", str(unknown_key)])
+    assert "rollout.n" in _error(capsys, ["run", QUICKSTART, "rollout.n=many"])
+    assert "nowhere.yaml" in _error(capsys, ["run", str(tmp_path / "nowhere.yaml")])
+    assert "missing.jsonl" in _error(capsys, ["run", QUICKSTART, f"data.dataset={tmp_path}/missing.jsonl"])
+    line = _error(capsys, ["run", QUICKSTART, "model.name=tiny-nope"])
+    assert "model.name" in line and "tiny-nope" in line and "tiny-target" in line
+    bad_reward = tmp_path / "bad_reward.yaml"
+    bad_reward.write_text("rewards:\n  - name: accuracy\n")
+    line = _error(capsys, ["run", str(bad_reward)])
+    assert "accuracy" in line and "arithmetic" in line
+    line = _error(capsys, ["run", QUICKSTART, "data.prompt_column=question"])
+    assert "data.prompt_column" in line and "'question'" in line and "answer" in line
+    line = _error(capsys, ["run", QUICKSTART, "spec.num_speculative_tokens_per_batch_size=[[1,16,3],[8,64,1]]"])
+    assert "num_speculative_tokens_per_batch_size" in line and "overlap" in line
+    line = _error(capsys, ["bench", QUICKSTART, "spec.num_speculative_tokens_per_batch_size=[[1,32,3]]"])
+    assert "max_batch_size" in line
+    assert "no-run" in _error(capsys, ["report", str(tmp_path / "no-run")])
+
+
+def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "rollout.cli", "run", str(tmp_path / "absent.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    expected = f"rollout run: error: recipe file not found: {tmp_path / 'absent.yaml'}"
+    assert result.stderr.strip().splitlines() == [expected]

@@ -1,0 +1,88 @@
+"""Recipes: shipped files load and say how to run them; overrides win; bad keys, types and K tables name the key."""
+
+import pathlib
+
+import pytest
+from omegaconf import OmegaConf
+
+from rollout.recipe import Recipe, load_recipe, recipe_dict, sampling_params, spec_config
+
+RECIPES = pathlib.Path(__file__).resolve().parent.parent / "recipes"
+SHIPPED = ("quickstart.yaml", "quickstart_draft.yaml", "table.yaml", "gpu_hub.yaml")
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_recipes_load_and_start_with_their_command(name):
+    path = RECIPES / name
+    lines = path.read_text().splitlines()
+    header = [line for line in lines[: lines.index("")] if line.strip()]
+    assert all(line.startswith("#") for line in header), "the file opens with a comment block"
+    assert any(f"rollout run recipes/{name}" in line for line in header), "the comment gives the command"
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe)
+    assert recipe.output_dir.startswith("outputs/")
+
+
+def test_shipped_recipes_cover_the_policies():
+    assert spec_config(load_recipe(RECIPES / "quickstart.yaml")).method == "ngram"
+    draft = spec_config(load_recipe(RECIPES / "quickstart_draft.yaml"))
+    assert (draft.method, draft.model) == ("draft_model", "tiny-draft")
+    table = load_recipe(RECIPES / "table.yaml")
+    spec = spec_config(table)
+    assert spec.num_speculative_tokens_per_batch_size == [[1, 64, 3], [65, 128, 1], [129, 512, 0]]
+    assert spec.num_speculative_tokens_per_batch_size[-1][1] >= table.rollout.max_batch_size
+    gpu = load_recipe(RECIPES / "gpu_hub.yaml")
+    assert gpu.model.device == "cuda" and gpu.data.chat_template and gpu.rewards[0].name == "gsm8k"
+
+
+def test_overrides_win_over_the_file():
+    recipe = load_recipe(
+        RECIPES / "quickstart.yaml", ["rollout.n=8", "spec.method=null", "data.template='Q: {prompt}'"]
+    )
+    assert recipe.rollout.n == 8 and sampling_params(recipe).n == 8
+    assert spec_config(recipe) is None
+    assert recipe.data.template == "Q: {prompt}"
+    table = load_recipe(RECIPES / "quickstart.yaml", ["spec.num_speculative_tokens_per_batch_size=[[1,64,2]]"])
+    assert spec_config(table).num_speculative_tokens_per_batch_size == [[1, 64, 2]]
+    rewards = load_recipe(None, ["rewards=[{name: arithmetic, weight: 2}, {name: 'mod:fn'}]"]).rewards
+    assert [(r.name, r.weight) for r in rewards] == [("arithmetic", 2.0), ("mod:fn", 1.0)]
+
+
+def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):
+    recipe = load_recipe(RECIPES / "table.yaml", ["seed=3"])
+    path = tmp_path / "config.yaml"
+    OmegaConf.save(OmegaConf.create(recipe_dict(recipe)), path)
+    assert load_recipe(path) == recipe
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.nme=x"], r"model\.nme: Key 'nme' not in 'ModelRecipe'"),
+        (["rollout.n=abc"], r"rollout\.n: Value 'abc' of type 'str' could not be converted to Integer"),
+        (["rollout.n=0"], r"rollout\.n \(0\) must be >= 1"),
+        (["model.dtype=float8"], r"model\.dtype \('float8'\) must be one of"),
+        (["sampling.temperature=-1"], r"sampling: temperature \(-1\.0\) must be >= 0"),
+        (["spec.method=eagle"], r"spec: method \('eagle'\) must be one of"),
+        (["spec.num_speculative_tokens_per_batch_size=[[1,8,3],[10,64,1]]"], r"spec: .* leave a gap at 9"),
+        (["spec.num_speculative_tokens_per_batch_size=[[1,32,3]]"], r"spec: .* max_batch_size is 64"),
+        (["spec.num_speculative_tokens_per_batch_size=[[1,64,4]]"], r"spec: .* K=4 outside"),
+        (["rollout.n"], r"override 'rollout.n' must be key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_recipe(RECIPES / "quickstart.yaml", overrides)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="recipe file not found: .*missing.yaml"):
+        load_recipe(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: [unclosed\n")
+    with pytest.raises(ValueError, match="bad.yaml: invalid YAML"):
+        load_recipe(bad)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("rollout:\n  tail_fraction: high\n")
+    with pytest.raises(ValueError, match=r"nested.yaml: rollout\.tail_fraction: Value 'high'"):
+        load_recipe(nested)

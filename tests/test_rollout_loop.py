@@ -1,0 +1,244 @@
+"""The rollout loop: RolloutBatch fields line up with a teacher-forced forward, rewards, advantages, conversions,
+phase labels, and reuse of one generator over the trainer's live model."""
+
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from rollout import SamplingParams
+from rollout.batch import RolloutBatch, group_advantages
+from rollout.loop import Rollout
+from rollout.phases import PhaseLabeler, summarize
+from rollout.progress import Progress
+from rollout.prompts import PromptFormatter
+from rollout.rewards import build_rewards, resolve_reward, score
+from rollout.sources import load_dataset
+from rollout.tasks import arithmetic_dataset, arithmetic_reward
+from rollout.tracking import RunTracker
+from rollout.zoo import load_model
+from specdec.config import SpecConfig
+
+
+def completion_length(completions: list[str], **kwargs) -> list[float]:
+    """A `module:function` reward for the tests: the completion's length in characters."""
+    return [float(len(c)) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny-target")
+
+
+@pytest.fixture(scope="module")
+def data():
+    return arithmetic_dataset(4, split="eval", seed=0)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny):
+    model, tokenizer = tiny
+    return Rollout(
+        model,
+        tokenizer,
+        rewards=[("arithmetic", 2.0), ("test_rollout_loop:completion_length", 0.5)],
+        sampling=SamplingParams(n=3, temperature=1.0, max_new_tokens=40, seed=0),
+        spec=SpecConfig(method="ngram", num_speculative_tokens=2),
+        max_batch_size=8,
+        max_seq_len=256,
+    )
+
+
+@pytest.fixture(scope="module")
+def batch(rollout, data):
+    return rollout(data)
+
+
+def test_batch_is_prompt_major_with_one_entry_per_sample(batch, data):
+    assert len(batch) == 3 * len(data)
+    assert batch.group_index == [g for g in range(len(data)) for _ in range(3)]
+    assert batch.sample_index == [0, 1, 2] * len(data)
+    assert all(len(lp) == len(ids) for lp, ids in zip(batch.logprobs, batch.completion_ids))
+    assert batch.truncated == [r == "length" for r in batch.finish_reason]
+    assert "length" in batch.finish_reason  # max_new_tokens 40 truncates the longer problems
+    for ids, reason in zip(batch.completion_ids, batch.finish_reason):
+        assert (ids[-1] == 0) == (reason == "stop"), "a stopped completion ends with EOS (id 0), a truncated one not"
+
+
+def test_padded_tensors_line_up_with_a_teacher_forced_forward(batch, tiny):
+    model, _ = tiny
+    t = batch.to_padded()
+    lengths = torch.tensor([len(ids) for ids in batch.completion_ids])
+    assert torch.equal(t["completion_mask"].sum(1), lengths)
+    assert torch.equal(t["prompt_mask"].sum(1), torch.tensor([len(p) for p in batch.prompt_ids]))
+    assert (t["logprobs"][t["completion_mask"] == 0] == 0).all()
+    assert (t["completion_ids"][t["completion_mask"] == 0] == batch.pad_token_id).all()
+    # left-padded prompt + right-padded completion: each row's tokens are contiguous, so one forward scores them
+    input_ids = torch.cat([t["prompt_ids"], t["completion_ids"]], dim=1)
+    mask = torch.cat([t["prompt_mask"], t["completion_mask"]], dim=1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits.double()
+    width = t["prompt_ids"].shape[1]
+    # temperature 1, no top-k/top-p: the behaviour log-prob is the plain log-softmax of the token's logits
+    logp = torch.log_softmax(logits[:, width - 1 : -1], dim=-1).gather(2, t["completion_ids"][..., None])[..., 0]
+    real = t["completion_mask"].bool()
+    assert torch.allclose(logp[real].float(), t["logprobs"][real], atol=1e-4)
+
+
+def test_rewards_are_the_weighted_sum_of_the_terms(batch, data):
+    answers = [data["answer"][g] for g in batch.group_index]
+    correct = arithmetic_reward(batch.completion, answers)
+    assert batch.reward_terms["arithmetic"] == correct
+    assert batch.reward_terms["test_rollout_loop:completion_length"] == [float(len(c)) for c in batch.completion]
+    expected = [2.0 * c + 0.5 * len(text) for c, text in zip(correct, batch.completion)]
+    assert batch.reward == pytest.approx(expected)
+    assert sum(correct) > 0, "the tiny model solves some of the short problems"
+
+
+def test_arithmetic_reward_on_known_answers():
+    rows = arithmetic_dataset(6, split="eval", seed=1)
+    gold = list(rows["completion"])
+    wrong = [c.rsplit("####", 1)[0] + f"#### {int(a) + 1}" for c, a in zip(gold, rows["answer"])]
+    terms = build_rewards([("arithmetic", 1.0)])
+    total, _ = score(terms, gold + wrong + ["no answer"], {"answer": list(rows["answer"]) * 2 + ["3"]})
+    assert total == [1.0] * 6 + [0.0] * 6 + [0.0]
+
+
+def test_gsm8k_reward_reads_the_reference_after_the_marker():
+    gsm8k = resolve_reward("gsm8k")
+    answers = ["... #### 1,234", "#### 72", "#### 5", "#### 3"]
+    assert gsm8k(["so 1,234 #### 1234", "It is 72.", "#### 5 not 6", "no number"], answer=answers) == [1, 1, 1, 0]
+
+
+def test_unknown_rewards_name_the_choices():
+    with pytest.raises(ValueError, match="unknown reward name 'nope'.*arithmetic"):
+        resolve_reward("nope")
+    with pytest.raises(ValueError, match="no function 'missing'"):
+        resolve_reward("test_rollout_loop:missing")
+    with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
+        score(build_rewards([(lambda completions, **kw: [1.0], 1.0)]), ["a", "b"], {})
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 3.0])
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    adv = group_advantages(rewards, groups, eps=1e-12)
+    assert adv[:2].tolist() == pytest.approx([1.0, -1.0])
+    assert adv[2:].tolist() == pytest.approx([0.0, 0.0, 0.0])  # equal rewards and groups of one: no signal
+    assert group_advantages(rewards, groups, scale=False).tolist() == pytest.approx([0.5, -0.5, 0, 0, 0])
+
+
+def test_dataset_round_trip(batch):
+    dataset = batch.to_dataset()
+    assert len(dataset) == len(batch)
+    assert dataset["advantage"] == pytest.approx(batch.advantages().tolist())
+    back = RolloutBatch.from_dataset(dataset, pad_token_id=batch.pad_token_id)
+    for name in ("group_index", "prompt", "completion", "prompt_ids", "completion_ids", "finish_reason", "reward"):
+        assert getattr(back, name) == getattr(batch, name), name
+    assert [lp for row in back.logprobs for lp in row] == pytest.approx([lp for row in batch.logprobs for lp in row])
+    assert back.reward_terms.keys() == batch.reward_terms.keys()
+    a, b = batch.to_padded(), back.to_padded()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_one_generator_runs_the_trainers_live_model(data):
+    model, tokenizer = load_model("tiny-target")  # its own copy: the test changes its weights
+    rollout = Rollout(model, tokenizer, sampling=SamplingParams(n=2, max_new_tokens=8, seed=0), max_batch_size=4)
+    generator = rollout.generator
+    first = rollout(data.select(range(2)))
+    assert first.summary["reward_mean"] >= 0
+    with torch.no_grad():
+        model.model.norm.weight.zero_()  # an in-place "training step": every logit becomes 0
+    second = rollout(data.select(range(2)), seed=1)
+    assert rollout.generator is generator
+    uniform = -math.log(model.config.vocab_size)
+    assert all(lp == pytest.approx(uniform, abs=1e-5) for row in second.logprobs for lp in row)
+
+
+def test_steps_are_labelled_and_summarised(batch):
+    phases = [s["phase"] for s in batch.steps]
+    assert phases[0] == "prefill" and set(phases) <= {"prefill", "bulk", "tail"}
+    assert sum(s["num_emitted"] for s in batch.steps) == batch.num_tokens == batch.summary["total"]["tokens"]
+    elapsed = [s["elapsed"] for s in batch.steps]
+    assert elapsed == sorted(elapsed)
+
+
+def test_phase_labels_follow_the_peak_decode_batch():
+    labeler = PhaseLabeler(tail_fraction=0.25)
+    trace = [("prefill", 3), ("decode", 8), ("decode", 2), ("decode", 1), ("prefill", 1), ("decode", 2)]
+    assert [labeler.label(p, b) for p, b in trace] == ["prefill", "bulk", "bulk", "tail", "prefill", "bulk"]
+    with pytest.raises(ValueError, match="tail_fraction"):
+        PhaseLabeler(1.5)
+
+
+def test_summary_definitions():
+    def step(phase, batch_size, k, drafted, accepted, emitted, seconds):
+        keys = ("phase", "batch_size", "num_draft_tokens", "num_drafted", "num_accepted", "num_emitted", "seconds")
+        return dict(zip(keys, (phase, batch_size, k, drafted, accepted, emitted, seconds)))
+
+    steps = [step("prefill", 2, 0, 0, 0, 4, 1.0), step("bulk", 4, 3, 12, 6, 10, 0.5), step("tail", 1, 2, 2, 2, 3, 0.5)]
+    s = summarize(steps)
+    assert s["phases"]["bulk"] == {
+        "seconds": 0.5,
+        "tokens": 10,
+        "tokens_per_s": 20.0,
+        "mean_batch_size": 4.0,
+        "mean_k": 3.0,
+        "acceptance_rate": 0.5,
+        "mean_accepted_length": 1.5,
+        "num_steps": 1,
+    }
+    total = s["total"]
+    assert (total["tokens"], total["seconds"], total["tokens_per_s"]) == (17, 2.0, 8.5)
+    assert total["mean_batch_size"] == 2.5 and total["mean_k"] == 2.5  # decode steps only
+    assert total["acceptance_rate"] == 8 / 14 and total["mean_accepted_length"] == 8 / 5
+    assert s["phases"]["prefill"]["mean_accepted_length"] == 0.0
+
+
+def test_progress_draws_one_updating_line():
+    stream = io.StringIO()
+    progress = Progress(stream=stream, enabled=True, min_interval=0.0)
+    keys = ("phase", "batch_size", "num_draft_tokens", "num_drafted", "num_accepted", "num_emitted", "elapsed")
+    progress(dict(zip(keys, ("bulk", 6, 3, 18, 9, 15, 0.5))), 2, 8)
+    progress.close()
+    text = stream.getvalue()
+    assert text.startswith("\r") and text.endswith("\n") and text.count("\n") == 1
+    assert "2/8 samples" in text and "30 tokens/s" in text and "batch 6" in text and "K 3" in text
+    assert "acceptance 0.50" in text
+    quiet = io.StringIO()
+    Progress(stream=quiet)(dict(zip(keys, ("bulk", 6, 3, 18, 9, 15, 0.5))), 2, 8)  # not a terminal: silent
+    assert quiet.getvalue() == ""
+
+
+def test_local_data_files_and_templates(tmp_path, tiny):
+    _, tokenizer = tiny
+    path = tmp_path / "problems.jsonl"
+    path.write_text('{"question": "1 + 1?", "answer": "2"}\n{"question": "2 + 3?", "answer": "5"}\n')
+    rows = load_dataset(str(path), num_prompts=1)
+    assert rows.column_names == ["question", "answer"] and len(rows) == 1
+    formatter = PromptFormatter(tokenizer, "question", template="Question: {question}\nAnswer:")
+    texts, ids = formatter(list(rows))
+    assert texts == ["Question: 1 + 1?\nAnswer:"] and ids[0] == tokenizer(texts[0])["input_ids"]
+    with pytest.raises(ValueError, match="'missing'.*question, answer"):
+        PromptFormatter(tokenizer, "question", template="{missing}")(list(rows))
+    with pytest.raises(ValueError, match="no chat template"):
+        PromptFormatter(tokenizer, chat_template=True)
+
+
+def test_tracker_appends_rollouts_of_a_training_loop(batch, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)  # the environment would win over wandb_mode
+    tracker = RunTracker(tmp_path, config={"lr": 1e-6}, wandb_mode="disabled")
+    tracker.log_rollout(batch)
+    tracker.log_rollout(batch)
+    summary = tracker.finish()
+    steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [s["rollout"] for s in steps] == [0] * len(batch.steps) + [1] * len(batch.steps)
+    assert [s["elapsed"] for s in steps] == sorted(s["elapsed"] for s in steps), "run time keeps counting"
+    assert len(rows) == 2 * len(batch) and summary["num_rollouts"] == 2
+    assert summary["total"]["tokens"] == 2 * batch.num_tokens == sum(len(r["completion_ids"]) for r in rows)
+    assert (tmp_path / "config.yaml").read_text() == "lr: 1.0e-06\n"
+    assert (tmp_path / "rollout.png").is_file() and not (tmp_path / "wandb").exists()
