@@ -278,7 +278,7 @@ class Generator:
                 rows = num_asked.setdefault(self._route(seq), ([], []))
                 rows[0].append(k)
                 rows[1].append(a)
-        passes = decision.num_draft_tokens if "draft_model" in served else 0
+        passes = max((k for k, s in zip(asked, served) if k > 0 and s == "draft_model"), default=0)
         self.policy.observe(StepObservation(len(active), layout.width, passes, seconds, num_asked), warm_up)
 
     # ---- verification and commit ------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ class Recipe:
     logging: LoggingRecipe = field(default_factory=LoggingRecipe)
     bench: BenchRecipe = field(default_factory=BenchRecipe)
     output_dir: str = "outputs/rollout"  # where the run writes rollouts.jsonl, steps.jsonl, summary.json, ...
-    seed: int = 0  # sampling seed: the same seed and inputs give the same rollouts
+    seed: int = 0  # sampling seed: same seed + inputs = same rollouts (not with sampling + spec auto: see README)
     threads: int = 1  # torch CPU threads (1 gives stable timings); 0 keeps torch's default
 
     def __post_init__(self) -> None:

@@ -2,9 +2,10 @@
 
 Each profiled step is a full decode step (drafting, the verification forward, the verifier, the commit) of B rows at
 a forced K, so the step-time model starts from what a step really costs on this machine, host work included. Rows
-hold random prompts; after every step they are rolled back (lengths lowered, proposer state restored), so the same
-rows serve every (B, K) pair and a short `max_seq_len` is enough. B runs over powers of four up to the slot count,
-K over 0, 1, K/2 and K. Acceptance is not learned here: random text says nothing about the real drafts.
+hold random periodic prompts (an n-gram lookup finds matches in them and drafts the full K); after every step they are
+rolled back (lengths lowered, proposer state restored), so the same rows serve every (B, K) pair and a short
+`max_seq_len` is enough. B runs over powers of four up to the slot count, K over 0, 1, K/2 and K. Acceptance is not
+learned here: random text says nothing about the real drafts.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def warm_up(gen: Generator, policy: AutoPolicy, prompt_len: int = 32) -> None:
     sizes = sorted({min(4**i, gen.max_batch_size) for i in range(gen.max_batch_size.bit_length())})
     ks = sorted({0, 1, max_k // 2, max_k})
     noise = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, gen.vocab_size, (gen.max_batch_size, prompt_len), generator=noise).tolist()
+    # periodic prompts: an n-gram lookup finds matches and drafts the full K, so every width is really timed
+    pattern = torch.randint(0, gen.vocab_size, (gen.max_batch_size, 4), generator=noise)
+    prompts = pattern.repeat(1, prompt_len // 4 + 1)[:, :prompt_len].tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=gen.max_seq_len, seed=0)
     sequences = gen._make_sequences(prompts, [params] * len(prompts))
     active = []

@@ -104,7 +104,7 @@ class AutoPolicy:
         """K for a step of `batch_size` rows; `caps[i]` is row i's largest K, `routes[i]` its route (default: the
         first one)."""
         ks = np.arange(self.num_speculative_tokens + 1)
-        caps = np.full(batch_size, self.num_speculative_tokens) if caps is None else np.asarray(caps)
+        caps = np.full(batch_size, self.num_speculative_tokens) if caps is None else np.maximum(np.asarray(caps), 0)
         routes = [next(iter(self.stats))] * batch_size if routes is None else routes
         emitted = np.zeros(len(ks))
         passes = np.zeros(len(ks))
@@ -113,9 +113,9 @@ class AutoPolicy:
             table = self.stats[route].expected_emitted()
             emitted += table[np.minimum(ks[:, None], caps[rows][None, :])].sum(axis=1)
             if self.draft_passes[route] and (caps[rows] > 0).any():
-                passes = ks.astype(float)
+                passes = np.maximum(passes, np.minimum(ks, caps[rows].max()))
         usable = int(caps.max(initial=0))
-        rate = emitted / self.time_model.predict(batch_size, ks + 1, passes)
+        rate = emitted / np.maximum(self.time_model.predict(batch_size, ks + 1, passes), 1e-9)
         best = int(np.argmax(rate[: usable + 1]))
         current = min(self.current, usable)
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
