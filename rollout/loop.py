@@ -9,7 +9,6 @@ for step, rows in enumerate(prompt_batches):
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -72,7 +71,6 @@ class Rollout:
         self.generator = Generator(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0
-        self._generate_takes_on_step = "on_step" in inspect.signature(self.generator.generate).parameters
 
     def __call__(self, data, seed: int | None = None, on_step: StepCallback | None = None) -> RolloutBatch:
         """Sample `sampling.n` completions for every row of `data` and score them.
@@ -135,20 +133,5 @@ class Rollout:
             if on_step is not None:
                 on_step(step, num_finished, num_total)
 
-        if self._generate_takes_on_step:
-            outs = self.generator.generate(prompt_ids, params, on_step=record_step)
-            return outs, steps
-        # a generator without the step callback: label the finished trace, elapsed summed from step times
-        outs = self.generator.generate(prompt_ids, params)
-        num_total = len(outs)
-        elapsed = 0.0
-        trace = self.generator.last_trace
-        for i, record in enumerate(trace):
-            elapsed += record.seconds
-            step = record.to_dict()
-            step["phase"] = labeler.label(step["phase"], step["batch_size"])
-            step["elapsed"] = elapsed
-            steps.append(step)
-            if on_step is not None:
-                on_step(step, num_total if i == len(trace) - 1 else 0, num_total)
+        outs = self.generator.generate(prompt_ids, params, on_step=record_step)
         return outs, steps
