@@ -2,17 +2,21 @@
 
 The shipped tiny target and draft on the long-tail arithmetic task, n samples per prompt at temperature 1.0, enough
 prompts that the batch starts at the slot count, one torch thread. Prints the rollout time and tokens/s per phase
-(bulk / tail, DESIGN.md) with ratios to no speculation, checks the issue's targets, writes the rows as JSON and a PNG
-of batch size and K over time.
+(bulk / tail, DESIGN.md) with ratios to no speculation, the decode tokens/s of every config by batch-size range (which
+static K is fastest where), checks the issue's targets, and writes the runs as JSON and a PNG of batch size and K over
+time and of K against batch size. `--repeats` runs every config that many times, round-robin, and reports medians:
+repeated rollouts on this machine differ by up to ~5%.
 
-    .venv/bin/python scripts/bench_phases.py --num-prompts 32 --n 8 --out bench_phases
+    .venv/bin/python scripts/bench_phases.py --repeats 3 --out bench_phases
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
+import statistics
 import time
 
 import matplotlib
@@ -28,7 +32,7 @@ from specdec.config import SpecConfig  # noqa: E402
 
 
 def configs(args) -> dict[str, SpecConfig | None]:
-    draft = dict(method="draft_model", model="tiny-draft")
+    draft = dict(method="draft_model", model="tiny-draft") if args.method == "draft_model" else dict(method="ngram")
     out: dict[str, SpecConfig | None] = {"none": None}
     # speculation configured but off for every row: what the machinery costs when it drafts nothing
     out["K=0 (table of zeros)"] = SpecConfig(
@@ -37,8 +41,10 @@ def configs(args) -> dict[str, SpecConfig | None]:
     for k in args.ks:
         out[f"static K={k}"] = SpecConfig(**draft, num_speculative_tokens=k)
     b = args.batch_size
-    table = [[1, b // 8, 8], [b // 8 + 1, b // 2, 4], [b // 2 + 1, b, 1]]
-    out[f"table {table}"] = SpecConfig(**draft, num_speculative_tokens=8, num_speculative_tokens_per_batch_size=table)
+    table = json.loads(args.table) if args.table else [[1, b // 8, 8], [b // 8 + 1, b // 2, 4], [b // 2 + 1, b, 1]]
+    out[f"table {table}"] = SpecConfig(
+        **draft, num_speculative_tokens=max(1, *(k for _, _, k in table)), num_speculative_tokens_per_batch_size=table
+    )
     out["auto"] = SpecConfig(**draft, num_speculative_tokens=max(args.ks), num_speculative_tokens_per_batch_size="auto")
     return out
 
@@ -48,7 +54,9 @@ def run(model, spec, prompt_ids, params, args) -> dict:
     gen = Generator(model, max_batch_size=args.batch_size, max_seq_len=args.max_seq_len, spec=spec)
     build = time.perf_counter() - start
     # untimed: allocate the slot caches (auto's warm-up did already), so every row times decoding alone
+    start = time.perf_counter()
     gen.generate(prompt_ids[:1], SamplingParams(max_new_tokens=2, seed=0))
+    first_call = time.perf_counter() - start
     start = time.perf_counter()
     outs = gen.generate(prompt_ids, params)
     seconds = time.perf_counter() - start
@@ -60,45 +68,93 @@ def run(model, spec, prompt_ids, params, args) -> dict:
         elapsed += step["seconds"]
         step["elapsed"] = elapsed
         steps.append(step)
-    summary = summarize(steps)
+    keep = ("elapsed", "seconds", "batch_size", "num_draft_tokens", "num_emitted", "phase")
     return {
         "seconds": seconds,
-        "build_seconds": build,
+        # set-up paid once per generator: the constructor (auto: its warm-up profile, which also allocates the
+        # KV cache) plus the first call (the others allocate the cache there)
+        "setup_seconds": build + first_call,
         "warm_up_seconds": gen.warm_up_seconds,
         "tokens": sum(len(o.token_ids) for o in outs),
-        "phases": summary["phases"],
-        "token_ids": [o.token_ids for o in outs],
-        "steps": [{k: s[k] for k in ("elapsed", "batch_size", "num_draft_tokens", "phase")} for s in steps],
+        "phases": summarize(steps)["phases"],
+        "steps": [{k: s[k] for k in keep} for s in steps],
     }
 
 
-def plot(results: dict, path: pathlib.Path) -> None:
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    for name, row in results.items():
+def buckets(batch_size: int) -> list[tuple[int, int]]:
+    """Batch-size ranges (lo, hi], powers of four, the largest ending at the slot count."""
+    edges = [0] + [4**i for i in range(1, 16) if 4**i < batch_size] + [batch_size]
+    return [(lo, hi) for lo, hi in zip(edges, edges[1:])]
+
+
+def bucket_rates(runs: list[dict], ranges) -> list[tuple[float, float]]:
+    """Per batch-size range: decode tokens/s pooled over the repeats, and the mean K chosen."""
+    out = []
+    for lo, hi in ranges:
+        steps = [s for r in runs for s in r["steps"] if s["phase"] != "prefill" and lo < s["batch_size"] <= hi]
+        seconds = sum(s["seconds"] for s in steps)
+        tokens = sum(s["num_emitted"] for s in steps)
+        mean_k = sum(s["num_draft_tokens"] for s in steps) / len(steps) if steps else 0.0
+        out.append((tokens / seconds if seconds else 0.0, mean_k))
+    return out
+
+
+def plot(results: dict, best_k: list[tuple[float, int]], path: pathlib.Path, title: str) -> None:
+    """Batch size and K over time (first repeat), and K against batch size with the best static K of each range."""
+    fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(10, 9))
+    for name, runs in results.items():
         if name == "none" or name.startswith("K=0"):
             continue
-        t = [s["elapsed"] for s in row["steps"] if s["phase"] != "prefill"]
-        top.plot(t, [s["batch_size"] for s in row["steps"] if s["phase"] != "prefill"], label=name, lw=1)
+        steps = [s for s in runs[0]["steps"] if s["phase"] != "prefill"]
+        t = [s["elapsed"] for s in steps]
+        top.plot(t, [s["batch_size"] for s in steps], label=name, lw=1)
         if name == "auto" or name.startswith("table"):
-            bottom.step(t, [s["num_draft_tokens"] for s in row["steps"] if s["phase"] != "prefill"], label=name)
+            middle.step(t, [s["num_draft_tokens"] for s in steps], label=name, where="post")
+            every = [s for r in runs for s in r["steps"] if s["phase"] != "prefill"]
+            jitter = 0.15 if name == "auto" else -0.15
+            bottom.scatter(
+                [s["batch_size"] for s in every],
+                [s["num_draft_tokens"] + jitter for s in every],
+                s=6,
+                alpha=0.3,
+                label=f"{name}: K of each step",
+            )
+    bottom.plot([b for b, _ in best_k], [k for _, k in best_k], "k*-", ms=12, label="fastest static K in the range")
     top.set_ylabel("rows in decode")
+    top.set_xlabel("seconds of decoding")
     top.legend(fontsize=7)
+    middle.set_ylabel("K")
+    middle.set_xlabel("seconds of decoding")
+    middle.legend(fontsize=7)
+    bottom.set_xscale("log", base=2)
+    bottom.invert_xaxis()  # a rollout runs from the full batch (left) to its tail (right)
+    bottom.set_xlabel("rows in decode (log scale; the rollout runs left to right)")
     bottom.set_ylabel("K")
-    bottom.set_xlabel("seconds of decoding")
     bottom.legend(fontsize=7)
-    fig.suptitle("batch size and K over a rollout (draft model, tiny target)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def median(values) -> float:
+    return statistics.median(values)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan  # a phase a short run never reached
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--n", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--max-seq-len", type=int, default=640)
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--method", choices=["draft_model", "ngram"], default="draft_model", help="the proposer")
+    parser.add_argument("--table", help="the table policy's rows as JSON, e.g. '[[1, 32, 2], [33, 1024, 0]]'")
+    parser.add_argument("--repeats", type=int, default=1, help="rollouts per config, run round-robin; medians")
     parser.add_argument("--tail-fraction", type=float, default=0.25)
     parser.add_argument("--out", default="bench_phases")
     args = parser.parse_args()
@@ -107,38 +163,76 @@ def main() -> None:
     rows = arithmetic_dataset(args.num_prompts, split="eval", seed=0)
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in rows["prompt"]]
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
-    results = {name: run(model, spec, prompt_ids, params, args) for name, spec in configs(args).items()}
+    specs = configs(args)
+    results: dict[str, list[dict]] = {name: [] for name in specs}
+    for repeat in range(args.repeats):  # round-robin: a slow spell of the machine hits every config alike
+        for name, spec in specs.items():
+            results[name].append(run(model, spec, prompt_ids, params, args))
+            print(f"repeat {repeat + 1}/{args.repeats} {name}: {results[name][-1]['seconds']:.2f} s", flush=True)
 
-    base = results["none"]
-    print(f"{len(prompt_ids)} prompts x {args.n} samples, {args.batch_size} slots, T=1.0, one thread")
-    print(f"{'config':<34}{'seconds':>9}{'tok/s':>8}{'x none':>8}{'bulk tok/s':>12}{'x':>6}{'tail tok/s':>12}{'x':>6}")
-    for name, row in results.items():
-        bulk, tail = row["phases"]["bulk"]["tokens_per_s"], row["phases"]["tail"]["tokens_per_s"]
-        b0, t0 = base["phases"]["bulk"]["tokens_per_s"], base["phases"]["tail"]["tokens_per_s"]
+    def rate(name: str, phase: str) -> float:
+        return median(r["phases"][phase]["tokens_per_s"] for r in results[name])
+
+    def seconds(name: str) -> float:
+        return median(r["seconds"] for r in results[name])
+
+    print(
+        f"\n{len(prompt_ids)} prompts x {args.n} samples, {args.batch_size} slots, T=1.0, {args.method}, one thread, "
+        f"median of {args.repeats} (spread: min-max rollout seconds)"
+    )
+    header = f"{'config':<34}{'seconds':>9}{'spread':>13}{'x none':>8}{'bulk tok/s':>12}{'x':>6}{'tail tok/s':>12}"
+    print(header + f"{'x':>6}{'K bulk/tail':>13}")
+    for name, runs in results.items():
+        times = [r["seconds"] for r in runs]
+        mean_k = [median(r["phases"][p]["mean_k"] for r in runs) for p in ("bulk", "tail")]
         print(
-            f"{name:<34}{row['seconds']:>9.2f}{row['tokens'] / row['seconds']:>8.0f}"
-            f"{base['seconds'] / row['seconds']:>8.2f}{bulk:>12.0f}{bulk / b0:>6.2f}{tail:>12.0f}{tail / t0:>6.2f}"
+            f"{name:<34}{seconds(name):>9.2f}{f'{min(times):.2f}-{max(times):.2f}':>13}"
+            f"{seconds('none') / seconds(name):>8.2f}{rate(name, 'bulk'):>12.0f}"
+            f"{ratio(rate(name, 'bulk'), rate('none', 'bulk')):>6.2f}{rate(name, 'tail'):>12.0f}"
+            f"{ratio(rate(name, 'tail'), rate('none', 'tail')):>6.2f}{f'{mean_k[0]:.2f}/{mean_k[1]:.2f}':>13}"
         )
-    auto = results["auto"]
-    statics = {n: r for n, r in results.items() if n.startswith("static")}
-    off = results["K=0 (table of zeros)"]
-    ratio = off["seconds"] / base["seconds"]
-    print(f"speculation off (K = 0 every row) vs spec=None: time ratio {ratio:.3f} (target <= 1.03)")
-    print(f"auto warm-up profile {auto['warm_up_seconds']:.2f} s (once per generator; not in its rollout time)")
+
+    ranges = buckets(args.batch_size)
+    per_range = {name: bucket_rates(runs, ranges) for name, runs in results.items()}
+    statics = [n for n in results if n.startswith("static")]
+    print("\ndecode tokens/s by rows in decode (pooled over repeats); auto's mean K; the fastest static K")
+    print(f"{'rows':<12}" + "".join(f"{n.replace('static ', ''):>9}" for n in ["none", *statics, "auto"]) + "  auto K")
+    best_k = []
+    for i, (lo, hi) in enumerate(ranges):
+        cells = [per_range[n][i][0] for n in ["none", *statics, "auto"]]
+        if not any(cells):
+            continue
+        fastest = max(statics, key=lambda n: per_range[n][i][0])
+        best_k.append((math.sqrt((lo + 1) * hi), int(fastest.split("=")[1])))
+        print(
+            f"{f'{lo + 1}-{hi}':<12}" + "".join(f"{c:>9.0f}" for c in cells) + f"{per_range['auto'][i][1]:>8.2f}"
+            f"   fastest {fastest}, auto {ratio(per_range['auto'][i][0], per_range[fastest][i][0]):.3f} of it"
+        )
+
+    off = seconds("K=0 (table of zeros)") / seconds("none")
+    print(f"\nspeculation off (K = 0 every row) vs spec=None: time ratio {off:.3f} (target <= 1.03)")
+    setup = {n: median(r["setup_seconds"] for r in results[n]) for n in ("none", "auto")}
+    print(
+        f"set-up once per generator: auto {setup['auto']:.2f} s (warm-up profile "
+        f"{median(r['warm_up_seconds'] for r in results['auto']):.2f} s, KV-cache allocation included) "
+        f"vs {setup['none']:.2f} s without speculation; not in the rollout times"
+    )
     for phase in ("bulk", "tail"):
-        best_name = max(statics, key=lambda n: statics[n]["phases"][phase]["tokens_per_s"])
-        best = statics[best_name]["phases"][phase]["tokens_per_s"]
-        mine = auto["phases"][phase]["tokens_per_s"]
-        none = base["phases"][phase]["tokens_per_s"]
-        print(f"{phase}: auto/none {mine / none:.3f} (target >= 1), auto/best static ({best_name}) {mine / best:.3f}")
-    slowest_gap = min(r["seconds"] for r in statics.values()) / auto["seconds"]
-    print(f"whole rollout: best static time / auto time {slowest_gap:.3f} (target > 1)")
+        best = max(statics, key=lambda n: rate(n, phase))
+        print(
+            f"{phase}: auto/none {ratio(rate('auto', phase), rate('none', phase)):.3f} (target >= 1), "
+            f"auto/best static ({best}) {ratio(rate('auto', phase), rate(best, phase)):.3f} (target >= 0.95)"
+        )
+    fastest = min(statics, key=seconds)
+    print(
+        f"whole rollout: fastest static ({fastest}) time / auto time "
+        f"{seconds(fastest) / seconds('auto'):.3f} (target > 1)"
+    )
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for row in results.values():
-        del row["token_ids"]
-    (out / "bench_phases.json").write_text(json.dumps(results, indent=1))
-    plot(results, out / "batch_and_k.png")
+    (out / "bench_phases.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    title = f"batch size and K over a rollout ({args.method}, tiny target, {args.batch_size} rows)"
+    plot(results, best_k, out / "batch_and_k.png", title)
     print(f"wrote {out / 'bench_phases.json'} and {out / 'batch_and_k.png'}")
 
 

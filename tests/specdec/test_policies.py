@@ -98,6 +98,25 @@ def test_hysteresis_keeps_k_at_a_boundary():
     assert flips["none"] > 10 and flips["hysteresis"] <= 1, flips
 
 
+def test_exploration_drafts_one_token_more_every_explore_every_steps():
+    policy = policy_with(overhead_then_compute, acceptance=0.8)
+    policy.explore_every = 5
+    chosen = policy.choose(64).num_draft_tokens
+    assert 0 < chosen < MAX_K
+    ks = [chosen] + [policy.choose(64).num_draft_tokens for _ in range(9)]
+    assert ks == [chosen] * 4 + [chosen + 1] + [chosen] * 4 + [chosen + 1], ks
+    assert policy.current == chosen  # the exploration step does not become the choice
+    # the next position's acceptance is then measured: a collapsed rate there is learnt, and K never moves past it
+    for _ in range(100):  # every row's extra draft rejected
+        policy.stats["draft_model"].update([chosen + 1] * 64, [chosen] * 64)
+    assert policy.stats["draft_model"].rates()[chosen] < 0.1
+    assert all(policy.choose(64).num_draft_tokens <= chosen + 1 for _ in range(10))
+    # no exploration while speculation is off: every token costs a full step here, so K stays 0
+    off = policy_with(lambda b, w, p: 1e-3 * w + 1e-3 * p, acceptance=0.9)
+    off.explore_every = 2
+    assert [off.choose(8).num_draft_tokens for _ in range(6)] == [0] * 6
+
+
 def test_row_caps_bound_the_choice():
     policy = policy_with(overhead_then_compute, acceptance=0.9)
     assert policy.choose(4, caps=[0, 0, 0, 0]).num_draft_tokens == 0
