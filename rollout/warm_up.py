@@ -21,6 +21,7 @@ from rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rollout.generator import Generator
+    from rollout.sequence import Sequence
     from specdec.auto_policy import AutoPolicy
 
 
@@ -38,12 +39,24 @@ def warm_up(gen: Generator, policy: AutoPolicy, prompt_len: int = 32) -> None:
     active = []
     with torch.inference_mode(), eval_mode(gen.model):
         gen._admit(deque(sequences), active)
+        for row, seq in enumerate(active):  # the first sampled token is random: continue the period instead, so the
+            seq.token_ids[0] = seq.prompt[prompt_len % 4]  # n-gram lookup matches from the first step (it is pending,
+            gen.history[row, prompt_len] = seq.token_ids[0]  # not yet in the KV cache: nothing else to fix)
+        # a first pass over every width, not kept: first calls pay one-off costs (kernel compilation on a GPU,
+        # allocator growth) that would make the first profiled steps look slow
+        for k in ks:
+            _step_and_roll_back(gen, active[:1], k)
+        policy.time_model.clear_profile()
         for batch_size in sizes:
-            rows = active[:batch_size]
             for k in ks:
-                saved = [(len(s.token_ids), s.cache_len, copy.deepcopy(s.proposer_state)) for s in rows]
-                gen._decode_step(rows, force_k=k)
-                for seq, (num_generated, cache_len, state) in zip(rows, saved):
-                    del seq.token_ids[num_generated:], seq.logprobs[num_generated:]
-                    seq.cache_len, seq.proposer_state, seq.finish_reason = cache_len, state, None
+                _step_and_roll_back(gen, active[:batch_size], k)
     gen.last_trace = []
+
+
+def _step_and_roll_back(gen: Generator, rows: list[Sequence], k: int) -> None:
+    """One decode step of `rows` at K = `k` (timed and reported to the policy), then the rows as they were."""
+    saved = [(len(s.token_ids), s.cache_len, copy.deepcopy(s.proposer_state)) for s in rows]
+    gen._decode_step(rows, force_k=k)
+    for seq, (num_generated, cache_len, state) in zip(rows, saved):
+        del seq.token_ids[num_generated:], seq.logprobs[num_generated:]
+        seq.cache_len, seq.proposer_state, seq.finish_reason = cache_len, state, None

@@ -5,7 +5,9 @@
 `E` comes from per-position acceptance measured online for each route (`AcceptanceStats`): a proposer a request
 named, or the configured cascade of proposers as a whole (its mix of n-gram and draft-model rows is what it earns);
 `T` from a step-time
-model seeded by a warm-up profile and refitted from every measured step (`StepTimeModel`). K is one number per batch:
+model seeded by a warm-up profile and refitted from every measured step (`StepTimeModel`). K rises at most one position
+past those measured so far, so a high rate inherited by unmeasured positions is checked one step at a time, never
+bet on a whole K = 8 step at once. K is one number per batch:
 the forward is padded to the widest row, so a row given fewer drafts saves no compute (per-request caps still apply).
 K = 0 unless some K beats plain decoding, and a new K must beat the current one by `hysteresis` to replace it.
 Every `explore_every` steps one step drafts one token more than the chosen K, so the acceptance of the position just
@@ -34,7 +36,7 @@ class AcceptanceStats:
     rows outweigh `prior_weight`); a pessimistic one would keep K = 0 and never measure.
     """
 
-    def __init__(self, max_k: int, prior_rate: float = 0.9, prior_weight: float = 2.0, decay: float = 0.99):
+    def __init__(self, max_k: int, prior_rate: float = 0.9, prior_weight: float = 2.0, decay: float = 0.95):
         self.max_k = max_k
         self.prior_rate = prior_rate
         self.prior_weight = prior_weight
@@ -57,6 +59,11 @@ class AcceptanceStats:
             rates[j] = (self.accepted[j] + self.prior_weight * previous) / (self.reached[j] + self.prior_weight)
             previous = rates[j]
         return rates
+
+    def measured_depth(self) -> int:
+        """Leading positions whose measurements outweigh the prior (decayed rows reached >= `prior_weight`)."""
+        shallow = np.flatnonzero(self.reached < self.prior_weight)
+        return int(shallow[0]) if len(shallow) else self.max_k
 
     def expected_emitted(self) -> np.ndarray:
         """`[max_k + 1]`: expected tokens a row emits in a step asked for K drafts, K = 0..max_k (bonus included)."""
@@ -91,7 +98,7 @@ class AutoPolicy:
         draft_passes: dict[str, bool],
         time_model: StepTimeModel | None = None,
         hysteresis: float = 0.03,
-        explore_every: int = 50,
+        explore_every: int = 20,
     ):
         self.explore_every = explore_every
         self.num_steps = 0
@@ -122,6 +129,9 @@ class AutoPolicy:
         current = min(self.current, usable)
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
             best = current
+        # climb one unmeasured position at a time: the positions beyond the measured ones only inherit a rate (early
+        # tokens of a completion accept better than later ones), and a step at K = 8 costs 6x a plain one at 1024 rows
+        best = min(best, 1 + max(self.stats[route].measured_depth() for route in set(routes)))
         self.current = best
         self.num_steps += 1
         if self.explore_every and self.num_steps % self.explore_every == 0 and best > 0:

@@ -93,6 +93,12 @@ class StepTimeModel:
         self.measured.add((batch_size, width, num_draft_passes, seconds, self.num_steps, expected))
         self.num_steps += 1
 
+    def clear_profile(self) -> None:
+        """Forget the profiled steps (a throwaway first pass)."""
+        self.profile = _Samples(self.profile.capacity)
+        self._profile_fits.clear()
+        self._levels.clear()
+
     def predict(self, batch_size: int, widths: np.ndarray, num_draft_passes: np.ndarray) -> np.ndarray:
         """Predicted seconds of a step of `batch_size` rows for each (width, draft passes) pair; recomputed every
         `refit_every` measured steps."""

@@ -127,3 +127,17 @@ def test_bad_per_request_settings_are_named():
         gen.generate([[1, 2], [3, 4]], [SamplingParams()])
     with pytest.raises(ValueError, match=r"method \(\['ngram', 'ngram'\]\) must be one of"):
         SpecConfig(method=["ngram", "ngram"])
+
+
+def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace():
+    gen = Generator(
+        make_model("llama"),
+        max_batch_size=20,
+        max_seq_len=64,
+        spec=SpecConfig(method="ngram", num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"),
+    )
+    profile = gen.policy.time_model.profile.view()
+    grid = sorted((b, 1 + k) for b in (1, 4, 16, 20) for k in (0, 1, 2, 4))  # B: powers of 4 and the slot count
+    assert sorted((int(b), int(w)) for b, w in profile[:, :2]) == grid  # the throwaway first pass is not kept
+    assert (profile[:, 3] > 0).all() and gen.last_trace == []
+    assert not gen.policy.time_model.measured.size  # nothing measured yet: the rollout's steps come next

@@ -86,6 +86,7 @@ def test_measured_steps_refit_the_level_and_can_turn_speculation_off():
 def test_hysteresis_keeps_k_at_a_boundary():
     policy = policy_with(overhead_then_compute, acceptance=0.8, hysteresis=0.05)
     plain = policy_with(overhead_then_compute, acceptance=0.8, hysteresis=0.0)
+    policy.explore_every = plain.explore_every = 0  # exploration steps are not flips
     sizes = [b for b in range(40, 400, 4)]
     boundary = next(b for b in sizes if plain.choose(b).num_draft_tokens != plain.choose(sizes[0]).num_draft_tokens)
     flips = {"hysteresis": 0, "none": 0}
@@ -115,6 +116,17 @@ def test_exploration_drafts_one_token_more_every_explore_every_steps():
     off = policy_with(lambda b, w, p: 1e-3 * w + 1e-3 * p, acceptance=0.9)
     off.explore_every = 2
     assert [off.choose(8).num_draft_tokens for _ in range(6)] == [0] * 6
+
+
+def test_k_climbs_one_unmeasured_position_at_a_time():
+    # tokens nearly free: the optimistic prior alone would bet on K = 8 at once
+    policy = AutoPolicy(MAX_K, {"draft_model": True}, profiled(lambda b, w, p: 1e-3 + 1e-6 * w))
+    ks = []
+    for _ in range(MAX_K + 2):
+        k = policy.choose(16).num_draft_tokens
+        ks.append(k)
+        policy.observe(StepObservation(16, k + 1, k, 1e-3, {"draft_model": ([k] * 16, [k] * 16)}))  # all accepted
+    assert ks == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8], ks
 
 
 def test_row_caps_bound_the_choice():
