@@ -13,7 +13,8 @@ K = 0 unless some K beats plain decoding, and a new K must beat the current one 
 Every `explore_every` steps one step drafts one token more than the chosen K, so the acceptance of the position just
 beyond it stays measured (the early tokens of a completion accept differently from the later ones); positions further
 out inherit its rate, and if that predicts a gain the policy moves up and measures them. One token more costs little
-where a step is compute-bound; the largest K (the earlier rule) cost a K=8 step six times a plain one at 1024 rows.
+where a step is compute-bound; drafting the largest K instead would cost a K = 8 step, six times a plain one at 1024
+rows on this project's CPU.
 """
 
 from __future__ import annotations
@@ -129,8 +130,9 @@ class AutoPolicy:
         current = min(self.current, usable)
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
             best = current
-        # climb one unmeasured position at a time: the positions beyond the measured ones only inherit a rate (early
-        # tokens of a completion accept better than later ones), and a step at K = 8 costs 6x a plain one at 1024 rows
+        # climb one unmeasured position at a time: the positions beyond the measured ones only inherit a rate (the
+        # early tokens of a completion accept differently from later ones), and a K = 8 step costs 6x a plain one at
+        # 1024 rows on this project's CPU
         best = min(best, 1 + max(self.stats[route].measured_depth() for route in set(routes)))
         self.current = best
         self.num_steps += 1
