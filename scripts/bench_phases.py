@@ -16,8 +16,8 @@ import argparse
 import json
 import math
 import pathlib
-import statistics
 import time
+from statistics import median
 
 import matplotlib
 
@@ -134,10 +134,6 @@ def plot(results: dict, best_k: list[tuple[float, int]], path: pathlib.Path, tit
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def median(values) -> float:
-    return statistics.median(values)
 
 
 def ratio(a: float, b: float) -> float:
