@@ -197,11 +197,12 @@ class Generator:
         num_rows = len(active)
         # never draft past the length cap (those tokens could not be kept), nor past the request's own cap
         caps = [min(seq.spec_cap, seq.max_new_tokens - len(seq.token_ids) - 1) for seq in active]
+        context = max(seq.cache_len for seq in active)  # rows attend over the longest row's cache (padded)
         decision = Decision(0)
         if force_k is not None:
             decision = Decision(force_k)
         elif self.proposers is not None:
-            decision = self.policy.choose(num_rows, caps, [self._route(seq) for seq in active])
+            decision = self.policy.choose(num_rows, caps, [self._route(seq) for seq in active], context)
         asked = [max(0, min(decision.num_draft_tokens, cap)) for cap in caps]
         uniforms = self._draw_uniforms(active, asked)
         sampling = self._row_sampling(active)  # built once: the proposers and the verifier share it
@@ -248,7 +249,7 @@ class Generator:
         num_emitted, accepted = self._commit(0, active, result)
         seconds = time.perf_counter() - start
         if self.policy is not None:
-            self._observe(active, decision, asked, served, accepted, layout, seconds, force_k is not None)
+            self._observe(active, asked, served, accepted, layout, seconds, context, force_k is not None)
         by_method = collections.Counter(m for m, k in zip(served, asked) if k > 0)
         self.last_trace.append(
             StepRecord(
@@ -262,6 +263,7 @@ class Generator:
                 drafted_per_position=[sum(d > j for d in layout.row_depths) for j in range(layout.max_depth)],
                 accepted_per_position=[sum(a > j for a in accepted) for j in range(layout.max_depth)],
                 predicted_gain=decision.predicted_gain,
+                measuring=decision.measuring,
                 rows_by_method=dict(by_method),
             )
         )
@@ -270,7 +272,7 @@ class Generator:
         """Where a row's drafts come from: the proposer its request names, or the configured cascade."""
         return seq.params.spec.method or self._default_route
 
-    def _observe(self, active, decision, asked, served, accepted, layout, seconds, warm_up: bool) -> None:
+    def _observe(self, active, asked, served, accepted, layout, seconds, context: int, warm_up: bool) -> None:
         """Tell the policy what the step cost and what each route's drafts earned."""
         num_asked: dict[str, tuple[list[int], list[int]]] = {}
         for seq, k, a in zip(active, asked, accepted):
@@ -279,7 +281,8 @@ class Generator:
                 rows[0].append(k)
                 rows[1].append(a)
         passes = max((k for k, s in zip(asked, served) if k > 0 and s == "draft_model"), default=0)
-        self.policy.observe(StepObservation(len(active), layout.width, passes, seconds, num_asked), warm_up)
+        observation = StepObservation(len(active), layout.width, passes, seconds, num_asked, context)
+        self.policy.observe(observation, warm_up)
 
     # ---- verification and commit ------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ class StepRecord:
     drafted_per_position: list[int] = field(default_factory=list)  # rows that had a draft at position j
     accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft j was accepted
     predicted_gain: float | None = None  # auto policy: predicted tokens/s with this K over K = 0
+    measuring: bool = False  # auto policy: a climb or exploration step, drafting one position past those measured
     rows_by_method: dict[str, int] = field(default_factory=dict)  # rows asked for drafts, by the proposer serving them
 
     def to_dict(self) -> dict:

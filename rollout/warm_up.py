@@ -3,9 +3,13 @@
 Each profiled step is a full decode step (drafting, the verification forward, the verifier, the commit) of B rows at
 a forced K, so the step-time model starts from what a step really costs on this machine, host work included. Rows
 hold random periodic prompts (an n-gram lookup finds matches in them and drafts the full K); after every step they are
-rolled back (lengths lowered, proposer state restored), so the same rows serve every (B, K) pair and a short
-`max_seq_len` is enough. B runs over powers of four up to the slot count, K over 0, 1, K/2 and K. Acceptance is not
-learned here: random text says nothing about the real drafts.
+rolled back (lengths lowered, proposer state restored), so the same rows serve every (B, K) pair. B runs over powers of
+four up to the slot count, K over 0, 1, K/2 and K, each at a short context and at the longest the generator allows:
+rows attend over the longest row's cache, and on this project's CPU a plain step of 1024 rows costs 2.3x more at the
+~300-token context of a real rollout than at 32 tokens, while a K = 8 step costs only 1.5x more; a profile at one
+short context prices wide steps too high. A few distinct prompts fan out to all slots (samples of one prompt share
+its prefill), so the long context costs a few prompts' prefill. Acceptance is not learned here: random text says
+nothing about the real drafts.
 """
 
 from __future__ import annotations
@@ -25,32 +29,41 @@ if TYPE_CHECKING:
     from specdec.auto_policy import AutoPolicy
 
 
-def warm_up(gen: Generator, policy: AutoPolicy, prompt_len: int = 32) -> None:
+def warm_up(gen: Generator, policy: AutoPolicy, short_context: int = 32, num_prompts: int = 4) -> None:
     max_k = policy.num_speculative_tokens
-    prompt_len = max(1, min(prompt_len, gen.max_seq_len - max_k - 2))
+    longest = max(1, gen.max_seq_len - max_k - 2)
+    contexts = sorted({min(short_context, longest), longest})
     sizes = sorted({min(4**i, gen.max_batch_size) for i in range(gen.max_batch_size.bit_length())})
     ks = sorted({0, 1, max_k // 2, max_k})
     noise = torch.Generator().manual_seed(0)
-    # periodic prompts: an n-gram lookup finds matches and drafts the full K, so every width is really timed
-    pattern = torch.randint(0, gen.vocab_size, (gen.max_batch_size, 4), generator=noise)
-    prompts = pattern.repeat(1, prompt_len // 4 + 1)[:, :prompt_len].tolist()
-    params = SamplingParams(temperature=1.0, max_new_tokens=gen.max_seq_len, seed=0)
-    sequences = gen._make_sequences(prompts, [params] * len(prompts))
-    active = []
     with torch.inference_mode(), eval_mode(gen.model):
-        gen._admit(deque(sequences), active)
-        for row, seq in enumerate(active):  # the first sampled token is random: continue the period instead, so the
-            seq.token_ids[0] = seq.prompt[prompt_len % 4]  # n-gram lookup matches from the first step (it is pending,
-            gen.history[row, prompt_len] = seq.token_ids[0]  # not yet in the KV cache: nothing else to fix)
-        # a first pass over every width, not kept: first calls pay one-off costs (kernel compilation on a GPU,
-        # allocator growth) that would make the first profiled steps look slow
-        for k in ks:
-            _step_and_roll_back(gen, active[:1], k)
-        policy.time_model.clear_profile()
-        for batch_size in sizes:
-            for k in ks:
-                _step_and_roll_back(gen, active[:batch_size], k)
+        for index, context in enumerate(contexts):
+            active = _admit_periodic(gen, context, num_prompts, noise)
+            if index == 0:  # a first pass over every width, not kept: first calls pay one-off costs (kernel
+                for k in ks:  # compilation on a GPU, allocator growth) that would make the first steps look slow
+                    _step_and_roll_back(gen, active[:1], k)
+                policy.time_model.clear_profile()
+            for batch_size in sizes:
+                for k in ks:
+                    _step_and_roll_back(gen, active[:batch_size], k)
     gen.last_trace = []
+
+
+def _admit_periodic(gen: Generator, prompt_len: int, num_prompts: int, noise: torch.Generator) -> list[Sequence]:
+    """Fill every slot with samples of `num_prompts` random prompts of period 4 and `prompt_len` tokens: an n-gram
+    lookup finds matches in them and drafts the full K, so every width is really timed."""
+    pattern = torch.randint(0, gen.vocab_size, (num_prompts, 4), generator=noise)
+    prompts = pattern.repeat(1, prompt_len // 4 + 1)[:, :prompt_len].tolist()
+    params = SamplingParams(
+        n=-(-gen.max_batch_size // num_prompts), temperature=1.0, max_new_tokens=gen.max_seq_len, seed=0
+    )
+    sequences = gen._make_sequences(prompts, [params] * num_prompts)[: gen.max_batch_size]
+    active: list[Sequence] = []
+    gen._admit(deque(sequences), active)
+    for row, seq in enumerate(active):  # the first sampled token is random: continue the period instead, so the
+        seq.token_ids[0] = seq.prompt[prompt_len % 4]  # n-gram lookup matches from the first step (it is pending,
+        gen.history[row, prompt_len] = seq.token_ids[0]  # not yet in the KV cache: nothing else to fix)
+    return active
 
 
 def _step_and_roll_back(gen: Generator, rows: list[Sequence], k: int) -> None:

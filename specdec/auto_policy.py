@@ -1,20 +1,21 @@
 """The `auto` K policy: each step, the K that maximises predicted emitted tokens per second.
 
-    rate(K) = sum over rows of E[emitted_i | min(K, cap_i)] / T(B, 1 + K, passes(K))
+    rate(K) = sum over rows of E[emitted_i | min(K, cap_i)] / T(B, 1 + K, passes(K), context)
 
 `E` comes from per-position acceptance measured online for each route (`AcceptanceStats`): a proposer a request
 named, or the configured cascade of proposers as a whole (its mix of n-gram and draft-model rows is what it earns);
 `T` from a step-time
 model seeded by a warm-up profile and refitted from every measured step (`StepTimeModel`). K rises at most one position
 past those measured so far, so a high rate inherited by unmeasured positions is checked one step at a time, never
-bet on a whole K = 8 step at once. K is one number per batch:
+bet on a whole K = 8 step at once (such climb steps, and exploration steps, are marked `measuring` in the trace: their
+own predicted gain may be below 1). K is one number per batch:
 the forward is padded to the widest row, so a row given fewer drafts saves no compute (per-request caps still apply).
 K = 0 unless some K beats plain decoding, and a new K must beat the current one by `hysteresis` to replace it.
 Every `explore_every` steps one step drafts one token more than the chosen K, so the acceptance of the position just
 beyond it stays measured (the early tokens of a completion accept differently from the later ones); positions further
 out inherit its rate, and if that predicts a gain the policy moves up and measures them. One token more costs little
-where a step is compute-bound; drafting the largest K instead would cost a K = 8 step, six times a plain one at 1024
-rows on this project's CPU.
+where a step is compute-bound; drafting the largest K instead would cost a K = 8 step, 5.5 times a plain one at
+1024 rows on this project's CPU.
 """
 
 from __future__ import annotations
@@ -31,27 +32,43 @@ class AcceptanceStats:
     """Per-position acceptance of one proposer: `rate[j]` = P(draft j+1 accepted | drafts 1..j accepted).
 
     Counts are of rows *asked* for a draft at that position, so a proposer that often has nothing to offer (an n-gram
-    lookup without a match) shows it as a lower rate. Counts decay so the estimate follows the run. A position never
-    reached yet inherits the rate of the one before it (the first inherits `prior_rate`). The prior is optimistic on
-    purpose: a policy that believes drafts pay tries them in its first steps and learns the real rate at once (a few
-    rows outweigh `prior_weight`); a pessimistic one would keep K = 0 and never measure.
+    lookup without a match) shows it as a lower rate. The unit of evidence is a step, not a row: a step's rate at a
+    position weighs 1 once `rows_per_step` rows reached it (less with fewer), and weights decay so the estimate follows
+    the run. Rows of one step are not independent draws: a rollout starts every completion at once, so the first steps
+    see every row at the same token of the answer's template (measured here: position 3 accepted 0.51 in the second
+    step and ~0.92 from then on). Counted per row, that one step outweighed the next 40; per step, the positions the
+    policy drafts every step replace it at once, and one just beyond them (measured only by exploration) drifts back
+    toward the rate of the position before it. A position never reached yet inherits that rate (the first inherits
+    `prior_rate`). The prior is optimistic on purpose: a policy that believes drafts pay tries them in its first steps
+    and learns the real rate (each step outweighs half the prior); a pessimistic one would keep K = 0 and never measure.
     """
 
-    def __init__(self, max_k: int, prior_rate: float = 0.9, prior_weight: float = 2.0, decay: float = 0.95):
+    def __init__(
+        self,
+        max_k: int,
+        prior_rate: float = 0.9,
+        prior_weight: float = 1.0,
+        decay: float = 0.95,
+        rows_per_step: int = 16,
+    ):
         self.max_k = max_k
         self.prior_rate = prior_rate
         self.prior_weight = prior_weight
         self.decay = decay
-        self.reached = np.zeros(max_k)  # rows asked for draft j whose drafts before j were all accepted
-        self.accepted = np.zeros(max_k)  # rows whose draft j was accepted
+        self.rows_per_step = rows_per_step
+        self.reached = np.zeros(max_k)  # decayed weight of the steps whose rows reached draft j
+        self.accepted = np.zeros(max_k)  # the same steps' weights times their rates at draft j
 
     def update(self, num_asked: list[int], num_accepted: list[int]) -> None:
         """One step: per row, the drafts it was asked for and how many of them were accepted (a prefix)."""
         asked = np.asarray(num_asked)
         accepted = np.asarray(num_accepted)
         positions = np.arange(1, self.max_k + 1)[:, None]
-        self.reached = self.decay * self.reached + ((asked >= positions) & (accepted >= positions - 1)).sum(1)
-        self.accepted = self.decay * self.accepted + (accepted >= positions).sum(1)
+        reached = ((asked >= positions) & (accepted >= positions - 1)).sum(1)
+        hits = (accepted >= positions).sum(1)
+        weight = np.minimum(reached / self.rows_per_step, 1.0)
+        self.reached = self.decay * self.reached + weight
+        self.accepted = self.decay * self.accepted + weight * hits / np.maximum(reached, 1)
 
     def rates(self) -> np.ndarray:
         rates = np.zeros(self.max_k)
@@ -62,7 +79,7 @@ class AcceptanceStats:
         return rates
 
     def measured_depth(self) -> int:
-        """Leading positions whose measurements outweigh the prior (decayed rows reached >= `prior_weight`)."""
+        """Leading positions whose measurements outweigh the prior (decayed step weight >= `prior_weight`)."""
         shallow = np.flatnonzero(self.reached < self.prior_weight)
         return int(shallow[0]) if len(shallow) else self.max_k
 
@@ -80,6 +97,7 @@ class StepObservation:
     num_draft_passes: int  # sequential draft-model forwards (0 for n-gram drafts)
     seconds: float
     num_asked: dict[str, tuple[list[int], list[int]]]  # route -> (asked per row, accepted per row) of its rows
+    context: int = 0  # tokens in the longest row's cache before the step (rows attend over that many)
 
 
 class AutoPolicy:
@@ -110,9 +128,11 @@ class AutoPolicy:
         self.stats = {route: AcceptanceStats(num_speculative_tokens) for route in draft_passes}
         self.current = 0
 
-    def choose(self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None) -> Decision:
-        """K for a step of `batch_size` rows; `caps[i]` is row i's largest K, `routes[i]` its route (default: the
-        first one)."""
+    def choose(
+        self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None, context: int = 0
+    ) -> Decision:
+        """K for a step of `batch_size` rows after `context` cached tokens (the longest row's); `caps[i]` is row i's
+        largest K, `routes[i]` its route (default: the first one)."""
         ks = np.arange(self.num_speculative_tokens + 1)
         caps = np.full(batch_size, self.num_speculative_tokens) if caps is None else np.maximum(np.asarray(caps), 0)
         routes = [next(iter(self.stats))] * batch_size if routes is None else routes
@@ -125,25 +145,29 @@ class AutoPolicy:
             if self.draft_passes[route] and (caps[rows] > 0).any():
                 passes = np.maximum(passes, np.minimum(ks, caps[rows].max()))
         usable = int(caps.max(initial=0))
-        rate = emitted / np.maximum(self.time_model.predict(batch_size, ks + 1, passes), 1e-9)
+        rate = emitted / np.maximum(self.time_model.predict(batch_size, ks + 1, passes, context), 1e-9)
         best = int(np.argmax(rate[: usable + 1]))
         current = min(self.current, usable)
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
             best = current
         # climb one unmeasured position at a time: the positions beyond the measured ones only inherit a rate (the
-        # early tokens of a completion accept differently from later ones), and a K = 8 step costs 6x a plain one at
-        # 1024 rows on this project's CPU
-        best = min(best, 1 + max(self.stats[route].measured_depth() for route in set(routes)))
+        # early tokens of a completion accept differently from later ones), and a K = 8 step costs 5.5x a plain one
+        # at 1024 rows on this project's CPU. A climb step may itself predict a loss (the first draft costs more than
+        # the next ones): it is how the positions of a better K get measured.
+        climb_to = 1 + max(self.stats[route].measured_depth() for route in set(routes))
+        measuring = best > climb_to
+        best = min(best, climb_to)
         self.current = best
         self.num_steps += 1
-        if self.explore_every and self.num_steps % self.explore_every == 0 and best > 0:
-            best = min(best + 1, usable)  # exploration (while drafting pays at all): measure the next position
-        return Decision(best, float(rate[best] / rate[0]))
+        if self.explore_every and self.num_steps % self.explore_every == 0 and 0 < best < usable:
+            best += 1  # exploration (while drafting pays at all): measure the next position
+            measuring = True
+        return Decision(best, float(rate[best] / rate[0]), measuring)
 
     def observe(self, observation: StepObservation, warm_up: bool = False) -> None:
         """Learn from a step; a warm-up step (random prompts) informs the step times only, not acceptance."""
         o = observation
-        self.time_model.add(o.batch_size, o.width, o.num_draft_passes, o.seconds, prior=warm_up)
+        self.time_model.add(o.batch_size, o.width, o.num_draft_passes, o.seconds, warm_up, o.context)
         if warm_up:
             return
         for route, (asked, accepted) in observation.num_asked.items():

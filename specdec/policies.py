@@ -12,6 +12,9 @@ class Decision:
 
     num_draft_tokens: int  # K for the batch (each row is further capped by its request and its length limit)
     predicted_gain: float | None = None  # auto: predicted tokens/s with this K over tokens/s with K = 0
+    # auto: the step drafts past the positions measured so far (climbing toward a better K, or exploring) to measure
+    # the next one; its own predicted gain may be below 1
+    measuring: bool = False
 
 
 def validate_batch_size_table(table: Any, num_speculative_tokens: int) -> list[tuple[int, int, int]]:
@@ -54,7 +57,9 @@ class StaticPolicy:
     def __init__(self, num_speculative_tokens: int):
         self.num_speculative_tokens = num_speculative_tokens
 
-    def choose(self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None) -> Decision:
+    def choose(
+        self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None, context: int = 0
+    ) -> Decision:
         return Decision(self.num_speculative_tokens)
 
     def observe(self, observation, warm_up: bool = False) -> None:
@@ -78,5 +83,7 @@ class TablePolicy(StaticPolicy):
             for batch_size in range(start, min(end, max_batch_size) + 1):
                 self.k_by_batch_size[batch_size] = k
 
-    def choose(self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None) -> Decision:
+    def choose(
+        self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None, context: int = 0
+    ) -> Decision:
         return Decision(self.k_by_batch_size[batch_size])

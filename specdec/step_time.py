@@ -1,16 +1,22 @@
-"""A model of decode-step time: how long a step takes for B rows fed W tokens each, with P draft-model passes.
+"""A model of decode-step time: how long a step takes for B rows fed W tokens each, with P draft-model passes, after
+a context of L tokens (the longest row's cache: rows are padded to it).
 
-Shape from a warm-up profile, level from the run. The warm-up times real steps over a grid of (B, K); near a batch
-size B their times are fitted by weighted least squares as
+Shape from a warm-up profile, level from the run. The warm-up times real steps over a grid of (B, K) at a short and a
+long context; near a batch size B their times are fitted by least squares as
 
-    prior(B, W, P) = a + b (W - 1) + c P      (each coefficient linear in B across the neighbourhood)
+    prior(B, W, P, L) = a + b (W - 1) + c P + d [W > 1] + L (e + f (W - 1) + g P)
 
-with samples weighted by a Gaussian in log2 B. Steps measured during the run then correct it: the prediction is
-`ratio(B, W) * prior(B, W, P)`, where `ratio(B, W)` is the measured-over-profiled time of recent steps near B fed W
-tokens per row, shrunk toward the ratio of all recent steps near B where few were fed W. The context grows during a
-rollout (the profile ran short prompts) and other processes share the machine: the level follows the measured steps
-at once, and the price of a K follows them as soon as steps at that K were measured. Without a profile the measured
-steps are fitted directly.
+(each coefficient linear in B across the neighbourhood; samples weighted by a Gaussian in log2 B). Each term is a
+cost that was measured on this CPU: `a` the plain step, `b` and `c` a token fed and a draft pass, `d` drafting at all
+(the draft model's catch-up, the sampling verifier: at 1024 rows the first draft costs twice the next one), `e` reading
+the KV cache (a plain step at a 300-token context costs 2.3x one at 32), `f` and `g` attention per token fed and per
+draft pass. Coefficients are kept non-negative (no token, pass or context makes a step faster).
+
+Steps measured during the run then correct it: the prediction is `ratio(B, W) * prior(B, W, P, L)`, where
+`ratio(B, W)` is the measured-over-profiled time of recent steps near B fed W tokens per row, shrunk toward the ratio
+of all recent steps near B where few were fed W. Other processes share the machine and the profile's random text is
+not the run's: the level follows the measured steps at once, and the price of a K follows them as soon as steps at
+that K were measured. Without a profile the measured steps are fitted directly.
 """
 
 from __future__ import annotations
@@ -19,13 +25,15 @@ import math
 
 import numpy as np
 
+CONTEXT_UNIT = 256  # tokens: context enters the fit in these units, so its columns are on the scale of the others
+
 
 class _Samples:
-    """Rows of (batch size, W, P, seconds, step index, profiled prediction), the oldest dropped when full."""
+    """Rows of (batch size, W, P, seconds, step index, profiled prediction, context), the oldest dropped when full."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self.data = np.zeros((capacity, 6))
+        self.data = np.zeros((capacity, 7))
         self.size = 0
 
     def add(self, row: tuple[float, ...]) -> None:
@@ -40,18 +48,36 @@ class _Samples:
         return self.data[: self.size]
 
 
+def features(widths, passes, context) -> np.ndarray:
+    """`[n, 7]`: the fit's terms (module docstring) for each (W, P, context) triple."""
+    extra = np.asarray(widths, dtype=float) - 1
+    passes = np.asarray(passes, dtype=float)
+    context = np.broadcast_to(np.asarray(context, dtype=float) / CONTEXT_UNIT, extra.shape)
+    drafting = (extra > 0).astype(float)
+    return np.stack([np.ones_like(extra), extra, passes, drafting, context, context * extra, context * passes], 1)
+
+
 def _local_fit(samples: np.ndarray, weights: np.ndarray, batch_size: int) -> np.ndarray:
-    """Weighted least squares of seconds on [1, W - 1, P], each also times (B / batch_size - 1); returns the
-    coefficients at `batch_size` (a, b, c), slopes clipped at 0 (a token or a draft pass never makes a step faster)."""
-    features = np.stack([np.ones(len(samples)), samples[:, 1] - 1, samples[:, 2]], axis=1)
+    """Weighted least squares of seconds on `features`, each also times (B / batch_size - 1); returns the coefficients
+    at `batch_size`. A term whose coefficient comes out negative is dropped and the rest refitted, until none is (no
+    token, pass or context makes a step faster); terms the samples cannot tell apart share the fit (a small ridge)."""
+    base = features(samples[:, 1], samples[:, 2], samples[:, 6])
     relative = samples[:, :1] / batch_size - 1.0
-    x = np.concatenate([features, features * relative], axis=1)
+    x = np.concatenate([base, base * relative], axis=1)
     xtw = x.T * weights
-    gram = xtw @ x
+    gram, target = xtw @ x, xtw @ samples[:, 3]
     ridge = 1e-6 * (np.trace(gram) + 1e-12)
-    coef = np.linalg.solve(gram + ridge * np.eye(x.shape[1]), xtw @ samples[:, 3])[:3]
-    coef[1:] = np.maximum(coef[1:], 0.0)
-    return coef
+    num_terms = base.shape[1]
+    kept = np.ones(num_terms, dtype=bool)
+    while True:
+        columns = np.concatenate([kept, kept])
+        coef = np.zeros(2 * num_terms)
+        sub = gram[np.ix_(columns, columns)]
+        coef[columns] = np.linalg.solve(sub + ridge * np.eye(len(sub)), target[columns])
+        negative = np.flatnonzero(coef[1:num_terms] < 0) + 1  # the plain-step term stays whatever its sign
+        if not len(negative):
+            return coef[:num_terms]
+        kept[negative[np.argmin(coef[negative])]] = False
 
 
 class StepTimeModel:
@@ -82,15 +108,26 @@ class StepTimeModel:
         self._profile_fits: dict[int, np.ndarray] = {}
         self._levels: dict[int, tuple[int, np.ndarray]] = {}  # batch size -> (steps when fitted, coefficients)
 
-    def add(self, batch_size: int, width: int, num_draft_passes: int, seconds: float, prior: bool = False) -> None:
-        """Record a measured step, or (`prior`) a warm-up profile step, of `batch_size` rows fed `width` tokens."""
+    def add(
+        self,
+        batch_size: int,
+        width: int,
+        num_draft_passes: int,
+        seconds: float,
+        prior: bool = False,
+        context: int = 0,
+    ) -> None:
+        """Record a measured step, or (`prior`) a warm-up profile step, of `batch_size` rows fed `width` tokens after
+        `context` cached ones (the longest row's)."""
         if prior:
-            self.profile.add((batch_size, width, num_draft_passes, seconds, 0, 0))
+            self.profile.add((batch_size, width, num_draft_passes, seconds, 0, 0, context))
             self._profile_fits.clear()
             self._levels.clear()
             return
-        expected = self._profiled(batch_size) @ (1.0, width - 1, num_draft_passes) if self.profile.size else 0.0
-        self.measured.add((batch_size, width, num_draft_passes, seconds, self.num_steps, expected))
+        expected = 0.0
+        if self.profile.size:
+            expected = float(features([width], [num_draft_passes], context)[0] @ self._profiled(batch_size))
+        self.measured.add((batch_size, width, num_draft_passes, seconds, self.num_steps, expected, context))
         self.num_steps += 1
 
     def clear_profile(self) -> None:
@@ -99,21 +136,22 @@ class StepTimeModel:
         self._profile_fits.clear()
         self._levels.clear()
 
-    def predict(self, batch_size: int, widths: np.ndarray, num_draft_passes: np.ndarray) -> np.ndarray:
-        """Predicted seconds of a step of `batch_size` rows for each (width, draft passes) pair; recomputed every
-        `refit_every` measured steps."""
+    def predict(
+        self, batch_size: int, widths: np.ndarray, num_draft_passes: np.ndarray, context: int = 0
+    ) -> np.ndarray:
+        """Predicted seconds of a step of `batch_size` rows after `context` cached tokens for each (width, draft
+        passes) pair; recomputed every `refit_every` measured steps."""
         widths, passes = np.asarray(widths), np.asarray(num_draft_passes)
-        key = (batch_size, widths.tobytes(), passes.tobytes())
+        key = (batch_size, context, widths.tobytes(), passes.tobytes())
         cached = self._levels.get(key)
         if cached is not None and self.num_steps - cached[0] < self.refit_every:
             return cached[1]
         assert self.profile.size or self.measured.size, "expected a warm-up profile or a measured step first"
+        terms = features(widths, passes, context)
         if self.profile.size:
-            coef = self._profiled(batch_size)
-            seconds = (coef[0] + coef[1] * (widths - 1) + coef[2] * passes) * self._ratios(batch_size, widths)
+            seconds = terms @ self._profiled(batch_size) * self._ratios(batch_size, widths)
         else:
-            coef = _local_fit(self.measured.view(), self._measured_weights(batch_size), batch_size)
-            seconds = coef[0] + coef[1] * (widths - 1) + coef[2] * passes
+            seconds = terms @ _local_fit(self.measured.view(), self._measured_weights(batch_size), batch_size)
         self._levels[key] = (self.num_steps, seconds)
         return seconds
 

@@ -121,12 +121,52 @@ def test_exploration_drafts_one_token_more_every_explore_every_steps():
 def test_k_climbs_one_unmeasured_position_at_a_time():
     # tokens nearly free: the optimistic prior alone would bet on K = 8 at once
     policy = AutoPolicy(MAX_K, {"draft_model": True}, profiled(lambda b, w, p: 1e-3 + 1e-6 * w))
-    ks = []
+    ks, measuring = [], []
     for _ in range(MAX_K + 2):
-        k = policy.choose(16).num_draft_tokens
+        decision = policy.choose(16)
+        k = decision.num_draft_tokens
         ks.append(k)
+        measuring.append(decision.measuring)
         policy.observe(StepObservation(16, k + 1, k, 1e-3, {"draft_model": ([k] * 16, [k] * 16)}))  # all accepted
     assert ks == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8], ks
+    assert measuring == [True] * 7 + [False] * 3  # a climb step is marked: it was capped below the best K
+
+
+def kv_read_bound(batch_size, width, passes, context):
+    """Reading the KV cache costs every step the same whatever its width; tokens fed add compute and attention; the
+    first draft adds a fixed cost (catch-up and verifier), each draft pass its own."""
+    per_row = 2e-6 + 4e-8 * context + width * (1e-6 + 1e-9 * context) + (width > 1) * 5e-6
+    return 1e-3 + batch_size * per_row + passes * (1e-4 + batch_size * (1e-7 + 1e-9 * context))
+
+
+def profiled_with_context(step_seconds) -> StepTimeModel:
+    """A step-time model profiled like the warm-up: the usual grid at a short and a long context."""
+    model = StepTimeModel()
+    for batch_size in (1, 4, 16, 64, 256, 1024):
+        for k in (0, 1, 4, 8):
+            for context in (32, 600):
+                model.add(
+                    batch_size, k + 1, k, step_seconds(batch_size, k + 1, k, context), prior=True, context=context
+                )
+    return model
+
+
+def test_step_time_fit_extrapolates_to_an_unprofiled_context_and_batch_size():
+    model = profiled_with_context(kv_read_bound)
+    ks = np.arange(MAX_K + 1)
+    for batch_size, context in ((200, 300), (700, 450), (3, 100)):
+        predicted = model.predict(batch_size, ks + 1, ks, context)
+        truth = np.array([kv_read_bound(batch_size, k + 1, k, context) for k in ks])
+        np.testing.assert_allclose(predicted, truth, rtol=0.05)
+
+
+def test_auto_drafts_more_where_the_context_is_long():
+    # a step reading a long KV cache costs the same whatever its width: extra tokens are cheap next to it
+    policy = AutoPolicy(MAX_K, {"draft_model": True}, profiled_with_context(kv_read_bound), hysteresis=0.0)
+    policy.stats = policy_with(overhead_then_compute, acceptance=0.7).stats
+    # at 32 tokens a plain step is cheap and two drafts cost more than they earn; at 600 the cache read dominates
+    assert policy.choose(1024, context=32).num_draft_tokens == 0
+    assert policy.choose(1024, context=600).num_draft_tokens >= 3
 
 
 def test_row_caps_bound_the_choice():
