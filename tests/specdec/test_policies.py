@@ -160,6 +160,19 @@ def test_step_time_fit_extrapolates_to_an_unprofiled_context_and_batch_size():
         np.testing.assert_allclose(predicted, truth, rtol=0.05)
 
 
+def test_one_paused_warm_up_step_does_not_bend_the_fit():
+    # one profiled plain step of 256 rows took 20x its time (a pause of the process, as measured once here)
+    def paused(batch_size, width, passes, context):
+        slow = batch_size == 256 and width == 1 and context == 32
+        return kv_read_bound(batch_size, width, passes, context) * (20 if slow else 1)
+
+    model = profiled_with_context(paused)
+    ks = np.arange(MAX_K + 1)
+    for context in (32, 300):
+        truth = np.array([kv_read_bound(256, k + 1, k, context) for k in ks])
+        np.testing.assert_allclose(model.predict(256, ks + 1, ks, context), truth, rtol=0.05)
+
+
 def test_auto_drafts_more_where_the_context_is_long():
     # a step reading a long KV cache costs the same whatever its width: extra tokens are cheap next to it
     policy = AutoPolicy(MAX_K, {"draft_model": True}, profiled_with_context(kv_read_bound), hysteresis=0.0)
