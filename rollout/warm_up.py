@@ -4,7 +4,8 @@ Each profiled step is a full decode step (drafting, the verification forward, th
 a forced K, so the step-time model starts from what a step really costs on this machine, host work included. Rows
 hold random periodic prompts (an n-gram lookup finds matches in them and drafts the full K); after every step they are
 rolled back (lengths lowered, proposer state restored), so the same rows serve every (B, K) pair. B runs over powers of
-four up to the slot count, K over 0, 1, K/2 and K, each at a short context and at the longest the generator allows:
+four up to the slot count, K over 0, 1, K/2 and K (every K at the second largest B: a width's cost is not a straight
+line in the width), each at a short context and at the longest the generator allows:
 rows attend over the longest row's cache, and on this project's CPU a plain step of 1024 rows costs 2.3x more at the
 ~300-token context of a real rollout than at 32 tokens, while a K = 8 step costs only 1.5x more; a profile at one
 short context prices wide steps too high. A few distinct prompts fan out to all slots (samples of one prompt share
@@ -63,6 +64,9 @@ def _profile(gen: Generator, policy: AutoPolicy, short_context: int, num_prompts
         for batch_size in sizes:
             for k in ks:
                 _step_and_roll_back(gen, active[:batch_size], k)
+        # every other width at one batch size (a quarter of the slots or so): widths are not a straight line
+        for k in sorted(set(range(max_k + 1)) - set(ks)):
+            _step_and_roll_back(gen, active[: sizes[-2] if len(sizes) > 1 else sizes[-1]], k)
 
 
 def _admit_periodic(gen: Generator, prompt_len: int, num_prompts: int, noise: torch.Generator) -> list[Sequence]:

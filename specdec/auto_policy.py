@@ -11,11 +11,14 @@ bet on a whole K = 8 step at once (such climb steps, and exploration steps, are 
 own predicted gain may be below 1). K is one number per batch:
 the forward is padded to the widest row, so a row given fewer drafts saves no compute (per-request caps still apply).
 K = 0 unless some K beats plain decoding, and a new K must beat the current one by `hysteresis` to replace it.
-Every `explore_every` steps one step drafts one token more than the chosen K, so the acceptance of the position just
-beyond it stays measured (the early tokens of a completion accept differently from the later ones); positions further
-out inherit its rate, and if that predicts a gain the policy moves up and measures them. One token more costs little
-where a step is compute-bound; drafting the largest K instead would cost a K = 8 step, 5.5 times a plain one at
-1024 rows on this project's CPU.
+Every `explore_every` steps one step drafts one token more than the chosen K, and as often (halfway between) one
+token fewer. Up, the acceptance of the position just beyond K stays measured (the early tokens of a completion accept
+differently from the later ones); positions further out inherit its rate, and if that predicts a gain the policy moves
+up and measures them. Both ways, the step-time model measures the widths next to the chosen one at the run's own
+batch size and context: the profile's straight line in the width misses what a width really costs (on this project's
+CPU a step fed an even number of tokens per row is ~10% cheaper than the line, an odd one dearer). One token more or
+less costs little next to the chosen K; drafting the largest K instead would cost a K = 8 step, 5.5 times a plain one
+at 1024 rows on this project's CPU.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ class AutoPolicy:
         draft_passes: the routes rows can take (a proposer's name, or the cascade's), each True if it runs a draft
             model once per draft token.
         hysteresis: relative gain a new K needs over the current one before it is taken.
-        explore_every: steps between exploration steps at one token more than the chosen K (0 = never explore).
+        explore_every: steps between exploration steps at one token more than the chosen K, with one at one token
+            fewer halfway between (0 = never explore).
     """
 
     def __init__(
@@ -159,9 +163,12 @@ class AutoPolicy:
         best = min(best, climb_to)
         self.current = best
         self.num_steps += 1
-        if self.explore_every and self.num_steps % self.explore_every == 0 and 0 < best < usable:
-            best += 1  # exploration (while drafting pays at all): measure the next position
-            measuring = True
+        if self.explore_every and best > 0:  # exploration, while drafting pays at all
+            phase = self.num_steps % self.explore_every
+            if phase == 0 and best < usable:  # the next position's acceptance, and a width more
+                best, measuring = best + 1, True
+            elif phase == self.explore_every // 2:  # a width less
+                best, measuring = best - 1, True
         return Decision(best, float(rate[best] / rate[0]), measuring)
 
     def observe(self, observation: StepObservation, warm_up: bool = False) -> None:

@@ -99,13 +99,14 @@ def test_hysteresis_keeps_k_at_a_boundary():
     assert flips["none"] > 10 and flips["hysteresis"] <= 1, flips
 
 
-def test_exploration_drafts_one_token_more_every_explore_every_steps():
+def test_exploration_drafts_one_token_more_and_one_fewer_every_explore_every_steps():
     policy = policy_with(overhead_then_compute, acceptance=0.8)
     policy.explore_every = 5
     chosen = policy.choose(64).num_draft_tokens
     assert 0 < chosen < MAX_K
     ks = [chosen] + [policy.choose(64).num_draft_tokens for _ in range(9)]
-    assert ks == [chosen] * 4 + [chosen + 1] + [chosen] * 4 + [chosen + 1], ks
+    up, down = chosen + 1, chosen - 1  # one more every 5 steps (steps 5, 10), one fewer halfway (steps 2, 7)
+    assert ks == [chosen, down, chosen, chosen, up, chosen, down, chosen, chosen, up], ks
     assert policy.current == chosen  # the exploration step does not become the choice
     # the next position's acceptance is then measured: a collapsed rate there is learnt, and K never moves past it
     for _ in range(100):  # every row's extra draft rejected
@@ -120,7 +121,7 @@ def test_exploration_drafts_one_token_more_every_explore_every_steps():
 
 def test_k_climbs_one_unmeasured_position_at_a_time():
     # tokens nearly free: the optimistic prior alone would bet on K = 8 at once
-    policy = AutoPolicy(MAX_K, {"draft_model": True}, profiled(lambda b, w, p: 1e-3 + 1e-6 * w))
+    policy = AutoPolicy(MAX_K, {"draft_model": True}, profiled(lambda b, w, p: 1e-3 + 1e-6 * w), explore_every=0)
     ks, measuring = [], []
     for _ in range(MAX_K + 2):
         decision = policy.choose(16)
