@@ -10,9 +10,12 @@ long context; near a batch size B their times are fitted by least squares as
 cost that was measured on this CPU: `a` the plain step, `b` and `c` a token fed and a draft pass, `d` drafting at all
 (the draft model's catch-up, the sampling verifier: at 1024 rows the first draft costs twice the next one), `e` reading
 the KV cache (a plain step at a 300-token context costs 2.3x one at 32), `f` and `g` attention per token fed and per
-draft pass. Coefficients are kept non-negative (no token, pass or context makes a step faster).
+draft pass. Coefficients are kept non-negative (no token, pass or context makes a step faster). A width's real cost is
+not on the line (here, a step fed an even number of tokens per row is ~10% cheaper than it, an odd one dearer): the
+warm-up times every width at one batch size, and `factor(W)`, the median of profiled over fitted time at width W,
+multiplies the line.
 
-Steps measured during the run then correct it: the prediction is `ratio(B, W) * prior(B, W, P, L)`, where
+Steps measured during the run then correct it: the prediction is `ratio(B, W) * factor(W) * prior(B, W, P, L)`, where
 `ratio(B, W)` is the measured-over-profiled time of recent steps near B fed W tokens per row, shrunk toward the ratio
 of all recent steps near B where few were fed W. Other processes share the machine and the profile's random text is
 not the run's: the level follows the measured steps at once, and the price of a K follows them as soon as steps at
