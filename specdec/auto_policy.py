@@ -43,7 +43,8 @@ class AcceptanceStats:
     policy drafts every step replace it at once, and one just beyond them (measured only by exploration) drifts back
     toward the rate of the position before it. A position never reached yet inherits that rate (the first inherits
     `prior_rate`). The prior is optimistic on purpose: a policy that believes drafts pay tries them in its first steps
-    and learns the real rate (each step outweighs half the prior); a pessimistic one would keep K = 0 and never measure.
+    and learns the real rate (one step weighs as much as the prior); a pessimistic one would keep K = 0 and never
+    measure.
     """
 
     def __init__(

@@ -6,12 +6,12 @@ long context; near a batch size B their times are fitted by least squares as
 
     prior(B, W, P, L) = a + b (W - 1) + c P + d [W > 1] + L (e + f (W - 1) + g P)
 
-(each coefficient linear in B across the neighbourhood; samples weighted by a Gaussian in log2 B). Each term is a
-cost that was measured on this CPU: `a` the plain step, `b` and `c` a token fed and a draft pass, `d` drafting at all
-(the draft model's catch-up, the sampling verifier: at 1024 rows the first draft costs twice the next one), `e` reading
-the KV cache (a plain step at a 300-token context costs 2.3x one at 32), `f` and `g` attention per token fed and per
-draft pass. Coefficients are kept non-negative (no token, pass or context makes a step faster). A width's real cost is
-not on the line (here, a step fed an even number of tokens per row is ~10% cheaper than it, an odd one dearer): the
+(each coefficient linear in B across the neighbourhood; samples weighted by a Gaussian in log2 B). Each term is a cost
+that was measured on this CPU: `a` the plain step, `b` and `c` a token fed and a draft pass, `d` drafting at all (the
+draft model's catch-up, the sampling verifier: at 1024 rows the first draft costs twice the next one), `e` reading the
+KV cache (a plain step of 1024 rows at a 290-token context costs 2x one at 32), `f` and `g` attention per token fed and
+per draft pass. Coefficients are kept non-negative (no token, pass or context makes a step faster). A width's real cost
+is not on the line (here, a step fed an even number of tokens per row is ~10% cheaper than it, an odd one dearer): the
 warm-up times every width at one batch size, and `factor(W)`, the median of profiled over fitted time at width W,
 multiplies the line.
 
