@@ -174,6 +174,16 @@ def test_one_paused_warm_up_step_does_not_bend_the_fit():
         np.testing.assert_allclose(model.predict(256, ks + 1, ks, context), truth, rtol=0.05)
 
 
+def test_one_stalled_step_does_not_reprice_its_width():
+    model = profiled(overhead_then_compute)
+    for step in range(20):  # measured steps of 64 rows at K = 3, as profiled, one of them stalled 4x
+        stall = 4.0 if step == 5 else 1.0
+        model.add(64, 4, 3, overhead_then_compute(64, 4, 3) * stall)
+    predicted = model.predict(64, np.array([3, 4, 5]), np.array([2, 3, 4]))
+    truth = [overhead_then_compute(64, w, w - 1) for w in (3, 4, 5)]
+    np.testing.assert_allclose(predicted, truth, rtol=0.05)
+
+
 def test_auto_drafts_more_where_the_context_is_long():
     # a step reading a long KV cache costs the same whatever its width: extra tokens are cheap next to it
     policy = AutoPolicy(MAX_K, {"draft_model": True}, profiled_with_context(kv_read_bound), hysteresis=0.0)
