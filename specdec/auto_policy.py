@@ -82,9 +82,12 @@ class AcceptanceStats:
             previous = rates[j]
         return rates
 
-    def measured_depth(self) -> int:
-        """Leading positions whose measurements outweigh the prior (decayed step weight >= `prior_weight`)."""
-        shallow = np.flatnonzero(self.reached < self.prior_weight)
+    def measured_depth(self, min_weight: float = 0.25) -> int:
+        """Leading positions measured recently: decayed step weight >= `min_weight` (a full step within the last ~27,
+        so the position one past K, measured by exploration every 20 steps, counts). The policy may then climb one
+        position past it: from K = 3 straight to 5, say, when K = 4 itself costs more than either (measured here:
+        a step fed an odd number of tokens per row costs ~10% more than the line through its neighbours)."""
+        shallow = np.flatnonzero(self.reached < min_weight)
         return int(shallow[0]) if len(shallow) else self.max_k
 
     def expected_emitted(self) -> np.ndarray:
