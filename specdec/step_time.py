@@ -212,8 +212,9 @@ class StepTimeModel:
     def _ratios(self, batch_size: int, widths: np.ndarray) -> np.ndarray:
         """Per width: measured over profiled time of the recent steps near `batch_size` fed that width, shrunk toward
         the ratio over all widths (1 before any step). A step far off the others (a stall of the process: one step of
-        794 rows took 1.5 s against ~0.36 s) is down-weighted like an outlier of the fit; counted as is, it priced its
-        width 30% higher for the next 20 steps and auto left the fastest K."""
+        794 rows took 1.5 s against ~0.36 s) is down-weighted by the fit's outlier weight, once in each of two rounds
+        (r = 1.4 ends at a quarter); counted as is, it priced its width 30% higher for the next 20 steps and auto left
+        the fastest K."""
         if not self.measured.size:
             return np.ones(len(widths))
         samples = self.measured.view()
