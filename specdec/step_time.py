@@ -113,7 +113,6 @@ class StepTimeModel:
         bandwidth: width of the batch-size kernel, in log2 units (1.0: a batch twice as large weighs e^-0.5).
         half_life: measured steps after which a step weighs half as much.
         capacity: measured steps kept.
-        refit_every: measured steps a level (or fit) at one batch size is reused for.
     """
 
     def __init__(
@@ -121,19 +120,16 @@ class StepTimeModel:
         bandwidth: float = 0.75,
         half_life: float = 200.0,
         capacity: int = 4096,
-        refit_every: int = 8,
         shrinkage: float = 2.0,
     ):
         self.shrinkage = shrinkage  # pseudo-steps of the all-widths ratio behind each width's own ratio
         self.bandwidth = bandwidth
         self.decay = 0.5 ** (1.0 / half_life)
-        self.refit_every = refit_every
         self.profile = _Samples(capacity)
         self.measured = _Samples(capacity)
         self.num_steps = 0
-        self._profile_fits: dict[int, np.ndarray] = {}
+        self._profile_fits: dict[int, np.ndarray] = {}  # batch size -> the profile's fit there
         self._width_factors: dict[int, float] | None = None
-        self._levels: dict[int, tuple[int, np.ndarray]] = {}  # batch size -> (steps when fitted, coefficients)
 
     def add(
         self,
@@ -148,9 +144,7 @@ class StepTimeModel:
         `context` cached ones (the longest row's)."""
         if prior:
             self.profile.add((batch_size, width, num_draft_passes, seconds, 0, 0, context))
-            self._profile_fits.clear()
-            self._width_factors = None
-            self._levels.clear()
+            self._forget_profile_fits()
             return
         expected = 0.0
         if self.profile.size:
@@ -162,27 +156,25 @@ class StepTimeModel:
     def clear_profile(self) -> None:
         """Forget the profiled steps (a throwaway first pass)."""
         self.profile = _Samples(self.profile.capacity)
+        self._forget_profile_fits()
+
+    def _forget_profile_fits(self) -> None:
         self._profile_fits.clear()
         self._width_factors = None
-        self._levels.clear()
 
     def predict(
         self, batch_size: int, widths: np.ndarray, num_draft_passes: np.ndarray, context: int = 0
     ) -> np.ndarray:
         """Predicted seconds of a step of `batch_size` rows after `context` cached tokens for each (width, draft
-        passes) pair; recomputed every `refit_every` measured steps."""
+        passes) pair. The profile's fit at a batch size is cached; the correction from measured steps is recomputed
+        every call (well under a millisecond: a cache keyed by the context, which grows every step, never hit)."""
         widths, passes = np.asarray(widths), np.asarray(num_draft_passes)
-        key = (batch_size, context, widths.tobytes(), passes.tobytes())
-        cached = self._levels.get(key)
-        if cached is not None and self.num_steps - cached[0] < self.refit_every:
-            return cached[1]
         assert self.profile.size or self.measured.size, "expected a warm-up profile or a measured step first"
         terms = features(widths, passes, context)
         if self.profile.size:
             seconds = terms @ self._profiled(batch_size) * self._width_factor(widths) * self._ratios(batch_size, widths)
         else:
             seconds = terms @ _local_fit(self.measured.view(), self._measured_weights(batch_size), batch_size)
-        self._levels[key] = (self.num_steps, seconds)
         return seconds
 
     def _profiled(self, batch_size: int) -> np.ndarray:
