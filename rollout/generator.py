@@ -30,6 +30,7 @@ from specdec.config import SpecConfig
 from specdec.policies import Decision
 from specdec.processing import RowSampling
 from specdec.proposers.base import ProposalBatch
+from specdec.proposers.suffix import SuffixProposer
 from specdec.tree import layout_drafts
 from specdec.verify import VerifyResult, verify
 
@@ -85,11 +86,19 @@ class Generator:
         if isinstance(self.policy, AutoPolicy):  # seed its step-time model once per generator, as vLLM profiles
             start = time.perf_counter()
             warm_up(self, self.policy)
+            self.proposers.reset()  # the warm-up's random rows are no drafting material
             self.warm_up_seconds = time.perf_counter() - start
 
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
+
+    @property
+    def draft_history(self) -> SuffixProposer | None:
+        """The suffix proposer's history of earlier responses (`clear()`, `save(path)`, `load(path)`, `stats()`), kept
+        across `generate` calls; None without `method="suffix"`."""
+        proposer = self.proposers.proposers.get("suffix") if self.proposers is not None else None
+        return proposer
 
     def generate(
         self,
@@ -111,6 +120,8 @@ class Generator:
         self._check_prompts(prompt_ids)
         sequences = self._make_sequences(prompt_ids, self._check_params(params, len(prompt_ids)))
         self.last_trace = []
+        if self.proposers is not None:
+            self.proposers.begin()
         queue = deque(sequences)
         active: list[Sequence] = []
         num_finished = num_reported = 0
@@ -341,6 +352,8 @@ class Generator:
         finished = [i for i, seq in enumerate(active) if seq.finish_reason is not None]
         if not finished:
             return 0
+        if self.proposers is not None:
+            self.proposers.finish(finished, self.history, [active[i].num_tokens for i in finished])
         remaining = len(active) - len(finished)
         holes = [i for i in finished if i < remaining]
         movers = [i for i in range(remaining, len(active)) if active[i].finish_reason is None]

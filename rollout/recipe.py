@@ -63,12 +63,16 @@ class SamplingRecipe:
 class SpecRecipe:
     """vLLM's `--speculative-config` field names; `method: null` decodes without speculation."""
 
-    method: Any = None  # null (no speculation) | ngram | draft_model | a list of both in priority order
+    method: Any = None  # null (no speculation) | ngram | suffix | draft_model | a list of them in priority order
     num_speculative_tokens: int = 3  # the largest K
     prompt_lookup_max: int | None = None  # ngram: longest suffix matched (default 4)
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched (default 1)
     model: str | None = None  # draft_model: shipped short name, local folder or hub id
-    num_candidates: int = 1  # ngram: continuations merged into a token tree; 1 = a chain
+    num_candidates: int = 1  # ngram/suffix: drafts merged into a token tree; 1 = a chain
+    suffix_decoding_max_tree_depth: int = 24  # suffix: longest n-gram counted (match + draft)
+    suffix_decoding_max_cached_requests: int = 10000  # suffix: finished responses kept as history; 0 = none
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: draft length <= this x match length
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop where the path probability falls below this
     num_speculative_tokens_per_batch_size: Any = None  # [[start_bs, end_bs, K], ...] inclusive ranges, or "auto"
 
 
@@ -198,7 +202,7 @@ def sampling_params(recipe: Recipe) -> SamplingParams:
 
 
 def method_name(method: Any) -> str:
-    """A spec method for display: "none", "ngram", "draft_model", "ngram+draft_model"."""
+    """A spec method for display: "none", "ngram", "suffix", "suffix+draft_model"."""
     if method in (None, "none"):
         return "none"
     return method if isinstance(method, str) else "+".join(method)

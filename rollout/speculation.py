@@ -15,6 +15,7 @@ from specdec.proposers.base import Drafts, ProposalBatch, Proposer
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.multi import ProposerSet
 from specdec.proposers.ngram import NgramProposer
+from specdec.proposers.suffix import SuffixProposer
 from specdec.tree import merge_candidates
 
 
@@ -41,6 +42,18 @@ def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_p
     for method in spec.methods:
         if method == "ngram":
             proposers[method] = NgramAdapter(spec)
+        elif method == "suffix":
+            proposers[method] = SuffixProposer(
+                spec.num_speculative_tokens,
+                vocab_size=target.vocab_size,
+                num_slots=num_slots,
+                num_positions=num_positions,
+                max_tree_depth=spec.suffix_decoding_max_tree_depth,
+                max_cached_requests=spec.suffix_decoding_max_cached_requests,
+                max_spec_factor=spec.suffix_decoding_max_spec_factor,
+                min_token_prob=spec.suffix_decoding_min_token_prob,
+                num_candidates=spec.num_candidates,
+            )
         else:
             draft = load_draft_model(spec.model, target)
             runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions)

@@ -6,21 +6,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass
 class SpecConfig:
     """Speculative decoding settings. `Generator(model, spec=SpecConfig(...))` turns it on; `spec=None` is plain."""
 
-    # "ngram" (prompt lookup), "draft_model", or a list of both in priority order: each row takes the first
-    # proposer that drafts for it (["ngram", "draft_model"]: n-gram where a row has a match, the draft model elsewhere)
+    # "ngram" (prompt lookup), "suffix" (suffix trees over the batch in flight and earlier responses), "draft_model",
+    # or a list in priority order: each row takes the first proposer that drafts for it (["suffix", "draft_model"]:
+    # suffix where it has a confident draft, the draft model elsewhere)
     method: Any = "ngram"
     num_speculative_tokens: int = 3  # the largest K: draft tokens verified per row and step
     prompt_lookup_max: int | None = None  # ngram: longest suffix to match (default 4)
     prompt_lookup_min: int | None = None  # ngram: shortest suffix to match (default 1)
     model: Any = None  # draft_model: a path, a shipped short name, or a loaded transformers model
-    num_candidates: int = 1  # ngram: continuations merged into a token tree of num_speculative_tokens nodes; 1 = chain
+    num_candidates: int = 1  # ngram/suffix: drafts merged into a token tree of num_speculative_tokens nodes; 1 = chain
+    suffix_decoding_max_tree_depth: int = 24  # suffix: longest n-gram counted (match length + draft length)
+    suffix_decoding_max_cached_requests: int = 10000  # suffix: finished responses kept as history; 0 = none
+    suffix_decoding_max_spec_factor: float = 1.0  # suffix: a draft is at most this many times the match length
+    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop drafting where the path probability falls below this
     # K per step: None = always num_speculative_tokens; vLLM's [[start_bs, end_bs, K], ...] table (rows in decode);
     # or "auto": the K that maximises predicted tokens/s from measured acceptance and step times (specdec/auto_policy)
     num_speculative_tokens_per_batch_size: Any = None
@@ -29,6 +34,22 @@ class SpecConfig:
     def methods(self) -> tuple[str, ...]:
         """The configured proposers in priority order."""
         return (self.method,) if isinstance(self.method, str) else tuple(self.method)
+
+    def _check_suffix(self) -> None:
+        depth = self.suffix_decoding_max_tree_depth
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 2:
+            raise ValueError(f"suffix_decoding_max_tree_depth ({depth!r}) must be an integer >= 2 (vLLM's default: 24)")
+        cached = self.suffix_decoding_max_cached_requests
+        if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+            raise ValueError(
+                f"suffix_decoding_max_cached_requests ({cached!r}) must be an integer >= 0 (0 keeps no history)"
+            )
+        factor = self.suffix_decoding_max_spec_factor
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            raise ValueError(f"suffix_decoding_max_spec_factor ({factor!r}) must be a number > 0, e.g. 1.0")
+        prob = self.suffix_decoding_min_token_prob
+        if not isinstance(prob, (int, float)) or isinstance(prob, bool) or not 0 <= prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob ({prob!r}) must be a probability in [0, 1], e.g. 0.1")
 
     def __post_init__(self) -> None:
         methods = [self.method] if isinstance(self.method, str) else self.method
@@ -62,11 +83,12 @@ class SpecConfig:
             )
         if not isinstance(self.num_candidates, int) or self.num_candidates < 1:
             raise ValueError(f"num_candidates ({self.num_candidates!r}) must be an integer >= 1 (1 = a chain)")
-        if "draft_model" in methods and self.num_candidates > 1:
+        if self.num_candidates > 1 and (len(methods) > 1 or methods[0] == "draft_model"):
             raise ValueError(
-                f"num_candidates ({self.num_candidates}) > 1 builds token trees from n-gram candidates only; "
-                "use method='ngram' or num_candidates=1 with a draft model"
+                f"num_candidates ({self.num_candidates}) > 1 builds token trees from a single 'ngram' or 'suffix' "
+                f"proposer, not from {self.method!r}; use one of those alone or num_candidates=1"
             )
+        self._check_suffix()
         if "draft_model" in methods and self.model is None:
             raise ValueError("method 'draft_model' needs model: a path, a shipped short name or a loaded model")
         if self.num_speculative_tokens_per_batch_size is not None:

@@ -70,5 +70,15 @@ class Proposer:
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
         """The generator moved rows `src` to `dst` (packing the active rows at the front)."""
 
+    def finish(self, rows: list[int], token_ids: Tensor, num_tokens: list[int]) -> None:
+        """Rows `rows` finished, holding `token_ids[row, :num_tokens[i]]` (`token_ids [slots, T]` on the host); their
+        slots are freed next (and may be refilled by `copy_rows`)."""
+
+    def begin(self) -> None:
+        """A `generate` call starts: no row is in flight (any left by an interrupted call is gone)."""
+
+    def reset(self) -> None:
+        """Forget everything learned so far (the warm-up's synthetic rows)."""
+
     def propose(self, batch: ProposalBatch) -> Drafts:
         raise NotImplementedError

@@ -38,6 +38,18 @@ class ProposerSet(Proposer):
         for proposer in self.proposers.values():
             proposer.copy_rows(src, dst, num_positions)
 
+    def finish(self, rows: list[int], token_ids: Tensor, num_tokens: list[int]) -> None:
+        for proposer in self.proposers.values():
+            proposer.finish(rows, token_ids, num_tokens)
+
+    def begin(self) -> None:
+        for proposer in self.proposers.values():
+            proposer.begin()
+
+    def reset(self) -> None:
+        for proposer in self.proposers.values():
+            proposer.reset()
+
     def propose(self, batch: ProposalBatch, requested: list[str | None] | None = None) -> tuple[Drafts, list[str]]:
         """Drafts for every row, and per row the proposer that served it (or, if none had drafts, the last one
         asked). `requested[i]` names the only proposer row i may use; None cascades through all."""
@@ -68,7 +80,7 @@ class ProposerSet(Proposer):
 
 def _combine(results: dict[str, Drafts], served: list[str | None], num_rows: int) -> Drafts:
     """One `Drafts` from several proposers' results: row i's drafts from `served[i]`."""
-    assert all(d.parents is None for d in results.values()), "expected chains: token trees come from n-gram alone"
+    assert all(d.parents is None for d in results.values()), "expected chains: token trees come from one proposer alone"
     width = max(d.token_ids.shape[1] for d in results.values())
     device = next((d.token_ids.device for d in results.values() if d.probs is not None), torch.device("cpu"))
     token_ids = torch.full((num_rows, width), -1, dtype=torch.long, device=device)

@@ -20,11 +20,13 @@ from specdec.processing import RowSampling, processed_logprobs
 def spec_for(method: str, k: int, draft=None) -> SpecConfig:
     if method == "ngram":
         return SpecConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+    if method == "suffix":
+        return SpecConfig(method="suffix", num_speculative_tokens=k)
     return SpecConfig(method="draft_model", num_speculative_tokens=k, model=draft)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_with_speculation_equals_plain_greedy(arch, method, k):
     model = make_model(arch)
@@ -55,7 +57,7 @@ def test_self_draft_accepts_everything_under_greedy():
     assert sum(r.num_accepted for r in decode) == sum(r.num_drafted for r in decode) > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 @pytest.mark.parametrize(
     "params",
     [
@@ -137,7 +139,7 @@ def chi_square_p(observed, expected_probs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 6, 0.95)])
 def test_sampling_with_speculation_follows_the_target_distribution(method, temperature, top_k, top_p, monkeypatch):
     model = make_model("llama", vocab_size=VOCAB, seed=7)

@@ -1,0 +1,248 @@
+"""Counted suffix tries in numpy: the structure the suffix proposer drafts from.
+
+A trie of depth D holds every n-gram (n <= D) of the sequences inserted into it: the node reached from a root by the
+tokens `t1..tn` is that n-gram, and its count is the number of positions where the n-gram ends. Following a node's
+most frequent child is SuffixDecoding's draft: after the context `c`, the token `x` that most often followed `c`, with
+estimated probability `count(c x) / count(c)`. Many tries share one node store (each has its own root), so a prompt's
+trie and the global one are updated by the same vectorised calls.
+
+A sequence being inserted is tracked by its frontier: `[D]` node ids, column m the node of its last m tokens (column 0
+the root, -1 where the sequence is shorter than m). Appending a token moves every frontier one column right through
+the child for that token. Every operation takes a batch of frontiers, one numpy call per stage. A node's first child is
+stored with the node; its other children (a branching point) in one open-addressing hash table keyed by (parent,
+token): most nodes of a deep trie have one child, so most steps never hash.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_EMPTY = -1
+_TOKEN_BITS = 21  # a key is parent << 21 | token: vocabularies up to 2M tokens (the separator is vocab_size)
+_ROOT_COUNT = 1 << 30
+_HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
+
+
+class SuffixIndex:
+    """Node store of many depth-limited counted suffix tries.
+
+    Per node: `count` (occurrences of its n-gram), `best` (the child with the largest count, -1 if none) and `token`
+    (the token on the edge into it). Counts only go down when a sequence is removed; a child whose count falls to 0
+    stops being anyone's best, and a `best` whose count fell below a sibling's may stay until the sibling grows again
+    (drafts may then be second-best, never wrong: the verifier decides what is kept).
+    """
+
+    def __init__(self, max_depth: int, capacity: int = 1 << 12):
+        if not isinstance(max_depth, int) or max_depth < 1:
+            raise ValueError(f"suffix_decoding_max_tree_depth ({max_depth!r}) must be an integer >= 1")
+        self.max_depth = max_depth
+        self.num_nodes = 0
+        self.count = np.zeros(capacity, dtype=np.int32)
+        self.best = np.full(capacity, -1, dtype=np.int32)
+        self.token = np.full(capacity, -1, dtype=np.int32)
+        self.first = np.full(capacity, -1, dtype=np.int32)  # the node's first child
+        self.branching = np.zeros(capacity, dtype=bool)  # it has more children, in the hash table
+        self._keys = np.full(capacity, _EMPTY, dtype=np.int64)  # (parent << 21 | token) of every later child
+        self._values = np.zeros(capacity, dtype=np.int32)
+        self._num_keys = 0
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (self.count, self.best, self.token, self.first, self.branching, self._keys, self._values)
+        return sum(a.nbytes for a in arrays)
+
+    def new_root(self) -> int:
+        """A new empty trie; returns its root node."""
+        root = int(self._allocate(np.array([-1], dtype=np.int32))[0])
+        self.count[root] = _ROOT_COUNT  # a root is no n-gram; this count only marks it as shared by every sequence
+        return root
+
+    def start(self, roots: np.ndarray) -> np.ndarray:
+        """`[N, D]` frontiers of empty sequences in the tries of `roots [N]`."""
+        frontier = np.full((len(roots), self.max_depth), -1, dtype=np.int32)
+        frontier[:, 0] = roots
+        return frontier
+
+    def extend(self, frontier: np.ndarray, tokens: np.ndarray, delta: int = 1) -> np.ndarray:
+        """Append `tokens [N]` to N sequences with frontiers `[N, D]`: every suffix count changes by `delta` (+1 on
+        insert; -1 removes a sequence inserted before, whose nodes must exist). Returns the new frontiers."""
+        rows, cols = np.nonzero(frontier >= 0)
+        children = self._count(frontier[rows, cols], tokens[rows], delta)
+        new = np.full_like(frontier, -1)
+        new[:, 0] = frontier[:, 0]
+        keep = cols < self.max_depth - 1  # depth-D nodes are counted, never extended
+        new[rows[keep], cols[keep] + 1] = children[keep]
+        return new
+
+    def insert(self, frontier: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, delta: int = 1) -> np.ndarray:
+        """Append `tokens[i, :lengths[i]]` (`[N, T]`) to each sequence, in lockstep. Returns the new frontiers."""
+        frontier = frontier.copy()
+        for j in range(int(lengths.max(initial=0))):
+            rows = np.flatnonzero(lengths > j)
+            frontier[rows] = self.extend(frontier[rows], tokens[rows, j], delta)
+        return frontier
+
+    def add_sequences(self, roots: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, delta: int = 1) -> None:
+        """Insert (+1) or remove (-1) whole sequences `tokens[i, :lengths[i]]` (`[N, T]`) under `roots [N]`, one depth
+        at a time: the n-gram ending at position p is the child of the (n-1)-gram ending at p - 1, so D calls do what
+        position by position takes max(lengths) calls."""
+        num, width = tokens.shape
+        valid = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
+        parents = np.where(valid, np.asarray(roots, dtype=np.int64)[:, None], -1)
+        for _ in range(self.max_depth):
+            rows, cols = np.nonzero(parents >= 0)
+            if rows.size == 0:
+                return
+            level = np.full((num, width), -1, dtype=np.int64)
+            level[rows, cols] = self._count(parents[rows, cols], tokens[rows, cols], delta)
+            parents = np.full((num, width), -1, dtype=np.int64)
+            parents[:, 1:] = np.where(valid[:, 1:], level[:, :-1], -1)
+
+    def walk(self, start: np.ndarray, max_len: np.ndarray, min_prob: float, width: int, num_open: int = 0):
+        """Follow the most frequent child from each `start [N]` node for up to `max_len [N]` tokens, while the
+        path's estimated probability (the product of count ratios) stays >= `min_prob`. `num_open` occurrences of
+        each start node have no continuation yet (the drafting sequence's own): they leave the first ratio's base.
+
+        Returns tokens `[N, width]` (-1 padded), lengths `[N]` and scores `[N]`: the sum of the path probabilities
+        at every drafted position, i.e. the expected number of accepted tokens if the counts are right.
+        """
+        num = len(start)
+        tokens = np.full((num, width), -1, dtype=np.int64)
+        lengths = np.zeros(num, dtype=np.int64)
+        scores = np.zeros(num)
+        prob = np.ones(num)
+        node = start.astype(np.int64)
+        base = self.count[node] - num_open  # the first step's denominator
+        alive = np.flatnonzero((max_len > 0) & (base > 0))
+        for j in range(width):
+            if alive.size == 0:
+                break
+            child = self.best[node[alive]]
+            ok = child >= 0
+            alive, child = alive[ok], child[ok]
+            p = prob[alive] * self.count[child] / (base[alive] if j == 0 else self.count[node[alive]])
+            ok = p >= min_prob
+            alive, child, p = alive[ok], child[ok], p[ok]
+            tokens[alive, j] = self.token[child]
+            lengths[alive] += 1
+            scores[alive] += p
+            prob[alive] = p
+            node[alive] = child
+            alive = alive[max_len[alive] > j + 1]
+        return tokens, lengths, scores
+
+    # ---- the node store and its hash table -------------------------------------------------------------------------
+
+    def _count(self, parents: np.ndarray, tokens: np.ndarray, delta: int) -> np.ndarray:
+        """The child of each parent by its token (created on insert), its count changed by `delta`."""
+        children = np.empty(len(parents), dtype=np.int64)
+        # fresh: the parent occurs once (a sequence's end) and never had a child, so the child is new and nobody else
+        # creates it in this call: most nodes of a deep trie, added with no hashing and no comparing
+        fresh = (self.count[parents] == 1) & (self.first[parents] < 0) if delta > 0 else np.zeros(len(parents), bool)
+        if fresh.any():
+            new_parents = parents[fresh]
+            ids = self._allocate(tokens[fresh].astype(np.int32))
+            self.first[new_parents] = self.best[new_parents] = ids
+            self.count[ids] = 1
+            children[fresh] = ids
+        shared = ~fresh
+        if shared.any():
+            old_parents = parents[shared]
+            old_children = self._children(old_parents, tokens[shared].astype(np.int64), create=delta > 0)
+            np.add.at(self.count, old_children, np.int32(delta))  # a scalar of the array's dtype: 18x faster
+            if delta > 0:
+                self._raise_best(old_parents, old_children)
+            else:
+                dead = self.count[self.best[old_parents]] <= 0
+                self.best[old_parents[dead]] = -1
+            children[shared] = old_children
+        return children
+
+    def _children(self, parents: np.ndarray, tokens: np.ndarray, create: bool) -> np.ndarray:
+        # a node's first child sits in `first`; only its later children (branches) go through the hash table
+        first = self.first[parents]
+        found = np.where((first >= 0) & (self.token[np.maximum(first, 0)] == tokens), first, -1).astype(np.int64)
+        keys = (parents.astype(np.int64) << _TOKEN_BITS) | tokens
+        ask = np.flatnonzero((found < 0) & self.branching[parents])
+        if ask.size:
+            found[ask] = self._lookup(keys[ask])
+        missing = found < 0
+        if missing.any():
+            assert create, "expected every node of a removed sequence to exist"
+            new_keys, inverse = np.unique(keys[missing], return_inverse=True)  # sorted: grouped by parent
+            new_parents = new_keys >> _TOKEN_BITS
+            ids = self._allocate((new_keys & ((1 << _TOKEN_BITS) - 1)).astype(np.int32))
+            lead = np.r_[True, new_parents[1:] != new_parents[:-1]] & (self.first[new_parents] < 0)
+            self.first[new_parents[lead]] = ids[lead]
+            self._store(new_keys[~lead], ids[~lead])
+            self.branching[new_parents[~lead]] = True
+            found[missing] = ids[inverse]
+        return found
+
+    def _raise_best(self, parents: np.ndarray, children: np.ndarray) -> None:
+        """best[p] = the child of largest count among the current best and the children just counted."""
+        for _ in range(8):  # several children of one parent in one call: the last write may not be the largest
+            best = self.best[parents]
+            better = (best < 0) | (self.count[children] > self.count[np.maximum(best, 0)])
+            if not better.any():
+                return
+            self.best[parents[better]] = children[better]
+
+    def _allocate(self, tokens: np.ndarray) -> np.ndarray:
+        needed = self.num_nodes + len(tokens)
+        if needed > len(self.count):
+            capacity = max(needed, 2 * len(self.count))
+            for name, fill in (("count", 0), ("best", -1), ("token", -1), ("first", -1), ("branching", False)):
+                old = getattr(self, name)
+                grown = np.full(capacity, fill, dtype=old.dtype)
+                grown[: len(old)] = old
+                setattr(self, name, grown)
+        ids = np.arange(self.num_nodes, needed, dtype=np.int32)
+        self.token[ids] = tokens
+        self.num_nodes = needed
+        return ids
+
+    def _slots(self, keys: np.ndarray) -> np.ndarray:
+        bits = len(self._keys).bit_length() - 1
+        return ((keys.astype(np.uint64) * _HASH) >> np.uint64(64 - bits)).astype(np.int64)
+
+    def _lookup(self, keys: np.ndarray) -> np.ndarray:
+        found = np.full(len(keys), -1, dtype=np.int64)
+        slots = self._slots(keys)
+        pending = np.arange(len(keys))
+        mask = len(self._keys) - 1
+        while pending.size:
+            stored = self._keys[slots[pending]]
+            hit = stored == keys[pending]
+            found[pending[hit]] = self._values[slots[pending[hit]]]
+            pending = pending[~hit & (stored != _EMPTY)]  # linear probing: go on past other keys
+            slots[pending] = (slots[pending] + 1) & mask
+        return found
+
+    def _store(self, keys: np.ndarray, ids: np.ndarray) -> None:
+        """Insert distinct keys that are not in the table."""
+        self._num_keys += len(keys)
+        if 2 * self._num_keys > len(self._keys):  # load factor <= 1/2, and 1/4 after growing: probes stay short
+            self._rehash(4 * self._num_keys)
+        slots = self._slots(keys)
+        pending = np.arange(len(keys))
+        mask = len(self._keys) - 1
+        while pending.size:
+            free = pending[self._keys[slots[pending]] == _EMPTY]
+            # several keys may want one free slot: write them all, the one that reads back took it, the others probe on
+            self._keys[slots[free]] = keys[free]
+            took = free[self._keys[slots[free]] == keys[free]]
+            self._values[slots[took]] = ids[took]
+            done = np.zeros(len(keys), dtype=bool)
+            done[took] = True
+            pending = pending[~done[pending]]
+            slots[pending] = (slots[pending] + 1) & mask
+
+    def _rehash(self, size: int) -> None:
+        size = 1 << (size - 1).bit_length()
+        occupied = self._keys != _EMPTY
+        keys, values = self._keys[occupied], self._values[occupied]
+        self._keys = np.full(size, _EMPTY, dtype=np.int64)
+        self._values = np.zeros(size, dtype=np.int32)
+        self._num_keys -= len(keys)
+        self._store(keys, values)

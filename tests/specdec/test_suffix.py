@@ -1,0 +1,255 @@
+"""The suffix proposer: exact counts, the best-scoring draft, history kept across calls, eviction, save/load."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_model, random_prompts
+
+from rollout import Generator, SamplingParams
+from specdec.config import SpecConfig, SpecDecodeParams
+from specdec.proposers.base import ProposalBatch
+from specdec.proposers.suffix import SuffixProposer
+from specdec.suffix_index import SuffixIndex
+
+SEP = 97  # the separator of a proposer built for a 97-token vocabulary
+
+
+def ngram_counts(sequences: list[list[int]], depth: int) -> collections.Counter:
+    counts = collections.Counter()
+    for seq in sequences:
+        for end in range(len(seq)):
+            for n in range(1, min(depth, end + 1) + 1):
+                counts[tuple(seq[end - n + 1 : end + 1])] += 1
+    return counts
+
+
+def trie_counts(index: SuffixIndex, root: int) -> collections.Counter:
+    """Every n-gram of the trie under `root` with a nonzero count, by walking first children and the hash table."""
+    keys = index._keys[index._keys >= 0]
+    values = index._values[index._keys >= 0]
+    children = collections.defaultdict(list)
+    for key, node in zip(keys.tolist(), values.tolist()):
+        children[key >> 21].append(node)
+    for node, child in enumerate(index.first[: index.num_nodes].tolist()):
+        if child >= 0:
+            children[node].append(child)
+    counts, stack = collections.Counter(), [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        for child in children[node]:
+            gram = path + (int(index.token[child]),)
+            if index.count[child] > 0:
+                counts[gram] = int(index.count[child])
+            stack.append((child, gram))
+    return counts
+
+
+def contents(proposer: SuffixProposer) -> tuple[dict[bytes, list[list[int]]], list[list[int]]]:
+    """What each prompt trie and the global trie should hold: prompts, cached responses, responses in flight."""
+    responses = [(key, r.tolist()) for key, r in proposer.history]
+    for slot in np.flatnonzero(proposer._in_flight).tolist():
+        n = int(proposer._num_inserted[slot] - proposer._prompt_len[slot])
+        responses.append((proposer._slot_prompt[slot], proposer._responses[slot, :n].tolist()))
+    by_prompt = {key: [np.frombuffer(key, dtype=np.int32).tolist()] for key in proposer.prompts}
+    for key, response in responses:
+        by_prompt[key].append([SEP] + response)
+    return by_prompt, [[SEP] + r for _, r in responses]
+
+
+def assert_counts_exact(proposer: SuffixProposer) -> None:
+    by_prompt, everything = contents(proposer)
+    depth = proposer.max_tree_depth
+    assert trie_counts(proposer.index, proposer.global_root) == ngram_counts(everything, depth)
+    for key, sequences in by_prompt.items():
+        assert trie_counts(proposer.index, proposer.prompts[key].root) == ngram_counts(sequences, depth)
+
+
+def test_index_counts_every_ngram_and_forgets_removed_sequences():
+    rng = np.random.default_rng(0)
+    index = SuffixIndex(max_depth=5)
+    root = index.new_root()
+    sequences = [rng.integers(0, 4, size=rng.integers(1, 30)).tolist() for _ in range(12)]
+    lengths = np.array([len(s) for s in sequences])
+    tokens = np.zeros((len(sequences), lengths.max()), dtype=np.int64)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = s
+    index.insert(index.start(np.full(len(sequences), root)), tokens, lengths)
+    assert trie_counts(index, root) == ngram_counts(sequences, 5)
+    index.insert(index.start(np.full(5, root)), tokens[:5], lengths[:5], delta=-1)
+    assert trie_counts(index, root) == ngram_counts(sequences[5:], 5)
+    # best: a child of largest count wherever a node has a live child
+    for node in range(1, index.num_nodes):
+        best = index.best[node]
+        if best >= 0:
+            assert index.count[best] > 0
+
+
+def proposal(token_lists: list[list[int]], asked: list[int]) -> ProposalBatch:
+    width = max(len(t) for t in token_lists)
+    token_ids = torch.zeros(len(token_lists), width, dtype=torch.long)
+    for i, t in enumerate(token_lists):
+        token_ids[i, : len(t)] = torch.tensor(t)
+    return ProposalBatch(token_ids, [len(t) for t in token_lists], asked, None, torch.zeros(len(asked), max(asked)))
+
+
+def test_draft_follows_the_most_frequent_continuation_and_its_probabilities():
+    proposer = SuffixProposer(4, vocab_size=SEP, num_slots=4, num_positions=64, max_tree_depth=8)
+    prompt = [5, 6, 7]
+    proposer.prefill(0, [prompt], torch.zeros(3, dtype=torch.long), [{}, {}, {}])
+    # two earlier siblings said "1 2 3 4" and "1 2 3 9"; the third row has just said "1"
+    rows = [prompt + [1, 2, 3, 4], prompt + [1, 2, 3, 9], prompt + [1]]
+    drafts = proposer.propose(proposal(rows, [0, 0, 4]))
+    # after "1" (match length 1) at most 1 token: 2 (seen twice of 2 other occurrences); after SEP 1 (m = 2): 2 3
+    assert drafts.num_draft_tokens == [0, 0, 2]
+    assert drafts.token_ids[2, :2].tolist() == [2, 3]
+    # a path probability below min_token_prob stops the draft: 4 and 9 each follow "1 2 3" half of the time
+    strict = SuffixProposer(4, SEP, 4, 64, max_tree_depth=8, max_spec_factor=4.0, min_token_prob=0.6)
+    strict.prefill(0, [prompt], torch.zeros(3, dtype=torch.long), [{}, {}, {}])
+    drafts = strict.propose(proposal(rows, [0, 0, 4]))
+    assert drafts.token_ids[2].tolist() == [2, 3, -1, -1]
+    assert_counts_exact(strict)
+
+
+def test_prompt_lookup_and_other_prompts_both_draft():
+    proposer = SuffixProposer(3, SEP, 4, 64, max_tree_depth=6, max_spec_factor=2.0)
+    proposer.prefill(0, [[10, 11, 12, 13, 14], [20, 21]], torch.tensor([0, 1]), [{}, {}])
+    # row 0 ends on a piece of its prompt: its prompt trie drafts the rest; row 1 follows row 0's response
+    rows = [[10, 11, 12, 13, 14, 30, 31, 32, 33, 11, 12], [20, 21, 30, 31]]
+    drafts = proposer.propose(proposal(rows, [3, 3]))
+    assert drafts.token_ids.tolist() == [[13, 14, -1], [32, 33, 11]]  # row 1: "SEP 30 31" matched, 3 tokens
+    assert_counts_exact(proposer)
+
+
+@pytest.mark.parametrize("num_candidates", [1, 3])
+def test_greedy_with_suffix_equals_plain_greedy_and_history_raises_acceptance(num_candidates):
+    model = make_model("llama")
+    prompts = [p * 3 for p in random_prompts(5, max_len=5, seed=3)] + random_prompts(4, seed=4)
+    params = SamplingParams(temperature=0, max_new_tokens=24, n=2)
+    plain = Generator(model, max_batch_size=4, max_seq_len=96).generate(prompts, params)
+    spec = SpecConfig(method="suffix", num_speculative_tokens=4, num_candidates=num_candidates)
+    gen = Generator(model, max_batch_size=4, max_seq_len=96, spec=spec)
+    accepted = []
+    for _ in range(2):
+        outs = gen.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        accepted.append(sum(r.num_accepted for r in gen.last_trace))
+        assert_counts_exact(gen.draft_history)
+    assert accepted[1] > accepted[0] > 0
+    assert gen.draft_history.stats()["responses"] == 2 * len(prompts) * 2
+    if num_candidates > 1:  # some row verified a branching tree: more nodes than its depth
+        assert any(r.num_drafted > sum(r.drafted_per_position) for r in gen.last_trace)
+
+
+def test_eviction_drops_the_oldest_responses_first():
+    model = make_model("qwen2")
+    prompts = random_prompts(6, seed=8)
+    spec = SpecConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=4)
+    gen = Generator(model, max_batch_size=3, max_seq_len=64, spec=spec)
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    gen.generate(prompts[:3], params)
+    first = [r.tolist() for _, r in gen.draft_history.history]
+    outs = gen.generate(prompts[3:], params)
+    kept = list(gen.draft_history.history)
+    assert len(kept) == 4
+    assert [r.tolist() for _, r in kept[:1]] == first[-1:]  # the newest of the first call survives
+    assert sorted(r.tolist() for _, r in kept[1:]) == sorted(o.token_ids for o in outs)
+    assert len(gen.draft_history.prompts) == 4  # the two evicted prompts' tries are gone
+    assert_counts_exact(gen.draft_history)
+    gen.draft_history.clear()
+    assert gen.draft_history.stats()["responses"] == 0
+
+
+def test_no_cached_requests_keeps_no_history():
+    model = make_model("qwen2")
+    spec = SpecConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
+    gen = Generator(model, max_batch_size=2, max_seq_len=64, spec=spec)
+    gen.generate(random_prompts(4, seed=9), SamplingParams(temperature=0, max_new_tokens=8, n=2))
+    assert gen.draft_history.stats()["responses"] == 0 and not gen.draft_history.prompts
+    assert_counts_exact(gen.draft_history)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = make_model("llama")
+    prompts = [p * 2 for p in random_prompts(4, max_len=6, seed=10)]
+    params = SamplingParams(temperature=0, max_new_tokens=16, n=2)
+    spec = SpecConfig(method="suffix", num_speculative_tokens=3)
+    gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec)
+    gen.generate(prompts, params)
+    gen.draft_history.save(tmp_path / "history.npz")
+    gen.generate(prompts, params)
+    second = [(r.num_drafted, r.num_accepted) for r in gen.last_trace]
+
+    other = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec)
+    other.draft_history.load(tmp_path / "history.npz")
+    assert other.draft_history.stats()["responses"] == len(prompts) * 2
+    other.generate(prompts, params)
+    assert [(r.num_drafted, r.num_accepted) for r in other.last_trace] == second
+    with pytest.raises(ValueError, match="cannot load a suffix history"):
+        other.draft_history.load(tmp_path / "missing.npz")
+
+
+def test_interrupted_call_leaves_only_finished_responses():
+    model = make_model("qwen2")
+    gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=SpecConfig(method="suffix"))
+
+    def stop_after_a_few(record, finished, total):
+        if len(gen.last_trace) == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gen.generate(
+            random_prompts(6, seed=11), SamplingParams(temperature=0, max_new_tokens=12), on_step=stop_after_a_few
+        )
+    finished = gen.draft_history.stats()["responses"]
+    gen.generate(random_prompts(2, seed=12), SamplingParams(temperature=0, max_new_tokens=4))
+    assert not gen.draft_history._in_flight.any()
+    assert gen.draft_history.stats()["responses"] == finished + 2
+    assert_counts_exact(gen.draft_history)
+
+
+def test_suffix_combines_with_a_draft_model_requests_and_policies():
+    model = make_model("llama")
+    draft = make_model("llama", seed=1, num_hidden_layers=1)
+    prompts = [p * 3 for p in random_prompts(4, max_len=5, seed=13)]
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    plain = Generator(model, max_batch_size=4, max_seq_len=96).generate(prompts, params)
+    for spec in (
+        SpecConfig(method=["suffix", "draft_model"], model=draft, num_speculative_tokens=3),
+        SpecConfig(
+            method="suffix", num_speculative_tokens=4, num_speculative_tokens_per_batch_size=[[1, 2, 4], [3, 4, 1]]
+        ),
+        SpecConfig(method="suffix", num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"),
+    ):
+        gen = Generator(model, max_batch_size=4, max_seq_len=96, spec=spec)
+        assert gen.draft_history.stats()["responses"] == 0  # auto's warm-up leaves nothing behind
+        for _ in range(2):
+            assert [o.token_ids for o in gen.generate(prompts, params)] == [o.token_ids for o in plain]
+    gen = Generator(model, max_batch_size=4, max_seq_len=96, spec=SpecConfig(method=["ngram", "suffix"]))
+    mixed = [
+        SamplingParams(temperature=0, max_new_tokens=16, spec=SpecDecodeParams(method=m))
+        for m in ("suffix", "ngram", None, "suffix")
+    ]
+    assert [o.token_ids for o in gen.generate(prompts, mixed)] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("suffix_decoding_max_tree_depth", 1),
+        ("suffix_decoding_max_cached_requests", -1),
+        ("suffix_decoding_max_spec_factor", 0),
+        ("suffix_decoding_min_token_prob", 1.5),
+    ],
+)
+def test_a_bad_suffix_field_is_named(field, value):
+    with pytest.raises(ValueError, match=field):
+        SpecConfig(method="suffix", **{field: value})
+
+
+def test_trees_from_a_cascade_are_refused():
+    with pytest.raises(ValueError, match="num_candidates"):
+        SpecConfig(method=["suffix", "ngram"], num_candidates=3)
