@@ -228,6 +228,8 @@ class Generator:
                 states=[seq.proposer_state for seq in active],
             )
             drafts, served = self.proposers.propose(batch, [seq.params.spec.method for seq in active])
+        elif self.proposers is not None:  # no drafts this step: proposers that learn from the text still take it in
+            self.proposers.update(self.history[:num_rows], [seq.num_tokens for seq in active])
         layout = layout_drafts(
             drafts.num_draft_tokens if drafts is not None else [0] * num_rows,
             drafts.parents if drafts is not None else None,

@@ -37,7 +37,8 @@ def median_ms(fn: Callable[[], object], num_repeats: int, num_warmup: int = 3) -
 
 
 def dense_torch_propose(token_ids: torch.Tensor, num_tokens: torch.Tensor, k: int, min_n: int, max_n: int):
-    """Baseline: match length at every position in [rows, positions] torch ops, best position by one argmax."""
+    """Baseline: match length at every position in [rows, positions] torch ops, best position by one argmax of the
+    proposer's ranking: match length, then how many of the K tokens the occurrence supplies, then recency."""
     num_rows, width = token_ids.shape
     suffix_pos = num_tokens[:, None] - max_n + torch.arange(max_n)  # [num_rows, max_n]
     suffix = torch.where(suffix_pos >= 0, token_ids.gather(1, suffix_pos.clamp(min=0)), -2)
@@ -49,9 +50,10 @@ def dense_torch_propose(token_ids: torch.Tensor, num_tokens: torch.Tensor, k: in
         match_lens += alive
     positions = torch.arange(width)
     valid = (positions <= num_tokens[:, None] - 2) & (match_lens >= min_n)
-    best = torch.where(valid, match_lens * (width + 1) + positions, -1).max(1)
-    cont_pos = best.indices[:, None] + 1 + torch.arange(k)
-    ok = (best.values[:, None] >= 0) & (cont_pos < num_tokens[:, None])
+    supply = (num_tokens[:, None] - 1 - positions).clamp(0, k)
+    scores = torch.where(valid, (match_lens * (k + 1) + supply) * (width + 1) + positions, -1).max(1).values
+    cont_pos = (scores % (width + 1))[:, None] + 1 + torch.arange(k)
+    ok = (scores[:, None] >= 0) & (cont_pos < num_tokens[:, None])
     return torch.where(ok, token_ids.gather(1, cont_pos.clamp(max=width - 1)), -1)
 
 

@@ -11,6 +11,7 @@ bet on a whole K = 8 step at once (such climb steps, and exploration steps, are 
 own predicted gain may be below 1). K is one number per batch:
 the forward is padded to the widest row, so a row given fewer drafts saves no compute (per-request caps still apply).
 K = 0 unless some K beats plain decoding, and a new K must beat the current one by `hysteresis` to replace it.
+Acceptance evidence fades every step, also at K = 0, so a K of 0 chosen on early evidence is tested again later.
 Every `explore_every` steps one step drafts one token more than the chosen K, and as often (halfway between) one
 token fewer. Up, the acceptance of the position just beyond K stays measured (the early tokens of a completion accept
 differently from the later ones); positions further out inherit its rate, and if that predicts a gain the policy moves
@@ -73,6 +74,13 @@ class AcceptanceStats:
         weight = np.minimum(reached / self.rows_per_step, 1.0)
         self.reached = self.decay * self.reached + weight
         self.accepted = self.decay * self.accepted + weight * hits / np.maximum(reached, 1)
+
+    def age(self) -> None:
+        """A step in which this route drafted nothing: its evidence fades as after an observed step. A rate measured
+        long ago (say in a rollout's first steps, when a suffix proposer has little to draft from) then drifts back to
+        the prior, and K climbs to measure it again instead of staying at 0 for good."""
+        self.reached *= self.decay
+        self.accepted *= self.decay
 
     def rates(self) -> np.ndarray:
         rates = np.zeros(self.max_k)
@@ -181,6 +189,9 @@ class AutoPolicy:
         self.time_model.add(o.batch_size, o.width, o.num_draft_passes, o.seconds, warm_up, o.context)
         if warm_up:
             return
-        for route, (asked, accepted) in observation.num_asked.items():
+        for route, stats in self.stats.items():
+            asked, accepted = observation.num_asked.get(route, ([], []))
             if asked:
-                self.stats[route].update(asked, accepted)
+                stats.update(asked, accepted)
+            else:
+                stats.age()

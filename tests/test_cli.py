@@ -50,7 +50,7 @@ def wandb_records(path: pathlib.Path):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """One small quickstart run (n-gram speculation), W&B offline into the output folder."""
+    """One small quickstart run (draft-model speculation), W&B offline into the output folder."""
     out = tmp_path_factory.mktemp("run")
     mp = pytest.MonkeyPatch()
     mp.setenv("WANDB_MODE", "offline")

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from rollout.recipe import Recipe, load_recipe, recipe_dict, sampling_params, spec_config
 
 RECIPES = pathlib.Path(__file__).resolve().parent.parent / "recipes"
-SHIPPED = ("quickstart.yaml", "quickstart_draft.yaml", "table.yaml", "gpu_hub.yaml")
+SHIPPED = ("quickstart.yaml", "quickstart_suffix.yaml", "table.yaml", "gpu_hub.yaml")
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -24,9 +24,12 @@ def test_shipped_recipes_load_and_start_with_their_command(name):
 
 
 def test_shipped_recipes_cover_the_policies():
-    assert spec_config(load_recipe(RECIPES / "quickstart.yaml")).method == "ngram"
-    draft = spec_config(load_recipe(RECIPES / "quickstart_draft.yaml"))
+    draft = spec_config(load_recipe(RECIPES / "quickstart.yaml"))
     assert (draft.method, draft.model) == ("draft_model", "tiny-draft")
+    suffix = spec_config(load_recipe(RECIPES / "quickstart_suffix.yaml"))
+    assert (suffix.method, suffix.suffix_decoding_max_tree_depth) == ("suffix", 24)
+    for name in ("quickstart.yaml", "quickstart_suffix.yaml"):  # the task's longest solutions fit
+        assert load_recipe(RECIPES / name).sampling.max_new_tokens >= 700
     table = load_recipe(RECIPES / "table.yaml")
     spec = spec_config(table)
     assert spec.num_speculative_tokens_per_batch_size == [[1, 64, 3], [65, 128, 1], [129, 512, 0]]
@@ -66,7 +69,9 @@ def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):
         (["spec.method=eagle"], r"spec: method \('eagle'\) must be one of"),
         (["spec.num_speculative_tokens_per_batch_size=[[1,8,3],[10,64,1]]"], r"spec: .* leave a gap at 9"),
         (["spec.num_speculative_tokens_per_batch_size=[[1,32,3]]"], r"spec: .* max_batch_size is 64"),
-        (["spec.num_speculative_tokens_per_batch_size=[[1,64,4]]"], r"spec: .* K=4 outside"),
+        (["spec.num_speculative_tokens_per_batch_size=[[1,64,5]]"], r"spec: .* K=5 outside"),
+        (["spec.suffix_decoding_min_token_prob=2"], r"spec: suffix_decoding_min_token_prob \(2\.0\) must be"),
+        (["spec.suffix_decoding_max_tree_depth=x"], r"spec\.suffix_decoding_max_tree_depth: Value 'x'"),
         (["rollout.n"], r"override 'rollout.n' must be key=value"),
     ],
 )

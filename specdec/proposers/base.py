@@ -74,6 +74,10 @@ class Proposer:
         """Rows `rows` finished, holding `token_ids[row, :num_tokens[i]]` (`token_ids [slots, T]` on the host); their
         slots are freed next (and may be refilled by `copy_rows`)."""
 
+    def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
+        """A step without drafts: the rows hold `token_ids[i, :num_tokens[i]]` (`[rows, T]`, host), as `propose`
+        would have seen them."""
+
     def begin(self) -> None:
         """A `generate` call starts: no row is in flight (any left by an interrupted call is gone)."""
 

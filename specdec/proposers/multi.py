@@ -42,6 +42,10 @@ class ProposerSet(Proposer):
         for proposer in self.proposers.values():
             proposer.finish(rows, token_ids, num_tokens)
 
+    def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
+        for proposer in self.proposers.values():
+            proposer.update(token_ids, num_tokens)
+
     def begin(self) -> None:
         for proposer in self.proposers.values():
             proposer.begin()
@@ -64,6 +68,7 @@ class ProposerSet(Proposer):
                 for i, k in enumerate(batch.num_draft_tokens)
             ]
             if max(asked, default=0) == 0:
+                proposer.update(batch.token_ids, batch.num_tokens)  # it drafts for nobody, but may learn the text
                 continue
             states = [s.setdefault(name, {}) for s in batch.states]
             drafts = proposer.propose(dataclasses.replace(batch, num_draft_tokens=asked, states=states))

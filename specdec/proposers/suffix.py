@@ -100,11 +100,33 @@ class SuffixProposer(Proposer):
             "bytes": self.index.nbytes + int(sum(r.nbytes for _, r in self.history)),
         }
 
+    def add_responses(self, prompts: list[list[int]], responses: list[list[int]]) -> None:
+        """Add responses made elsewhere (an earlier run, another model) to the history, oldest first:
+        `responses[i]` answers `prompts[i]` (token ids). Past `max_cached_requests` the oldest are evicted."""
+        if not isinstance(prompts, (list, tuple)) or not isinstance(responses, (list, tuple)):
+            raise ValueError("prompts and responses must be lists of token-id lists")
+        if len(prompts) != len(responses):
+            raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses: give one prompt per response")
+        for name, sequences in (("prompts", prompts), ("responses", responses)):
+            for i, seq in enumerate(sequences):
+                ids = np.asarray(seq)
+                if ids.ndim != 1 or (
+                    ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.separator)
+                ):
+                    raise ValueError(f"{name}[{i}] must be a list of token ids in [0, {self.separator})")
+        self._add_history(
+            [
+                (np.asarray(p, dtype=np.int32).tobytes(), np.asarray(r, dtype=np.int32))
+                for p, r in zip(prompts, responses)
+            ]
+        )
+        self._evict()
+
     def save(self, path: str | pathlib.Path) -> None:
         """Write the cached responses (oldest first, each with its prompt) to an `.npz` file."""
         keys = [k for k, _ in self.history]
-        distinct = list(dict.fromkeys(keys))
-        prompts = [np.frombuffer(k, dtype=np.int32) for k in distinct]
+        number = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct prompt once
+        prompts = [np.frombuffer(k, dtype=np.int32) for k in number]
         responses = [r for _, r in self.history]
         np.savez_compressed(
             path,
@@ -112,7 +134,7 @@ class SuffixProposer(Proposer):
             prompt_lens=np.array([len(p) for p in prompts], dtype=np.int64),
             response_tokens=np.concatenate(responses or [np.zeros(0, np.int32)]),
             response_lens=np.array([len(r) for r in responses], dtype=np.int64),
-            response_prompt=np.array([distinct.index(k) for k in keys] if keys else [], dtype=np.int64),
+            response_prompt=np.array([number[k] for k in keys], dtype=np.int64),
         )
 
     def load(self, path: str | pathlib.Path) -> None:
@@ -185,6 +207,10 @@ class SuffixProposer(Proposer):
         self._in_flight[rows_np] = False
         self.history.extend(finished)
         self._evict()
+
+    def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
+        rows = np.arange(len(num_tokens))
+        self._sync(rows, token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64))
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         num_rows = len(batch.num_tokens)

@@ -224,3 +224,19 @@ def test_one_hot_draft_probs_verify_exactly_like_ngram_drafts():
     as_draft = rejection_sample_ref(**{**case, "draft_probs": one_hot})
     assert torch.equal(ngram[0], as_draft[0]) and torch.equal(ngram[1], as_draft[1])
     assert 0 < int(ngram[1].sum()) - 5 < 17, "the case must accept some drafts and reject others"
+
+
+def test_a_rate_measured_long_ago_is_measured_again():
+    # drafting pays from an acceptance of ~0.3 here; the first steps saw none accepted, so K dropped to 0
+    policy = policy_with(overhead_then_compute, acceptance=0.0)
+    policy.explore_every = 0
+    assert policy.choose(64).num_draft_tokens == 0
+    ks = []
+    for _ in range(200):  # steps without drafts: the old evidence fades toward the prior, K climbs to re-measure it
+        k = policy.choose(64).num_draft_tokens
+        ks.append(k)
+        asked = {"draft_model": ([k] * 64, [0] * 64)} if k else {}
+        policy.observe(StepObservation(64, 1 + k, k, overhead_then_compute(64, 1 + k, k), asked))
+    first = ks.index(1)
+    assert 20 < first < 100, ks  # not at once: a measured rate holds for a while
+    assert ks[first + 1] == 0 and sum(ks) < len(ks) / 10  # measured again at 0: back to plain decoding, mostly

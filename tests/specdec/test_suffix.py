@@ -253,3 +253,19 @@ def test_a_bad_suffix_field_is_named(field, value):
 def test_trees_from_a_cascade_are_refused():
     with pytest.raises(ValueError, match="num_candidates"):
         SpecConfig(method=["suffix", "ngram"], num_candidates=3)
+
+
+def test_whole_sequences_added_by_depth_match_token_by_token_insertion():
+    rng = np.random.default_rng(1)
+    sequences = [rng.integers(0, 5, size=rng.integers(1, 40)).tolist() for _ in range(9)]
+    lengths = np.array([len(s) for s in sequences])
+    tokens = np.zeros((len(sequences), lengths.max()), dtype=np.int64)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = s
+    by_token, by_depth = SuffixIndex(max_depth=6), SuffixIndex(max_depth=6)
+    a, b = by_token.new_root(), by_depth.new_root()
+    by_token.insert(by_token.start(np.full(9, a)), tokens, lengths)
+    by_depth.add_sequences(np.full(9, b), tokens, lengths)
+    assert trie_counts(by_depth, b) == trie_counts(by_token, a) == ngram_counts(sequences, 6)
+    by_depth.add_sequences(np.full(4, b), tokens[:4], lengths[:4], delta=-1)
+    assert trie_counts(by_depth, b) == ngram_counts(sequences[4:], 6)

@@ -1,0 +1,308 @@
+"""Suffix drafting on RL rollouts, every alternative side by side in one process, one torch thread.
+
+The shipped tiny target on the long-tail arithmetic task (64 held-out prompts x 8 samples, temperature 1.0, 384 new
+tokens, 512 slots). Three scenarios, each timing one rollout (seed 2) of every config:
+
+- first:  a fresh generator: no history.
+- second: the generator's history holds a first rollout of the same prompts by the same model (seed 1).
+- other:  the history holds a rollout of the same prompts by another model (the tiny draft, standing in for an
+          older policy).
+
+Configs: none; n-gram; suffix drafting only from the row's prompt trie (its prompt, its siblings, its prompt's
+history); suffix (all rows + history); the same with token trees of each row's 2 best drafts (K nodes); the draft
+model; suffix + draft model (suffix where it has a confident draft); each at K = 1, 2, 4, 8 and auto (K <= 8).
+Printed per config: tokens per row-step (decode tokens emitted per row per step: 1 + accepted drafts), rollout
+tokens/s and its ratio to none, bulk and tail tokens/s ratios, mean K, and the proposer's share of the rollout time.
+`--cost` prints the suffix proposer's time per step at 64, 256 and 1024 slots with a real history, next to the decode
+step; `--memory N` the history's size and load time at N cached responses.
+
+    .venv/bin/python scripts/bench_suffix.py --out bench_suffix            # the three scenarios (~25 min)
+    .venv/bin/python scripts/bench_suffix.py --cost --memory 10000         # cost per batch size, memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import statistics
+import time
+
+import torch
+
+from rollout import Generator, SamplingParams, zoo
+from rollout.phases import PhaseLabeler, summarize
+from rollout.tasks import arithmetic_dataset
+from specdec.config import SpecConfig
+
+HOOKS = ("propose", "update", "finish", "prefill", "copy_rows", "begin")
+
+
+class ProposerClock:
+    """Wall time spent in the generator's proposers, in total and per generator step."""
+
+    def __init__(self, gen: Generator):
+        self.total = 0.0
+        self.since_step = 0.0
+        self.per_step: list[float] = []
+        if gen.proposers is None:
+            return
+        for name in HOOKS:
+            method = getattr(gen.proposers, name)
+            setattr(gen.proposers, name, self._timed(method))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                self.total += elapsed
+                self.since_step += elapsed
+
+        return timed
+
+    def on_step(self, record, finished, total) -> None:
+        self.per_step.append(self.since_step)
+        self.since_step = 0.0
+
+
+def spec_for(config: str, k: int | str) -> SpecConfig | None:
+    if config == "none":
+        return None
+    method = {
+        "ngram": "ngram",
+        "suffix (prompt trie)": "suffix",
+        "suffix": "suffix",
+        "draft model": "draft_model",
+        "suffix + draft": ["suffix", "draft_model"],
+        "suffix, 2-branch trees": "suffix",
+    }[config]
+    auto = k == "auto"
+    return SpecConfig(
+        method=method,
+        num_speculative_tokens=8 if auto else k,
+        model="tiny-draft" if "draft" in config else None,
+        num_speculative_tokens_per_batch_size="auto" if auto else None,
+        num_candidates=2 if "trees" in config else 1,
+    )
+
+
+def run(model, config, k, prompt_ids, history, args) -> dict:
+    gen = Generator(model, max_batch_size=args.batch_size, max_seq_len=args.max_seq_len, spec=spec_for(config, k))
+    if config == "suffix (prompt trie)":
+        gen.draft_history.sources = (0,)
+    gen.generate(prompt_ids[:1], SamplingParams(max_new_tokens=2, seed=0))  # untimed: allocate the caches
+    if gen.draft_history is not None:  # the untimed call's response out, the scenario's history in
+        gen.draft_history.clear()
+        if history is not None:
+            gen.draft_history.add_responses(*history)
+    clock = ProposerClock(gen)
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=2)
+    start = time.perf_counter()
+    outs = gen.generate(prompt_ids, params, on_step=clock.on_step)
+    seconds = time.perf_counter() - start
+    labeler = PhaseLabeler(0.25)
+    steps = []
+    for record in gen.last_trace:
+        step = record.to_dict()
+        step["phase"] = labeler.label(step["phase"], step["batch_size"])
+        steps.append(step)
+    decode = [s for s in steps if s["phase"] != "prefill"]
+    row_steps = sum(s["batch_size"] for s in decode)
+    proposer_seconds = clock.total
+    del gen, clock  # the clock's wrappers make a cycle: free the KV caches now, not at some later collection
+    gc.collect()
+    return {
+        "config": config,
+        "k": k,
+        "seconds": seconds,
+        "tokens": sum(len(o.token_ids) for o in outs),
+        "tokens_per_row_step": sum(s["num_emitted"] for s in decode) / row_steps,
+        "proposer_seconds": proposer_seconds,
+        "proposer_us_per_row_step": 1e6 * proposer_seconds / row_steps,
+        "mean_k": statistics.fmean(s["num_draft_tokens"] for s in decode),
+        "phases": summarize(steps)["phases"],
+    }
+
+
+def record_history(model, prompt_ids, args) -> tuple[list[list[int]], list[list[int]]]:
+    gen = Generator(model, max_batch_size=args.batch_size, max_seq_len=args.max_seq_len)
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=1)
+    outs = gen.generate(prompt_ids, params)
+    return [prompt_ids[o.prompt_index] for o in outs], [o.token_ids for o in outs]
+
+
+def scenarios(args, model, draft, prompt_ids) -> list[dict]:
+    histories = {"first": None}
+    if "second" in args.scenarios:
+        histories["second"] = record_history(model, prompt_ids, args)
+    if "other" in args.scenarios:
+        histories["other"] = record_history(draft, prompt_ids, args)
+    configs = {
+        "first": ["none", "ngram", "suffix (prompt trie)", "suffix", "suffix, 2-branch trees", "draft model"]
+        + ["suffix + draft"],
+        "second": ["none", "suffix (prompt trie)", "suffix", "suffix, 2-branch trees", "suffix + draft"],
+        "other": ["none", "suffix", "suffix + draft"],
+    }
+    rows = []
+    for scenario in args.scenarios:
+        none = None
+        for config in configs[scenario]:
+            if args.only and config not in args.only and config != "none" or args.skip_none and config == "none":
+                continue
+            for k in ["-"] if config == "none" else [*args.ks, "auto"]:
+                row = run(model, config, k, prompt_ids, histories[scenario], args)
+                row["scenario"] = scenario
+                none = row if config == "none" else none
+                print_row(row, none)
+                rows.append(row)
+    return rows
+
+
+def print_row(row: dict, none: dict | None) -> None:
+    def tps(r, phase):
+        return r["phases"].get(phase, {}).get("tokens_per_s", 0.0)
+
+    rate = row["tokens"] / row["seconds"]
+    ratio = rate / (none["tokens"] / none["seconds"]) if none else float("nan")
+    bulk = tps(row, "bulk") / tps(none, "bulk") if none and tps(none, "bulk") else float("nan")
+    tail = tps(row, "tail") / tps(none, "tail") if none and tps(none, "tail") else float("nan")
+    share = row["proposer_seconds"] / row["seconds"]
+    us = row["proposer_us_per_row_step"]
+    print(
+        f"{row['scenario']:7s} {row['config']:21s} K={str(row['k']):5s} "
+        f"tok/row-step {row['tokens_per_row_step']:.3f}  {row['seconds']:6.2f}s {rate:6.0f} tok/s  "
+        f"x none {ratio:.3f}  bulk {bulk:.3f} tail {tail:.3f}  mean K {row['mean_k']:.2f}  "
+        f"proposer {100 * share:4.1f}% ({us:.1f} us/row-step)",
+        flush=True,
+    )
+
+
+def cost(args, model, tokenizer) -> list[dict]:
+    """The suffix proposer's time per step vs the decode step at 64, 256 and 1024 rows, with a real history."""
+    rows = []
+    for batch_size in (64, 256, 1024):
+        data = arithmetic_dataset(batch_size // args.n, split="eval", seed=0)
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in data["prompt"]]
+        longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
+        bench = argparse.Namespace(**{**vars(args), "batch_size": batch_size, "max_seq_len": longest})
+        history = record_history(model, prompt_ids, bench)
+        spec = SpecConfig(method="suffix", num_speculative_tokens=4)
+        gen = Generator(model, max_batch_size=batch_size, max_seq_len=longest, spec=spec)
+        gen.generate(prompt_ids[:1], SamplingParams(max_new_tokens=2, seed=0))
+        gen.draft_history.clear()
+        gen.draft_history.add_responses(*history)
+        clock = ProposerClock(gen)
+        params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=2)
+        gen.generate(prompt_ids, params, on_step=clock.on_step)
+        stats = gen.draft_history.stats()
+        # the steps of the bulk (at least half the rows in flight), where the batch is about the size named
+        bulk = [
+            (p, r.seconds, r.batch_size)
+            for p, r in zip(clock.per_step, gen.last_trace)
+            if r.phase == "decode" and 2 * r.batch_size >= batch_size
+        ]
+        proposer, step, rows_per_step = (sum(x[i] for x in bulk) for i in range(3))
+        row = {
+            "rows": batch_size,
+            "steps": len(bulk),
+            "mean_rows": rows_per_step / len(bulk),
+            "proposer_ms": 1e3 * proposer / len(bulk),
+            "step_ms": 1e3 * step / len(bulk),
+            "share": proposer / step,
+            "us_per_row": 1e6 * proposer / rows_per_step,
+            "history_tokens": stats["tokens"],
+        }
+        print(
+            f"cost {batch_size:5d} slots: proposer {row['proposer_ms']:7.2f} ms per step, decode step "
+            f"{row['step_ms']:7.1f} ms ({100 * row['share']:.1f}%), {row['us_per_row']:.1f} us per row "
+            f"({len(bulk)} bulk steps of {row['mean_rows']:.0f} rows on average, K=4, history of "
+            f"{stats['tokens']} tokens + rows in flight)",
+            flush=True,
+        )
+        rows.append(row)
+        del gen, clock
+        gc.collect()
+    return rows
+
+
+def memory(args, model, tokenizer, num_responses: int) -> dict:
+    """History size at `num_responses` distinct responses (train-split prompts x n samples), and its save/load."""
+    num_prompts = -(-num_responses // args.n)
+    data = arithmetic_dataset(num_prompts, split="train", seed=0)
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in data["prompt"]]
+    longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
+    bench = argparse.Namespace(**{**vars(args), "batch_size": 1024, "max_seq_len": longest})
+    start = time.perf_counter()
+    prompts, responses = record_history(model, prompt_ids, bench)
+    generate_seconds = time.perf_counter() - start
+    spec = SpecConfig(method="suffix", suffix_decoding_max_cached_requests=num_responses)
+    result = {}
+    for depth in (24, 12):
+        spec.suffix_decoding_max_tree_depth = depth
+        gen = Generator(model, max_batch_size=8, max_seq_len=longest, spec=spec)
+        start = time.perf_counter()
+        gen.draft_history.add_responses(prompts[:num_responses], responses[:num_responses])
+        add_seconds = time.perf_counter() - start
+        stats = gen.draft_history.stats()
+        path = pathlib.Path(args.out) / f"history_depth{depth}.npz"
+        gen.draft_history.save(path)
+        start = time.perf_counter()
+        gen.draft_history.load(path)
+        load_seconds = time.perf_counter() - start
+        result[depth] = {
+            **stats,
+            "add_seconds": add_seconds,
+            "load_seconds": load_seconds,
+            "file_bytes": path.stat().st_size,
+        }
+        print(
+            f"memory depth {depth}: {stats['responses']} responses, {stats['tokens']} tokens, "
+            f"{stats['prompts']} prompts, {stats['nodes']} nodes, {stats['bytes'] / 2**20:.0f} MiB "
+            f"({stats['bytes'] / stats['tokens']:.0f} B per token); added in {add_seconds:.1f} s, saved file "
+            f"{path.stat().st_size / 2**20:.1f} MiB, loaded in {load_seconds:.1f} s (generating the responses "
+            f"took {generate_seconds:.0f} s)",
+            flush=True,
+        )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=384)
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--scenarios", nargs="+", default=["first", "second", "other"])
+    parser.add_argument("--only", nargs="+", help="configs to run besides none, e.g. suffix")
+    parser.add_argument("--skip-none", action="store_true", help="no 'none' rows (ratios then read nan)")
+    parser.add_argument("--cost", action="store_true", help="the proposer's time per step at 64, 256, 1024 rows")
+    parser.add_argument("--memory", type=int, default=0, help="history size at this many cached responses")
+    parser.add_argument("--out", default="bench_suffix")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    model, tokenizer = zoo.load_model("tiny-target")
+    data = arithmetic_dataset(args.num_prompts, split="eval", seed=0)
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in data["prompt"]]
+    args.max_seq_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
+    results: dict = {}
+    if args.cost or args.memory:
+        if args.cost:
+            results["cost"] = cost(args, model, tokenizer)
+        if args.memory:
+            results["memory"] = memory(args, model, tokenizer, args.memory)
+        name = "cost.json"
+    else:
+        draft, _ = zoo.load_model("tiny-draft")
+        results["runs"] = scenarios(args, model, draft, prompt_ids)
+        name = "runs.json"
+    (pathlib.Path(args.out) / name).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
