@@ -190,7 +190,7 @@ def cost(args, model, tokenizer) -> list[dict]:
         longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
         bench = argparse.Namespace(**{**vars(args), "batch_size": batch_size, "max_seq_len": longest})
         history = record_history(model, prompt_ids, bench)
-        spec = SpecConfig(method="suffix", num_speculative_tokens=4)
+        spec = SpecConfig(method="suffix", num_speculative_tokens=4, suffix_decoding_max_tree_depth=args.depth)
         gen = Generator(model, max_batch_size=batch_size, max_seq_len=longest, spec=spec)
         gen.generate(prompt_ids[:1], SamplingParams(max_new_tokens=2, seed=0))
         gen.draft_history.clear()
@@ -201,11 +201,11 @@ def cost(args, model, tokenizer) -> list[dict]:
         stats = gen.draft_history.stats()
         # the steps of the bulk (at least half the rows in flight), where the batch is about the size named
         bulk = [
-            (p, r.seconds, r.batch_size)
+            (p, r.seconds, r.batch_size, r.num_emitted)
             for p, r in zip(clock.per_step, gen.last_trace)
             if r.phase == "decode" and 2 * r.batch_size >= batch_size
         ]
-        proposer, step, rows_per_step = (sum(x[i] for x in bulk) for i in range(3))
+        proposer, step, rows_per_step, emitted = (sum(x[i] for x in bulk) for i in range(4))
         row = {
             "rows": batch_size,
             "steps": len(bulk),
@@ -214,12 +214,15 @@ def cost(args, model, tokenizer) -> list[dict]:
             "step_ms": 1e3 * step / len(bulk),
             "share": proposer / step,
             "us_per_row": 1e6 * proposer / rows_per_step,
+            "tokens_per_row_step": emitted / rows_per_step,
+            "us_per_token": 1e6 * proposer / emitted,
             "history_tokens": stats["tokens"],
         }
         print(
             f"cost {batch_size:5d} slots: proposer {row['proposer_ms']:7.2f} ms per step, decode step "
-            f"{row['step_ms']:7.1f} ms ({100 * row['share']:.1f}%), {row['us_per_row']:.1f} us per row "
-            f"({len(bulk)} bulk steps of {row['mean_rows']:.0f} rows on average, K=4, history of "
+            f"{row['step_ms']:7.1f} ms ({100 * row['share']:.1f}%), {row['us_per_row']:.1f} us per row, "
+            f"{row['us_per_token']:.1f} us per emitted token ({row['tokens_per_row_step']:.2f} per row-step) "
+            f"({len(bulk)} bulk steps of {row['mean_rows']:.0f} rows on average, K=4, depth {args.depth}, history of "
             f"{stats['tokens']} tokens + rows in flight)",
             flush=True,
         )
@@ -282,6 +285,7 @@ def main() -> None:
     parser.add_argument("--skip-none", action="store_true", help="no 'none' rows (ratios then read nan)")
     parser.add_argument("--cost", action="store_true", help="the proposer's time per step at 64, 256, 1024 rows")
     parser.add_argument("--memory", type=int, default=0, help="history size at this many cached responses")
+    parser.add_argument("--depth", type=int, default=24, help="--cost: suffix_decoding_max_tree_depth")
     parser.add_argument("--out", default="bench_suffix")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -149,8 +149,8 @@ def test_bench_rows(tmp_path, capsys, monkeypatch):
     assert [r["name"] for r in rows] == [
         "model.generate (padded)",
         "no speculation",
-        "ngram K=2",
-        "recipe (ngram auto K<=3)",
+        "draft_model K=2",
+        "recipe (draft_model auto K<=4)",
     ]
     for row in rows:
         assert {"name", "seconds", "tokens", "tokens_per_s", "tokens_per_s_per_phase"} <= set(row)

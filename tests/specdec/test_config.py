@@ -19,7 +19,7 @@ def test_ngram_defaults_and_vllm_field_names():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"method": "eagle"}, r"method \('eagle'\) must be one of ngram, draft_model"),
+        ({"method": "eagle"}, r"method \('eagle'\) must be one of ngram, suffix, draft_model"),
         ({"num_speculative_tokens": 0}, r"num_speculative_tokens \(0\) must be an integer >= 1"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, r"prompt_lookup_min \(3\) must be <= prompt_lookup_max"),
         ({"prompt_lookup_min": 0}, r"prompt_lookup_min \(0\)"),

@@ -94,7 +94,9 @@ def test_tree_logprobs_equal_teacher_forced_pass(params):
 
 
 def test_trees_need_ngram_candidates():
-    with pytest.raises(ValueError, match=r"num_candidates \(3\) > 1 builds token trees from n-gram candidates"):
+    with pytest.raises(
+        ValueError, match=r"num_candidates \(3\) > 1 builds token trees from a single .ngram. or .suffix."
+    ):
         SpecConfig(method="draft_model", model="tiny-draft", num_candidates=3)
     with pytest.raises(ValueError, match=r"num_candidates \(0\)"):
         SpecConfig(num_candidates=0)
