@@ -62,6 +62,8 @@ class SuffixProposer(Proposer):
         min_token_prob: float = 0.1,
         num_candidates: int = 1,
     ):
+        if vocab_size >= 1 << 21:  # the trie keys hold a token (or the separator, vocab_size) in 21 bits
+            raise ValueError(f"method 'suffix' handles vocabularies of up to {(1 << 21) - 1} tokens, got {vocab_size}")
         self.num_speculative_tokens = num_speculative_tokens
         self.separator = vocab_size
         self.max_tree_depth = max_tree_depth

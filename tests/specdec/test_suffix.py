@@ -269,3 +269,9 @@ def test_whole_sequences_added_by_depth_match_token_by_token_insertion():
     assert trie_counts(by_depth, b) == trie_counts(by_token, a) == ngram_counts(sequences, 6)
     by_depth.add_sequences(np.full(4, b), tokens[:4], lengths[:4], delta=-1)
     assert trie_counts(by_depth, b) == ngram_counts(sequences[4:], 6)
+
+
+def test_a_vocabulary_beyond_the_trie_keys_is_refused():
+    with pytest.raises(ValueError, match="vocabularies of up to 2097151 tokens, got 2097152"):
+        SuffixProposer(3, vocab_size=1 << 21, num_slots=2, num_positions=8)
+    SuffixProposer(3, vocab_size=(1 << 21) - 1, num_slots=2, num_positions=8)  # the largest that fits
