@@ -97,8 +97,7 @@ class Generator:
     def draft_history(self) -> SuffixProposer | None:
         """The suffix proposer's history of earlier responses (`clear()`, `save(path)`, `load(path)`, `stats()`), kept
         across `generate` calls; None without `method="suffix"`."""
-        proposer = self.proposers.proposers.get("suffix") if self.proposers is not None else None
-        return proposer
+        return self.proposers.proposers.get("suffix") if self.proposers is not None else None
 
     def generate(
         self,

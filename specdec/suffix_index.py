@@ -26,8 +26,9 @@ _HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
 class SuffixIndex:
     """Node store of many depth-limited counted suffix tries.
 
-    Per node: `count` (occurrences of its n-gram), `best` (the child with the largest count, -1 if none) and `token`
-    (the token on the edge into it). Counts only go down when a sequence is removed; a child whose count falls to 0
+    Per node: `count` (occurrences of its n-gram), `best` (the child with the largest count, -1 if none), `token`
+    (the token on the edge into it) and `first` (its first child; later ones are in the hash table, and `branching`
+    marks the nodes that have some). Counts only go down when a sequence is removed; a child whose count falls to 0
     stops being anyone's best, and a `best` whose count fell below a sibling's may stay until the sibling grows again
     (drafts may then be second-best, never wrong: the verifier decides what is kept).
     """

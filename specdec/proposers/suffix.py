@@ -239,7 +239,7 @@ class SuffixProposer(Proposer):
         """Every (row, trie, match length) walk worth trying: rows [C], tokens [C, K], lengths [C], scores [C]."""
         rows = np.flatnonzero(asked > 0)
         depth = self.max_tree_depth
-        nodes = self._frontiers[list(self.sources)][:, rows, 1:].reshape(-1, depth - 1)  # [S * R, D - 1]: m = 1..D-1
+        nodes = self._frontiers[:, rows, 1:][list(self.sources)].reshape(-1, depth - 1)  # [S * R, D - 1]: m = 1..D-1
         owner = np.tile(rows, len(self.sources))
         match = np.arange(1, depth)[None, :]
         limit = np.minimum(asked[owner][:, None], np.floor(match * self.max_spec_factor).astype(np.int64))
