@@ -184,7 +184,8 @@ def _probe(runner: ModelRunner) -> None:
     prefix = torch.zeros(1, dtype=torch.long, device=runner.device)
     name = type(runner.model).__name__
     try:
-        with torch.no_grad():
+        # eval mode as in generation: in train mode a model with gradient checkpointing turns its cache off
+        with torch.no_grad(), eval_mode(runner.model):
             logits = runner.forward(0, ids, pos, pos, valid, prefix, kv_len=2, cache=cache)
     except Exception as err:  # the model's own error says what it could not do with our cache or mask
         raise ValueError(f"{name} cannot run on the slot KV cache with 4D masks: {type(err).__name__}: {err}") from err

@@ -233,6 +233,18 @@ def test_generator_restores_training_mode_and_uses_current_weights():
     assert [o.token_ids for o in before] != [o.token_ids for o in after]
 
 
+def test_a_model_in_train_mode_with_gradient_checkpointing_is_served():
+    # TRL's defaults: the policy sits in train mode with gradient checkpointing, which turns the cache off there
+    model = make_model("llama")
+    model.gradient_checkpointing_enable()
+    model.train()
+    gen = Generator(model, max_batch_size=2, max_seq_len=32)
+    prompts = random_prompts(2, seed=13)
+    outs = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6))
+    assert model.training
+    assert [o.token_ids for o in outs] == [hf_greedy(model.eval(), p, 6) for p in prompts]
+
+
 def test_on_step_reports_every_step_and_the_finished_count():
     model = make_model("llama", "sdpa", torch.float32, eos_token_id=3)
     gen = Generator(model, max_batch_size=3, max_seq_len=48)
