@@ -21,7 +21,9 @@ SAMPLE_FIELDS = (
 )
 
 
-def group_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-4, scale: bool = True) -> Tensor:
+def group_advantages(
+    rewards: Tensor, group_index: Tensor, eps: float = 1e-4, scale: bool = True, std: str = "population"
+) -> Tensor:
     """GRPO advantages: `(r - mean of its group) / (std of its group + eps)`.
 
     Args:
@@ -29,9 +31,13 @@ def group_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-4, sc
         group_index: `[num_samples]` the group (prompt) of each sample.
         eps: keeps groups whose rewards are all equal finite (their advantages are 0).
         scale: False leaves out the division by the std (Dr. GRPO's variant).
+        std: "population" (ddof 0) or "sample" (ddof 1, Bessel-corrected: what TRL's GRPOTrainer uses). A group of
+            one sample has advantage 0 either way.
     Returns:
-        `[num_samples]` float advantages. The std is the population std (ddof 0), so a group of one has advantage 0.
+        `[num_samples]` float64 advantages.
     """
+    if std not in ("population", "sample"):
+        raise ValueError(f"std ({std!r}) must be 'population' (ddof 0) or 'sample' (ddof 1, as TRL computes it)")
     rewards = rewards.to(torch.float64)
     _, inverse = torch.unique(group_index, return_inverse=True)
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
@@ -40,7 +46,9 @@ def group_advantages(rewards: Tensor, group_index: Tensor, eps: float = 1e-4, sc
     centred = rewards - mean[inverse]
     if not scale:
         return centred
-    var = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, centred**2) / count
+    ddof = 0 if std == "population" else 1
+    squares = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, centred**2)
+    var = squares / (count - ddof).clamp(min=1)
     return centred / (var.sqrt()[inverse] + eps)
 
 
@@ -61,7 +69,7 @@ class RolloutBatch:
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     finish_reason: list[str]  # "stop" (EOS or a stop id) | "length" (hit max_new_tokens)
-    reward: list[float]  # the weighted sum of the reward terms
+    reward: list[float] | None  # the weighted sum of the reward terms; None when the rollout scored nothing
     reward_terms: dict[str, list[float]] = field(default_factory=dict)  # each term's unweighted rewards
     pad_token_id: int = 0  # what `to_padded` pads ids with
     steps: list[dict] = field(default_factory=list)  # the step trace, phases relabelled, with `elapsed`
@@ -79,9 +87,16 @@ class RolloutBatch:
     def num_tokens(self) -> int:
         return sum(len(ids) for ids in self.completion_ids)
 
-    def advantages(self, eps: float = 1e-4, scale: bool = True) -> Tensor:
+    def advantages(self, eps: float = 1e-4, scale: bool = True, std: str = "population") -> Tensor:
         """`[num_samples]` GRPO group-normalised advantages of `reward` (see `group_advantages`)."""
-        return group_advantages(torch.tensor(self.reward), torch.tensor(self.group_index), eps, scale)
+        if self.reward is None:
+            raise ValueError(
+                "this batch has no rewards (its Rollout was built with rewards=None): set batch.reward to one float "
+                "per sample first, or call rollout.batch.group_advantages with your rewards"
+            )
+        if len(self.reward) != len(self):
+            raise ValueError(f"batch.reward holds {len(self.reward)} values for {len(self)} samples: give one each")
+        return group_advantages(torch.tensor(self.reward), torch.tensor(self.group_index), eps, scale, std)
 
     def to_padded(self, pad_token_id: int | None = None) -> dict[str, Tensor]:
         """Padded tensors, TRL's layout: prompts padded on the LEFT, completions on the RIGHT, so that
@@ -90,8 +105,9 @@ class RolloutBatch:
         Returns:
             prompt_ids `[N, P]` long, padded with `pad_token_id`; prompt_mask `[N, P]` long, 1 = token, 0 = pad;
             completion_ids `[N, C]` long, padded with `pad_token_id`; completion_mask `[N, C]` long, 1 = token;
-            logprobs `[N, C]` float32, 0.0 at padding; rewards `[N]` float32; advantages `[N]` float32;
-            group_index `[N]` long; truncated `[N]` bool. P and C are the longest prompt and completion.
+            logprobs `[N, C]` float32, 0.0 at padding; group_index `[N]` long; truncated `[N]` bool; and when the
+            batch has rewards, rewards `[N]` float32 and advantages `[N]` float32 (population std). P and C are the
+            longest prompt and completion.
         """
         pad = self.pad_token_id if pad_token_id is None else pad_token_id
         num = len(self)
@@ -109,17 +125,19 @@ class RolloutBatch:
             completion_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             completion_mask[i, : len(ids)] = 1
             logprobs[i, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        return {
+        tensors = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
             "completion_mask": completion_mask,
             "logprobs": logprobs,
-            "rewards": torch.tensor(self.reward, dtype=torch.float32),
-            "advantages": self.advantages().to(torch.float32),
             "group_index": torch.tensor(self.group_index, dtype=torch.long),
             "truncated": torch.tensor(self.truncated, dtype=torch.bool),
         }
+        if self.reward is not None:
+            tensors["rewards"] = torch.tensor(self.reward, dtype=torch.float32)
+            tensors["advantages"] = self.advantages().to(torch.float32)
+        return tensors
 
     def to_dataset(self):
         """A `datasets.Dataset`, one row per sample: the `SAMPLE_FIELDS`, `truncated`, `advantage` and one
@@ -128,7 +146,10 @@ class RolloutBatch:
 
         columns = {name: getattr(self, name) for name in SAMPLE_FIELDS}
         columns["truncated"] = self.truncated
-        columns["advantage"] = self.advantages().tolist()
+        if self.reward is None:
+            columns["reward"] = [None] * len(self)
+        else:
+            columns["advantage"] = self.advantages().tolist()
         for name, values in self.reward_terms.items():
             columns[f"reward_{name}"] = values
         return datasets.Dataset.from_dict(columns)
@@ -140,7 +161,10 @@ class RolloutBatch:
         if missing:
             raise ValueError(f"dataset lacks the RolloutBatch columns {missing}; it has {dataset.column_names}")
         terms = {c[len("reward_") :]: dataset[c] for c in dataset.column_names if c.startswith("reward_")}
-        return cls(**{name: dataset[name] for name in SAMPLE_FIELDS}, reward_terms=terms, pad_token_id=pad_token_id)
+        fields = {name: dataset[name] for name in SAMPLE_FIELDS}
+        if all(r is None for r in fields["reward"]):
+            fields["reward"] = None
+        return cls(**fields, reward_terms=terms, pad_token_id=pad_token_id)
 
     def records(self) -> list[dict]:
         """One dict per sample, the `rollouts.jsonl` line format (`prompt_index` is the group index)."""
@@ -155,7 +179,7 @@ class RolloutBatch:
                 "logprobs": self.logprobs[i],
                 "finish_reason": self.finish_reason[i],
                 "truncated": self.finish_reason[i] == "length",
-                "reward": self.reward[i],
+                "reward": self.reward[i] if self.reward is not None else None,
             }
             row.update({f"reward_{name}": values[i] for name, values in self.reward_terms.items()})
             rows.append(row)

@@ -16,7 +16,7 @@ from dataclasses import replace
 from rollout.batch import RolloutBatch
 from rollout.generator import Generator
 from rollout.phases import PhaseLabeler, summarize
-from rollout.prompts import PromptFormatter, check_prompt_column
+from rollout.prompts import PromptFormatter, check_prompt_column, prompt_kind
 from rollout.rewards import RewardFn, WeightedReward, build_rewards, score
 from rollout.sampling import SamplingParams
 from specdec.config import SpecConfig
@@ -36,7 +36,8 @@ class Rollout:
         tokenizer: its tokenizer (formats prompts, decodes completions, gives the pad id).
         rewards: reward terms, each a built-in name, a "module:function" path, a callable, or a
             `(any of those, weight)` pair; the batch's reward is their weighted sum. See `rollout.rewards` for the
-            reward function signature.
+            reward function signature. None (or empty): no scoring, `batch.reward` is None (a trainer that scores
+            rewards itself sets it, then calls `batch.advantages()`).
         sampling: sampling settings (n samples per prompt, temperature, max_new_tokens, seed, ...).
         spec: speculative decoding settings; None decodes without drafts.
         max_batch_size: generator slots (sequences decoded at once).
@@ -49,7 +50,7 @@ class Rollout:
         self,
         model,
         tokenizer,
-        rewards: Sequence[str | RewardFn | tuple[str | RewardFn, float]] = ("arithmetic",),
+        rewards: Sequence[str | RewardFn | tuple[str | RewardFn, float]] | None = ("arithmetic",),
         *,
         sampling: SamplingParams | None = None,
         spec: SpecConfig | None = None,
@@ -63,49 +64,62 @@ class Rollout:
     ):
         self.tokenizer = tokenizer
         self.sampling = sampling if sampling is not None else SamplingParams()
+        if isinstance(rewards, str) or callable(rewards):  # one reward given bare, not in a list
+            rewards = [rewards]
+        rewards = [] if rewards is None else list(rewards)
         self.rewards: list[WeightedReward] = build_rewards([r if isinstance(r, tuple) else (r, 1.0) for r in rewards])
         self.prompt_column = prompt_column
         self.formatter = PromptFormatter(tokenizer, prompt_column, template, chat_template, system_prompt)
+        self._chat_formatter = None
+        self._chat_args = (tokenizer, prompt_column, None, True, system_prompt)
         PhaseLabeler(tail_fraction)  # checks the value now rather than on the first call
         self.tail_fraction = tail_fraction
         self.generator = Generator(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0
 
-    def __call__(self, data, seed: int | None = None, on_step: StepCallback | None = None) -> RolloutBatch:
-        """Sample `sampling.n` completions for every row of `data` and score them.
+    def __call__(
+        self, data, seed: int | None = None, on_step: StepCallback | None = None, *, n: int | None = None
+    ) -> RolloutBatch:
+        """Sample `n` completions for every prompt of `data` and score them.
 
         Args:
-            data: a `datasets.Dataset` or a list of dicts, each with the prompt column.
-            seed: overrides `sampling.seed` for this call (pass the training step for fresh samples every step).
+            data: a `datasets.Dataset` or a list of dicts, each with the prompt column; or a list of prompts, each
+                a string, a list of chat messages (`{"role", "content"}` dicts, formatted with the tokenizer's chat
+                template) or a list of token ids (used as they are).
+            seed: overrides `sampling.seed` for this call (pass the training step for fresh samples every step);
+                the same seed and inputs give the same completions.
             on_step: called after every generator step with (step dict, finished samples, total samples).
+            n: completions per prompt for this call; None uses `sampling.n`.
         Returns:
             the `RolloutBatch`, prompt-major, with the step trace and the per-phase summary.
         """
-        rows = [dict(row) for row in data]
-        if not rows:
-            raise ValueError("data is empty: pass at least one row with a prompt column")
-        check_prompt_column(list(rows[0]), self.prompt_column)
-        prompts, prompt_ids = self.formatter(rows)
+        rows, prompts, prompt_ids = self._prompts(data)
         params = self.sampling if seed is None else replace(self.sampling, seed=seed)
+        if n is not None:
+            params = replace(params, n=n)
         outs, steps = self._generate(prompt_ids, params, on_step)
         completions = self.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
-        columns = {
-            name: [rows[o.prompt_index][name] for o in outs] for name in rows[0] if name not in RESERVED_REWARD_KWARGS
-        }
-        columns["prompts"] = [prompts[o.prompt_index] for o in outs]
-        columns["completion_ids"] = [o.token_ids for o in outs]
-        columns["finish_reasons"] = [o.finish_reason for o in outs]
-        reward, terms = score(self.rewards, completions, columns)
         summary = summarize(steps)
-        summary["reward_mean"] = sum(reward) / len(reward)
+        reward, terms = None, {}
+        if self.rewards:
+            columns = {
+                name: [rows[o.prompt_index][name] for o in outs]
+                for name in rows[0]
+                if name not in RESERVED_REWARD_KWARGS
+            }
+            columns["prompts"] = [prompts[o.prompt_index] for o in outs]
+            columns["completion_ids"] = [o.token_ids for o in outs]
+            columns["finish_reasons"] = [o.finish_reason for o in outs]
+            reward, terms = score(self.rewards, completions, columns)
+        summary["reward_mean"] = sum(reward) / len(reward) if reward else None
         summary["reward_terms"] = {name: sum(v) / len(v) for name, v in terms.items()}
         summary["wall_seconds"] = steps[-1]["elapsed"] if steps else 0.0
         summary["num_samples"] = len(outs)
         return RolloutBatch(
             group_index=[o.prompt_index for o in outs],
             sample_index=[o.sample_index for o in outs],
-            prompt=columns["prompts"],
+            prompt=[prompts[o.prompt_index] for o in outs],
             completion=completions,
             prompt_ids=[prompt_ids[o.prompt_index] for o in outs],
             completion_ids=[o.token_ids for o in outs],
@@ -117,6 +131,45 @@ class Rollout:
             steps=steps,
             summary=summary,
         )
+
+    def _prompts(self, data) -> tuple[list[dict], list[str], list[list[int]]]:
+        """(rows, prompt texts, prompt ids) of the call's data: dataset rows, or bare prompts as rows of one column."""
+        if isinstance(data, (str, dict)):
+            raise ValueError(
+                f"data must be a list of prompts or rows (or a datasets.Dataset), got one {type(data).__name__}"
+            )
+        items = list(data)
+        if not items:
+            raise ValueError("data is empty: pass at least one prompt or one row with a prompt column")
+        kinds = {prompt_kind(item) for item in items}
+        if len(kinds) > 1:
+            raise ValueError(f"data mixes kinds of prompt ({', '.join(sorted(kinds))}): pass one kind per call")
+        kind = kinds.pop()
+        if kind == "row":
+            rows = [dict(item) for item in items]
+            check_prompt_column(list(rows[0]), self.prompt_column)
+            prompts, prompt_ids = self.formatter(rows)
+        elif kind == "token ids":
+            prompt_ids = [[int(t) for t in item] for item in items]
+            prompts = self.tokenizer.batch_decode(prompt_ids)
+            rows = [{} for _ in items]
+        else:  # text or chat messages: what the prompt column of a row would hold
+            rows = [{self.prompt_column: item} for item in items]
+            formatter = self.formatter if kind == "text" else self.chat_formatter
+            prompts, prompt_ids = formatter(rows)
+        return rows, prompts, prompt_ids
+
+    @property
+    def chat_formatter(self) -> PromptFormatter:
+        """Formats chat messages passed as prompts (built on first use: it needs the tokenizer's chat template)."""
+        if self._chat_formatter is None:
+            if getattr(self.tokenizer, "chat_template", None) is None:
+                raise ValueError(
+                    "data holds chat messages but the tokenizer has no chat template: pass the prompts as text or "
+                    "token ids, or use a tokenizer with a chat template"
+                )
+            self._chat_formatter = PromptFormatter(*self._chat_args)
+        return self._chat_formatter
 
     def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, on_step: StepCallback | None):
         """Run the generator; return its completions and its steps as dicts with the phase relabelled and `elapsed`

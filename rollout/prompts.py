@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 
@@ -11,6 +12,27 @@ def check_prompt_column(column_names: Sequence[str], prompt_column: str) -> None
             f"data.prompt_column: the dataset has no column {prompt_column!r}; its columns: "
             f"{', '.join(column_names)}; set data.prompt_column to the one that holds the prompts"
         )
+
+
+def prompt_kind(item) -> str:
+    """What one entry of a call's data is: "row" (a dict with columns), "text", "chat" (a list of message dicts) or
+    "token ids" (a list of integers)."""
+    if isinstance(item, str):
+        return "text"
+    if isinstance(item, dict) or hasattr(item, "keys"):
+        return "row"
+    if isinstance(item, (list, tuple)) or hasattr(item, "tolist"):
+        values = item.tolist() if hasattr(item, "tolist") else list(item)
+        if values and all(isinstance(m, dict) for m in values):
+            return "chat"
+        if values and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in values):
+            return "token ids"
+        if not values:
+            raise ValueError("data holds an empty prompt ([]): every prompt needs at least one token or message")
+    raise ValueError(
+        f"data holds {type(item).__name__} {item!r:.60}: a prompt is a row (dict), a string, a list of chat messages "
+        "or a list of token ids"
+    )
 
 
 class PromptFormatter:

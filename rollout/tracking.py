@@ -110,7 +110,7 @@ class RunTracker:
             for record in batch.records():
                 f.write(json.dumps({"rollout": self.num_rollouts, **record}) + "\n")
         self.steps.extend(steps)
-        self.rewards.extend(batch.reward)
+        self.rewards.extend(batch.reward or ())
         for name, values in batch.reward_terms.items():
             self.reward_terms.setdefault(name, []).extend(values)
         self.wall_seconds = offset + batch.summary.get("wall_seconds", 0.0)
@@ -128,7 +128,9 @@ class RunTracker:
             metrics["step/tokens_per_s"] = step["num_emitted"] / step["seconds"] if step["seconds"] > 0 else 0.0
             self.wandb_run.log(metrics)
         total = batch.summary["total"]
-        metrics = {"rollout/index": self.num_rollouts, "rollout/reward_mean": batch.summary["reward_mean"]}
+        metrics = {"rollout/index": self.num_rollouts}
+        if batch.summary.get("reward_mean") is not None:
+            metrics["rollout/reward_mean"] = batch.summary["reward_mean"]
         metrics.update({f"rollout/{key}": total[key] for key in SUMMARY_KEYS})
         metrics.update({f"rollout/{p}_tokens_per_s": batch.summary["phases"][p]["tokens_per_s"] for p in PHASES})
         if self.num_table_rows > 0:

@@ -129,6 +129,58 @@ def test_group_advantages():
     assert adv[:2].tolist() == pytest.approx([1.0, -1.0])
     assert adv[2:].tolist() == pytest.approx([0.0, 0.0, 0.0])  # equal rewards and groups of one: no signal
     assert group_advantages(rewards, groups, scale=False).tolist() == pytest.approx([0.5, -0.5, 0, 0, 0])
+    # TRL's GRPOTrainer divides by the sample std (Bessel-corrected); a group of one still gets 0
+    rewards = torch.tensor([1.0, 0.0, 0.0, 2.0, 5.0, 3.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])
+    sample = group_advantages(rewards, groups, eps=0.0, std="sample")
+    assert sample[:3].tolist() == pytest.approx(((rewards[:3] - rewards[:3].mean()) / rewards[:3].std()).tolist())
+    assert sample[3:5].tolist() == pytest.approx(((rewards[3:5] - 3.5) / rewards[3:5].std()).tolist())
+    assert group_advantages(rewards, groups, std="sample")[5].item() == 0.0
+    with pytest.raises(ValueError, match="std .'ddof'. must be 'population'"):
+        group_advantages(rewards, groups, std="ddof")
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{{ 'Answer:' }}"
+
+
+def test_prompts_as_text_chat_messages_or_token_ids_with_n_per_call(tiny, data):
+    import copy
+
+    import numpy as np
+
+    model, tokenizer = tiny
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    rollout = Rollout(model, tokenizer, rewards=None, sampling=SamplingParams(n=3, max_new_tokens=12), max_batch_size=8)
+    texts = list(data["prompt"][:2])
+    by_text = rollout(texts, seed=5, n=2)
+    assert len(by_text) == 4 and by_text.group_index == [0, 0, 1, 1] and by_text.sample_index == [0, 1, 0, 1]
+    assert by_text.prompt == [texts[0]] * 2 + [texts[1]] * 2
+    assert by_text.prompt_ids[0] == tokenizer(texts[0])["input_ids"]
+    # the same prompt tokens and seed give the same samples, whichever way the prompts came in
+    by_rows = rollout(list(data.select(range(2))), seed=5, n=2)
+    by_ids = rollout([np.array(tokenizer(t)["input_ids"]) for t in texts], seed=5, n=2)
+    assert by_rows.completion_ids == by_text.completion_ids == by_ids.completion_ids
+    assert by_ids.prompt_ids == by_text.prompt_ids
+    assert len(rollout(texts, seed=5)) == 6  # n from the sampling settings when the call names none
+    chat = rollout([[{"role": "user", "content": "3 + 4?"}]], seed=0, n=1)
+    assert chat.prompt == ["<user>3 + 4?Answer:"]
+    assert chat.prompt_ids[0] == tokenizer("<user>3 + 4?Answer:", add_special_tokens=False)["input_ids"]
+    # no rewards: the trainer scores; advantages need the rewards first
+    assert by_text.reward is None and by_text.summary["reward_mean"] is None
+    assert "rewards" not in by_text.to_padded() and "advantages" not in by_text.to_padded()
+    with pytest.raises(ValueError, match="no rewards"):
+        by_text.advantages()
+    by_text.reward = [1.0, 0.0, 2.0, 2.0]
+    assert by_text.advantages(std="sample").tolist() == pytest.approx([2**-0.5, -(2**-0.5), 0.0, 0.0], abs=1e-3)
+    with pytest.raises(ValueError, match="mixes kinds of prompt .chat, text."):
+        rollout([texts[0], [{"role": "user", "content": "x"}]])
+    with pytest.raises(ValueError, match="list of prompts or rows"):
+        rollout(texts[0])
+    with pytest.raises(ValueError, match="empty prompt"):
+        rollout([[]])
+    with pytest.raises(ValueError, match="no chat template"):
+        Rollout(model, tiny[1], rewards=None, max_batch_size=2)([[{"role": "user", "content": "x"}]])
 
 
 def test_dataset_round_trip(batch):
