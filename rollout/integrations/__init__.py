@@ -1,0 +1,1 @@
+"""Adapters that run the rollout generator inside other libraries' trainers (each imports its library lazily)."""

@@ -1,0 +1,261 @@
+"""TRL's GRPOTrainer generating through this library, in one line:
+
+    from rollout.integrations.trl import trl_rollout_func
+    trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=ds,
+                          rollout_func=trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=4,
+                                                                        num_speculative_tokens_per_batch_size="auto")))
+
+TRL calls `rollout_func(prompts, trainer)` with the prompts of this process, each repeated `num_generations` times in
+a row, and reads back `prompt_ids`, `completion_ids` and `logprobs` (one completion per prompt given, in order). The
+adapter formats prompts as TRL does, samples with the trainer's temperature / top_p / top_k / max_completion_length
+from the trainer's own model object (so every optimiser step is seen by the next rollout), seeds from the trainer's
+seed and global step, and adds the rollout's per-phase metrics to the trainer's logged metrics (`rollout/...`).
+Consecutive copies of a prompt are one GRPO group: one prefill, one suffix-drafting trie.
+
+What TRL does with the returned log-probs (TRL 1.16): without vLLM they feed only `off_policy_mask_threshold`; the
+loss's old log-probs are recomputed by the trainer. They are the log-probabilities of the sampling distribution after
+temperature, top-k and top-p; TRL's recomputed ones apply the temperature only, so the two agree when top_k = 0 and
+top_p = 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import time
+
+import torch
+
+from rollout.generator import Generator
+from rollout.phases import PHASES, PhaseLabeler, summarize
+from rollout.sampling import SamplingParams
+from specdec.config import SpecConfig
+
+logger = logging.getLogger(__name__)
+
+# the rollout's per-phase numbers added to the trainer's metrics each step, as rollout/<phase>/<key>
+PHASE_METRICS = ("tokens_per_s", "mean_k", "acceptance_rate", "mean_accepted_length", "seconds")
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def trl_rollout_func(
+    spec: SpecConfig | None = None,
+    *,
+    max_batch_size: int | None = None,
+    max_seq_len: int | None = None,
+    tail_fraction: float = 0.25,
+    log_metrics: bool = True,
+) -> TRLRolloutFunc:
+    """A `rollout_func` for TRL's `GRPOTrainer` that generates with this library's speculative generator.
+
+    Args:
+        spec: speculative decoding settings; None decodes without drafts.
+        max_batch_size: generator slots; None takes the number of completions of the first call (at most 512).
+        max_seq_len: prompt + completion tokens a sequence may hold; None sizes it from the first call's longest
+            prompt plus `max_completion_length` (rounded up to a power of two) and grows it if a longer prompt comes.
+        tail_fraction: decode steps below this fraction of the peak batch are the `tail` phase in the metrics.
+        log_metrics: add the per-phase metrics (`rollout/<phase>/tokens_per_s`, ...) to the trainer's logs.
+    """
+    return TRLRolloutFunc(spec, max_batch_size, max_seq_len, tail_fraction, log_metrics)
+
+
+class TRLRolloutFunc:
+    """The callable `trl_rollout_func` returns; its generator is built on the first call and reused.
+
+    Attributes: `generator` (None before the first call), `dtype` (what generation computes in: the model's dtype,
+    or bfloat16/float16 when accelerate's mixed precision wraps the model's forward in autocast), `last_summary` (the
+    last rollout's per-phase summary).
+    """
+
+    def __init__(self, spec, max_batch_size, max_seq_len, tail_fraction, log_metrics):
+        if spec is not None and not isinstance(spec, SpecConfig):
+            raise ValueError(f"spec must be a specdec.config.SpecConfig or None, got {type(spec).__name__}")
+        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} ({value!r}) must be a positive integer or None (sized from the first call)")
+        PhaseLabeler(tail_fraction)  # checks the value now
+        self.spec = spec
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.tail_fraction = tail_fraction
+        self.log_metrics = log_metrics
+        self.generator: Generator | None = None
+        self.dtype: torch.dtype | None = None
+        self.last_summary: dict = {}
+        self._calls: dict[int, int] = {}  # calls made at each global step (gradient accumulation calls it again)
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        check_trainer(trainer)
+        prompt_ids = tokenize_prompts(prompts, trainer)
+        groups = _groups(prompt_ids)
+        step = int(trainer.state.global_step)
+        call = self._calls.get(step, 0)
+        self._calls = {step: call + 1}
+        seed = _mix_seed(trainer.args.seed, step, call, trainer.accelerator.process_index)
+        params = [self._params(trainer, size, seed) for _, size in groups]
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        needed = max(len(ids) for ids in prompt_ids) + trainer.max_completion_length
+        gen = self._generator(trainer, model, needed, len(prompt_ids))
+        labeler = PhaseLabeler(self.tail_fraction)
+        steps: list[dict] = []
+
+        def record(record, num_finished: int, num_total: int) -> None:
+            entry = record.to_dict()
+            entry["phase"] = labeler.label(entry["phase"], entry["batch_size"])
+            steps.append(entry)
+
+        start = time.perf_counter()
+        outs = gen.generate([ids for ids, _ in groups], params, on_step=record)
+        seconds = time.perf_counter() - start
+        assert len(outs) == len(prompt_ids), f"expected one completion per prompt ({len(prompt_ids)}), got {len(outs)}"
+        self.last_summary = summarize(steps)
+        if self.log_metrics:
+            self._log(trainer, self.last_summary, seconds)
+        return {
+            "prompt_ids": [list(ids) for ids in prompt_ids],
+            "completion_ids": [o.token_ids for o in outs],
+            "logprobs": [o.logprobs for o in outs],
+        }
+
+    def _params(self, trainer, n: int, seed: int) -> SamplingParams:
+        return SamplingParams(
+            n=n,
+            temperature=float(trainer.temperature),
+            top_p=float(trainer.top_p if trainer.top_p is not None else 1.0),
+            top_k=int(trainer.top_k or 0),
+            max_new_tokens=int(trainer.max_completion_length),
+            stop_token_ids=list(trainer.eos_token_ids),
+            seed=seed,
+        )
+
+    def _generator(self, trainer, model, needed: int, num_completions: int) -> Generator:
+        """The generator over `model`, built on the first call; rebuilt (drafting history kept) when a prompt needs
+        more positions than it has, or when the trainer hands over another model object."""
+        gen = self.generator
+        if gen is not None and gen.model is model and gen.max_seq_len >= needed:
+            return gen
+        if self.max_seq_len is not None and needed > self.max_seq_len:
+            raise ValueError(
+                f"a prompt of this batch plus max_completion_length needs {needed} positions but max_seq_len is "
+                f"{self.max_seq_len}: raise trl_rollout_func(max_seq_len=...) or shorten the prompts"
+            )
+        max_seq_len = self.max_seq_len or 1 << (needed - 1).bit_length()
+        slots = self.max_batch_size or min(num_completions, 512)
+        history = _saved_history(gen)
+        self.generator = Generator(model, max_batch_size=slots, max_seq_len=max_seq_len, spec=self.spec)
+        if history is not None and self.generator.draft_history is not None:
+            self.generator.draft_history.load(history)
+        mixed_precision = str(getattr(trainer.accelerator, "mixed_precision", "no"))
+        self.dtype = generation_dtype(model, mixed_precision)
+        autocast = self.dtype != next(model.parameters()).dtype
+        logger.warning(
+            "rollout: generating with %s slots x %s positions in %s%s",
+            slots,
+            max_seq_len,
+            str(self.dtype).removeprefix("torch."),
+            f" (accelerate's {mixed_precision} autocast around the model's forward)" if autocast else "",
+        )
+        return self.generator
+
+    def _log(self, trainer, summary: dict, seconds: float) -> None:
+        metrics = trainer._metrics["train" if trainer.model.training else "eval"]
+        total = summary["total"]
+        metrics["rollout/seconds"].append(seconds)
+        metrics["rollout/tokens_per_s"].append(total["tokens"] / seconds if seconds > 0 else 0.0)
+        metrics["rollout/mean_k"].append(total["mean_k"])
+        metrics["rollout/acceptance_rate"].append(total["acceptance_rate"])
+        for phase in PHASES:
+            stats = summary["phases"][phase]
+            if stats["num_steps"] == 0:  # a rollout with no tail leaves the tail's averages alone
+                continue
+            for key in PHASE_METRICS:
+                metrics[f"rollout/{phase}/{key}"].append(stats[key])
+
+
+def check_trainer(trainer) -> None:
+    """Refuse a trainer setting the adapter cannot honour, naming it and the way out."""
+    refusals = []
+    args = trainer.args
+    if getattr(trainer, "use_vllm", False):
+        refusals.append("use_vllm=True (this rollout_func generates with rollout's generator: set use_vllm=False)")
+    if getattr(trainer, "min_p", None) is not None:
+        refusals.append(f"min_p={trainer.min_p} (not supported: set min_p=None)")
+    if getattr(trainer, "repetition_penalty", 1.0) != 1.0:
+        refusals.append(f"repetition_penalty={trainer.repetition_penalty} (not supported: it breaks exact drafting)")
+    if args.generation_kwargs:
+        keys = sorted(args.generation_kwargs) if isinstance(args.generation_kwargs, dict) else args.generation_kwargs
+        refusals.append(f"generation_kwargs={keys} (not applied by rollout: drop them, or set temperature/top_p/top_k)")
+    if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
+        refusals.append("tools/environment_factory (multi-turn tool calls are not supported by this rollout_func)")
+    if getattr(trainer, "_is_vlm", False):
+        refusals.append("a vision-language processor (only text prompts are supported)")
+    if getattr(trainer, "is_fsdp_enabled", False) or _is_zero3(trainer):
+        refusals.append(
+            "FSDP / DeepSpeed ZeRO-3 (sharded weights are not gathered by this rollout_func: use DDP or ZeRO-1/2, "
+            "or TRL's own generation)"
+        )
+    if refusals:
+        raise ValueError("trl_rollout_func cannot honour the trainer's " + "; ".join(refusals))
+
+
+def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
+    """Prompt token ids exactly as TRL's own generation path makes them: the chat template with the generation prompt
+    and `chat_template_kwargs` for conversational prompts, the tokenizer's plain encoding for text."""
+    if not prompts:
+        raise ValueError("rollout_func was given no prompts")
+    tokenizer = trainer.processing_class
+    if _is_conversation(prompts[0]):
+        encoded = tokenizer.apply_chat_template(
+            conversation=prompts,
+            chat_template=getattr(trainer, "chat_template", None),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **(trainer.chat_template_kwargs or {}),
+        )
+    else:
+        encoded = tokenizer(text=prompts)
+    return [list(ids) for ids in encoded["input_ids"]]
+
+
+def generation_dtype(model, mixed_precision: str = "no") -> torch.dtype:
+    """What the forward computes in: accelerate's mixed-precision dtype when it wrapped `forward` in autocast (it
+    keeps the plain forward as `_original_forward`), else the parameters' dtype."""
+    if getattr(model, "_original_forward", None) is not None and mixed_precision in AUTOCAST_DTYPES:
+        return AUTOCAST_DTYPES[mixed_precision]
+    return next(model.parameters()).dtype
+
+
+def _is_zero3(trainer) -> bool:
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and getattr(plugin, "zero_stage", 0) == 3
+
+
+def _is_conversation(prompt) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) and "role" in m for m in prompt)
+
+
+def _groups(prompt_ids: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Runs of identical consecutive prompts as (prompt ids, count): TRL repeats each prompt num_generations times."""
+    groups: list[tuple[list[int], int]] = []
+    for ids in prompt_ids:
+        if groups and groups[-1][0] == ids:
+            groups[-1] = (ids, groups[-1][1] + 1)
+        else:
+            groups.append((ids, 1))
+    return groups
+
+
+def _mix_seed(*parts: int) -> int:
+    digest = hashlib.blake2b(":".join(str(int(p)) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def _saved_history(gen: Generator | None) -> io.BytesIO | None:
+    if gen is None or gen.draft_history is None:
+        return None
+    buffer = io.BytesIO()
+    gen.draft_history.save(buffer)
+    buffer.seek(0)
+    return buffer

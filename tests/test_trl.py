@@ -1,0 +1,233 @@
+"""TRL's GRPOTrainer generating through `rollout.integrations.trl` on the shipped tiny model, CPU, float32."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="the trl extra is not installed")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from datasets import Dataset  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from rollout.integrations.trl import check_trainer, tokenize_prompts, trl_rollout_func  # noqa: E402
+from rollout.tasks import arithmetic_dataset, arithmetic_reward  # noqa: E402
+from rollout.zoo import load_model  # noqa: E402
+from specdec.config import SpecConfig  # noqa: E402
+
+
+def arithmetic(completions, answer, **kwargs):
+    return arithmetic_reward(completions, answer)
+
+
+def make_trainer(tmp_path, rollout_func, dataset=None, tokenizer=None, **config):
+    model, tok = load_model("tiny-target")
+    settings = dict(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=8,  # completions per step: 2 prompts x 4
+        num_generations=4,
+        max_completion_length=40,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=7,
+    )
+    settings.update(config)
+    dataset = dataset if dataset is not None else arithmetic_dataset(16, split="train", seed=0)
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=[arithmetic],
+        args=GRPOConfig(**settings),
+        train_dataset=dataset,
+        processing_class=tokenizer or tok,
+        rollout_func=rollout_func,
+    )
+
+
+class Recorder:
+    """Wraps the trainer's batch preparation: keeps what the adapter returned and TRL's own recomputed log-probs
+    under the weights of that moment, and under the weights before training (to tell stale weights apart)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.initial = copy.deepcopy(trainer.model).eval()
+        self.batches = []
+        self.inner = trainer._generate_and_score_completions
+        trainer._generate_and_score_completions = self
+
+    def __call__(self, inputs):
+        out = self.inner(inputs)
+        ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+        mask = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
+        width = out["completion_ids"].shape[1]
+        with torch.no_grad():
+            current, _, _ = self.trainer._get_per_token_logps_and_entropies(self.trainer.model, ids, mask, width)
+            stale, _, _ = self.trainer._get_per_token_logps_and_entropies(self.initial, ids, mask, width)
+        self.batches.append(
+            {**out, "trl_logps": current, "stale_logps": stale, "prompts": [x["prompt"] for x in inputs]}
+        )
+        return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    func = trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=3))
+    trainer = make_trainer(tmp_path_factory.mktemp("grpo"), func)
+    recorder = Recorder(trainer)
+    trainer.train()
+    return trainer, func, recorder
+
+
+def test_grpo_trainer_runs_with_gradient_checkpointing_one_completion_per_prompt(trained):
+    trainer, func, recorder = trained
+    assert trainer.args.gradient_checkpointing and trainer.model.training
+    assert len(recorder.batches) == 3
+    for batch in recorder.batches:
+        prompts = batch["prompts"]
+        assert len(prompts) == 8 and len(set(prompts)) == 2  # TRL repeats each prompt num_generations times
+        assert batch["completion_ids"].shape[0] == len(prompts)
+        expected = trainer.processing_class(text=prompts)["input_ids"]
+        for row, ids in enumerate(expected):
+            assert batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist() == ids
+    assert func.generator.model is trainer.accelerator.unwrap_model(trainer.model)
+    assert func.dtype == torch.float32
+
+
+def test_returned_logprobs_match_trls_recomputed_ones_and_the_updated_weights(trained):
+    _, _, recorder = trained
+    for step, batch in enumerate(recorder.batches):
+        mask = batch["completion_mask"].bool()
+        ours = batch["sampling_per_token_logps"][mask]
+        assert (ours - batch["trl_logps"][mask]).abs().max().item() < 1e-4, step
+    # the optimiser changed the weights, and the last rollout was sampled from the changed ones
+    last = recorder.batches[-1]
+    mask = last["completion_mask"].bool()
+    assert (last["sampling_per_token_logps"][mask] - last["stale_logps"][mask]).abs().max().item() > 1e-3
+
+
+def test_rollout_metrics_are_logged_with_the_trainers(trained):
+    trainer, func, _ = trained
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logged) == 3
+    for entry in logged:
+        assert entry["rollout/tokens_per_s"] > 0 and entry["rollout/bulk/tokens_per_s"] > 0
+        assert entry["rollout/mean_k"] == pytest.approx(3.0, abs=1e-6)  # static K=3 on every decode step
+        assert 0 <= entry["rollout/bulk/acceptance_rate"] <= 1
+    assert func.last_summary["total"]["tokens"] > 0
+
+
+def test_same_seed_same_rewards(tmp_path):
+    def run(folder):
+        trainer = make_trainer(tmp_path / folder, trl_rollout_func(), max_steps=2)
+        recorder = Recorder(trainer)
+        trainer.train()
+        rewards = [entry["reward"] for entry in trainer.state.log_history if "loss" in entry]
+        return rewards, [b["completion_ids"].tolist() for b in recorder.batches]
+
+    first, second, third = run("a"), run("b"), None
+    assert first == second
+    third = make_trainer(tmp_path / "c", trl_rollout_func(), max_steps=2, seed=8)
+    recorder = Recorder(third)
+    third.train()
+    assert [b["completion_ids"].tolist() for b in recorder.batches] != first[1]
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Answer' + (' briefly' if brief else '') + ':' }}{% endif %}"
+)
+
+
+def test_conversational_prompts_are_formatted_as_trl_does(tmp_path):
+    _, tokenizer = load_model("tiny-target")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    rows = arithmetic_dataset(8, split="train", seed=1)
+    dataset = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": p}] for p in rows["problem"]], "answer": rows["answer"]}
+    )
+    func = trl_rollout_func()
+    trainer = make_trainer(
+        tmp_path, func, dataset=dataset, tokenizer=tokenizer, max_steps=1, chat_template_kwargs={"brief": True}
+    )
+    recorder = Recorder(trainer)
+    trainer.train()
+    batch = recorder.batches[0]
+    expected = tokenize_prompts(batch["prompts"], trainer)
+    text = tokenizer.decode(expected[0])
+    assert text.startswith("<user>") and text.endswith("Answer briefly:")
+    for row, ids in enumerate(expected):
+        assert batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist() == ids
+
+
+def test_lora_model_generates_with_its_adapters(tmp_path):
+    peft = pytest.importorskip("peft")
+    func = trl_rollout_func()
+    trainer = make_trainer(tmp_path, func, max_steps=2, learning_rate=5e-2)
+    trainer = GRPOTrainer(
+        model=trainer.model,
+        reward_funcs=[arithmetic],
+        args=trainer.args,
+        train_dataset=trainer.train_dataset,
+        processing_class=trainer.processing_class,
+        rollout_func=func,
+        peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    recorder = Recorder(trainer)
+    trainer.train()
+    assert type(func.generator.model).__name__ == "PeftModel"
+    for batch in recorder.batches:
+        mask = batch["completion_mask"].bool()
+        assert (batch["sampling_per_token_logps"][mask] - batch["trl_logps"][mask]).abs().max().item() < 1e-4
+
+
+def test_bf16_generation_states_its_dtype(tmp_path, caplog):
+    func = trl_rollout_func()
+    trainer = make_trainer(tmp_path, func, max_steps=1, bf16=True, max_completion_length=16)
+    with caplog.at_level("WARNING", logger="rollout.integrations.trl"):
+        trainer.train()
+    assert func.dtype == torch.bfloat16
+    assert "in bfloat16 (accelerate's bf16 autocast" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"min_p": 0.1}, "min_p=0.1"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
+        ({"generation_kwargs": {"do_sample": False}}, r"generation_kwargs=\['do_sample'\]"),
+    ],
+)
+def test_settings_it_cannot_honour_are_refused_by_name(tmp_path, config, match):
+    trainer = make_trainer(tmp_path, trl_rollout_func(), max_steps=1, **config)
+    with pytest.raises(ValueError, match=f"trl_rollout_func cannot honour the trainer's {match}"):
+        trainer.train()
+
+
+@pytest.mark.parametrize(
+    "attribute, value, match",
+    [
+        ("use_vllm", True, "use_vllm=True"),
+        ("is_fsdp_enabled", True, "FSDP / DeepSpeed ZeRO-3"),
+        ("tools", [len], "tools"),
+    ],
+)
+def test_backends_it_does_not_drive_are_refused(tmp_path, attribute, value, match):
+    trainer = make_trainer(tmp_path, trl_rollout_func(), max_steps=1)
+    setattr(trainer, attribute, value)  # these need vLLM, several GPUs or a tool-calling template to set for real
+    with pytest.raises(ValueError, match=match):
+        check_trainer(trainer)
+
+
+def test_bad_adapter_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="max_batch_size .0. must be a positive integer"):
+        trl_rollout_func(max_batch_size=0)
+    with pytest.raises(ValueError, match="spec must be a specdec.config.SpecConfig"):
+        trl_rollout_func(spec={"method": "suffix"})
