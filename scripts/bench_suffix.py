@@ -18,6 +18,10 @@ step; `--memory N` the history's size and load time at N cached responses.
 
     .venv/bin/python scripts/bench_suffix.py --out bench_suffix            # the three scenarios (~25 min)
     .venv/bin/python scripts/bench_suffix.py --cost --memory 10000         # cost per batch size, memory
+    python3 scripts/bench_suffix.py --device cuda --ks --scenarios first second   # on a GPU, auto K rows only
+
+The host side (proposers, scheduling) always runs with one torch thread; `--device` only moves the models (the draft
+model follows the target) and so the KV caches and the verification kernels.
 """
 
 from __future__ import annotations
@@ -279,7 +283,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=384)
     parser.add_argument("--batch-size", type=int, default=512)
-    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4, 8], help="static Ks (none given: auto only)")
     parser.add_argument("--scenarios", nargs="+", default=["first", "second", "other"])
     parser.add_argument("--only", nargs="+", help="configs to run besides none, e.g. suffix")
     parser.add_argument("--skip-none", action="store_true", help="no 'none' rows (ratios then read nan)")
@@ -287,10 +291,12 @@ def main() -> None:
     parser.add_argument("--memory", type=int, default=0, help="history size at this many cached responses")
     parser.add_argument("--depth", type=int, default=24, help="--cost: suffix_decoding_max_tree_depth")
     parser.add_argument("--out", default="bench_suffix")
+    parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
     model, tokenizer = zoo.load_model("tiny-target")
+    model.to(args.device)
     data = arithmetic_dataset(args.num_prompts, split="eval", seed=0)
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in data["prompt"]]
     args.max_seq_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
@@ -303,6 +309,7 @@ def main() -> None:
         name = "cost.json"
     else:
         draft, _ = zoo.load_model("tiny-draft")
+        draft.to(args.device)
         results["runs"] = scenarios(args, model, draft, prompt_ids)
         name = "runs.json"
     (pathlib.Path(args.out) / name).write_text(json.dumps(results, indent=1))
