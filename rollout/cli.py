@@ -1,6 +1,7 @@
 """The `rollout` command line.
 
     rollout run RECIPE [key=value ...]     run a recipe; write its output folder (rollouts, steps, summary, plot, W&B)
+    rollout train RECIPE [key=value ...]   GRPO through TRL's GRPOTrainer, rollouts by this library; per-step metrics
     rollout bench RECIPE [key=value ...]   baseline, no speculation, static K values and the recipe's policy, one table
     rollout report OUTPUT_DIR              print the per-phase table of a finished run and write its plot
 
@@ -32,7 +33,7 @@ def _setup(recipe_path: str, overrides: list[str]):
 
 
 def _run(args: argparse.Namespace) -> None:
-    from rollout.phases import format_table
+    from rollout.phases import format_table, summarize
     from rollout.recipe import method_name
     from rollout.runs import run_recipe
 
@@ -49,6 +50,13 @@ def _run(args: argparse.Namespace) -> None:
         flush=True,
     )
     summary, tracker = run_recipe(recipe)
+    if summary["num_rollouts"] > 1:
+        for index in range(summary["num_rollouts"]):
+            total = summarize([s for s in tracker.steps if s["rollout"] == index])["total"]
+            print(
+                f"rollout {index}: {total['tokens']} tokens in {total['seconds']:.2f} s, "
+                f"{total['tokens_per_s']:.0f} tokens/s, K {total['mean_k']:.2f}, accept {total['acceptance_rate']:.2f}"
+            )
     print(format_table(summary))
     print(
         f"{summary['num_samples']} samples, reward mean {summary['reward_mean']:.3f}, {summary['wall_seconds']:.2f} s"
@@ -56,6 +64,29 @@ def _run(args: argparse.Namespace) -> None:
     print(f"output: {tracker.output_dir}")
     if tracker.wandb_dir is not None:
         print(f"W&B run: {tracker.wandb_dir}")
+
+
+def _train(args: argparse.Namespace) -> None:
+    from rollout.recipe import method_name
+    from rollout.train import run_training
+
+    recipe = _setup(args.recipe, args.overrides)
+    t = recipe.train
+    length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs:g} epochs"
+    print(
+        f"GRPO | model {recipe.model.name} | data {recipe.data.dataset} | {length} x {t.prompts_per_step} prompts x "
+        f"n {recipe.rollout.n} | lr {t.learning_rate:g} | speculation {method_name(recipe.spec.method)}",
+        flush=True,
+    )
+    summary = run_training(recipe)
+    print(
+        f"{summary['num_steps']} steps in {summary['wall_seconds']:.1f} s | reward first 10% "
+        f"{summary['reward_first_10pct']:.3f} -> last 10% {summary['reward_last_10pct']:.3f} "
+        f"({summary['reward_gain']:+.3f}) | rollout {100 * (summary['rollout_share'] or 0):.0f}% of step time"
+    )
+    for epoch, tps in summary["rollout_tokens_per_s_per_epoch"].items():
+        print(f"epoch {epoch}: rollout {tps:.0f} tokens/s")
+    print(f"output: {recipe.output_dir}")
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -97,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", help="a recipe YAML file, e.g. recipes/quickstart.yaml")
     run.add_argument("overrides", nargs="*", help=overrides_help)
     run.set_defaults(func=_run)
+    train = sub.add_parser("train", help="GRPO training through TRL's GRPOTrainer with this library's rollouts")
+    train.add_argument("recipe", help="a recipe YAML file with a train section, e.g. recipes/grpo_quickstart.yaml")
+    train.add_argument("overrides", nargs="*", help=overrides_help)
+    train.set_defaults(func=_train)
     bench = sub.add_parser("bench", help="baseline vs no speculation vs static K vs the recipe's policy")
     bench.add_argument("recipe", help="a recipe YAML file")
     bench.add_argument("overrides", nargs="*", help=overrides_help)

@@ -82,14 +82,46 @@ class RolloutRecipe:
     max_batch_size: int = 64  # generator slots: sequences decoded at once
     max_seq_len: int | None = None  # prompt + completion cap; null = longest prompt + sampling.max_new_tokens
     tail_fraction: float = 0.25  # decode steps with batch < tail_fraction * peak decode batch are the tail phase
+    num_rollouts: int = 1  # rollout run: rollouts made one after another (drafting history grows between them)
+    prompts_per_rollout: int | None = None  # prompts per rollout, taken in order and cycled; null = all of them
 
     def __post_init__(self) -> None:
+        _require(self.num_rollouts >= 1, f"rollout.num_rollouts ({self.num_rollouts}) must be >= 1")
+        p = self.prompts_per_rollout
+        _require(p is None or p >= 1, f"rollout.prompts_per_rollout ({p}) must be >= 1, or null for all prompts")
         _require(self.n >= 1, f"rollout.n ({self.n}) must be >= 1: completions per prompt")
         _require(self.max_batch_size >= 1, f"rollout.max_batch_size ({self.max_batch_size}) must be >= 1")
         _require(
             0.0 <= self.tail_fraction <= 1.0,
             f"rollout.tail_fraction ({self.tail_fraction}) must be in [0, 1], e.g. 0.25 (0 = no tail phase)",
         )
+
+
+@dataclass
+class TrainRecipe:
+    """`rollout train`: GRPO through TRL's GRPOTrainer, generating with this library (`rollout.integrations.trl`)."""
+
+    steps: int | None = 30  # optimiser steps; null = `epochs` passes over the data
+    epochs: float = 1.0  # passes over the data when steps is null
+    prompts_per_step: int = 8  # prompts per optimiser step (each sampled rollout.n times: one GRPO group each)
+    learning_rate: float = 1e-5
+    lr_scheduler_type: str = "constant"  # transformers' schedulers: constant | linear | cosine | ...
+    warmup_steps: float = 0.0  # linear warm-up steps; below 1, a fraction of all steps
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    beta: float = 0.0  # KL coefficient against the initial model; 0 = no reference model
+    loss_type: str = "dapo"  # TRL's GRPO loss: grpo | dr_grpo | dapo | bnpo | ...
+    gradient_checkpointing: bool = False  # trades compute for memory in the training forward
+    save_model: bool = False  # write the trained model and tokenizer to output_dir/model
+
+    def __post_init__(self) -> None:
+        _require(self.steps is None or self.steps >= 1, f"train.steps ({self.steps}) must be >= 1, or null for epochs")
+        _require(self.epochs > 0, f"train.epochs ({self.epochs}) must be > 0")
+        _require(self.prompts_per_step >= 1, f"train.prompts_per_step ({self.prompts_per_step}) must be >= 1")
+        _require(self.learning_rate > 0, f"train.learning_rate ({self.learning_rate}) must be > 0, e.g. 1e-5")
+        _require(self.warmup_steps >= 0, f"train.warmup_steps ({self.warmup_steps}) must be >= 0")
+        _require(self.beta >= 0, f"train.beta ({self.beta}) must be >= 0 (0 = no KL term)")
+        _require(self.max_grad_norm > 0, f"train.max_grad_norm ({self.max_grad_norm}) must be > 0")
 
 
 @dataclass
@@ -127,6 +159,7 @@ class Recipe:
     rewards: list[RewardRecipe] = field(default_factory=lambda: [RewardRecipe()])
     logging: LoggingRecipe = field(default_factory=LoggingRecipe)
     bench: BenchRecipe = field(default_factory=BenchRecipe)
+    train: TrainRecipe = field(default_factory=TrainRecipe)
     output_dir: str = "outputs/rollout"  # where the run writes rollouts.jsonl, steps.jsonl, summary.json, ...
     seed: int = 0  # sampling seed: same seed + inputs = same rollouts (not with sampling + spec auto: see README)
     threads: int = 1  # torch CPU threads (1 gives stable timings); 0 keeps torch's default

@@ -78,7 +78,8 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) 
 
 
 def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
-    """Run the recipe's rollout and write its output folder; returns (summary, tracker)."""
+    """Run the recipe's rollouts (`rollout.num_rollouts`, each over the next `rollout.prompts_per_rollout` prompts,
+    cycling, with seed `seed + index`) on one generator, and write its output folder; returns (summary, tracker)."""
     inputs = load_inputs(recipe)
     rollout = make_rollout(recipe, inputs, recipe_spec(recipe))
     log = recipe.logging
@@ -92,12 +93,16 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
         plot=log.plot,
     )
     progress = Progress(enabled=None if log.progress else False)
+    rows = list(inputs.data)
+    per_rollout = recipe.rollout.prompts_per_rollout or len(rows)
     try:
-        batch = rollout(inputs.data, on_step=progress)
+        for index in range(recipe.rollout.num_rollouts):
+            first = index * per_rollout
+            batch = rollout([rows[(first + j) % len(rows)] for j in range(per_rollout)], recipe.seed + index, progress)
+            tracker.log_rollout(batch)
     except BaseException:
         tracker.abort()
         raise
     finally:
         progress.close()
-    tracker.log_rollout(batch)
     return tracker.finish(), tracker

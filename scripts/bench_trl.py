@@ -1,0 +1,130 @@
+"""TRL's GRPOTrainer with its own generation vs with this library's rollouts, side by side in one process.
+
+The GRPO recipe's settings (shipped tiny model, arithmetic task, prompts x n per step, max_new_tokens, learning rate)
+run for the same number of optimiser steps from the same initial weights and seed with each generation backend:
+
+- TRL generate: `GRPOTrainer` without a rollout_func (transformers' `generate` on left-padded batches);
+- rollout, none: `trl_rollout_func()` (this library's generator, no speculation);
+- rollout, <method>: `trl_rollout_func(spec=...)` for each method asked (auto K).
+
+Printed per backend: seconds per optimiser step, generation seconds per step (the trainer's `_generate`, which both
+paths go through), the ratios to TRL generate, and the mean reward. One torch thread.
+
+    .venv/bin/python scripts/bench_trl.py                       # 10 steps, suffix and draft model
+    .venv/bin/python scripts/bench_trl.py --steps 20 --methods suffix
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+
+import torch
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def run(name: str, rollout_func, recipe) -> dict:
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOTrainer
+
+    from rollout.rewards import build_rewards
+    from rollout.runs import load_inputs
+    from rollout.train import _trl_reward, grpo_config
+
+    inputs = load_inputs(recipe)
+    from datasets import Dataset
+
+    rows = list(inputs.data)
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+    dataset = Dataset.from_dict({"prompt": inputs.prompts, **columns})
+    terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
+    trainer = GRPOTrainer(
+        model=inputs.model,
+        reward_funcs=[_trl_reward(t) for t in terms],
+        args=grpo_config(recipe, report_to="none"),
+        train_dataset=dataset,
+        processing_class=inputs.tokenizer,
+        rollout_func=rollout_func,
+    )
+    trainer.remove_callback(PrinterCallback)
+    generation: list[float] = []
+    inner = trainer._generate
+
+    def timed(prompts):
+        start = time.perf_counter()
+        try:
+            return inner(prompts)
+        finally:
+            generation.append(time.perf_counter() - start)
+
+    trainer._generate = timed
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    steps = [e["step_time"] for e in logs]
+    row = {
+        "name": name,
+        "steps": len(logs),
+        "wall_seconds": wall,
+        "step_seconds": statistics.mean(steps),
+        "generation_seconds": statistics.mean(generation),
+        "reward": statistics.mean(e["reward"] for e in logs),
+        "completion_tokens": statistics.mean(e["completions/mean_length"] for e in logs),
+    }
+    print(
+        f"{name:24s} {row['step_seconds']:7.2f} s/step  generation {row['generation_seconds']:6.2f} s/step  "
+        f"reward {row['reward']:.3f}  mean length {row['completion_tokens']:.0f}",
+        flush=True,
+    )
+    del trainer, inputs
+    gc.collect()
+    return row
+
+
+def main() -> None:
+    from rollout.integrations.trl import trl_rollout_func
+    from rollout.recipe import load_recipe
+    from rollout.runs import recipe_spec
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--recipe", default="recipes/grpo_quickstart.yaml")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--methods", nargs="*", default=["suffix", "draft_model"])
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides key.sub=value")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    overrides = [f"train.steps={args.steps}", "logging.wandb_mode=disabled", *args.overrides]
+    recipe = load_recipe(args.recipe, overrides)
+    rows = [run("TRL generate", None, recipe), run("rollout, none", trl_rollout_func(), recipe)]
+    for method in args.methods:
+        changes = {"method": method, "num_speculative_tokens_per_batch_size": "auto"}
+        if method == "draft_model":
+            changes["model"] = "tiny-draft"
+        spec = recipe_spec(recipe, **changes)
+        rows.append(run(f"rollout, {method}", trl_rollout_func(spec=spec, max_batch_size=64), recipe))
+    base = rows[0]
+    print(f"\n{'backend':24s} {'s/step':>8s} {'gen s/step':>11s} {'step x TRL':>11s} {'gen x TRL':>10s} {'reward':>7s}")
+    for row in rows:
+        print(
+            f"{row['name']:24s} {row['step_seconds']:8.2f} {row['generation_seconds']:11.2f} "
+            f"{base['step_seconds'] / row['step_seconds']:11.2f} "
+            f"{base['generation_seconds'] / row['generation_seconds']:10.2f} {row['reward']:7.3f}"
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Multi-step runs from recipes: `rollout train` (GRPO through TRL with this library's rollouts) and `rollout run`
+with several rollouts; the plain-PyTorch GRPO loop."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from rollout.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GRPO = str(ROOT / "recipes" / "grpo_quickstart.yaml")
+QUICKSTART_SUFFIX = str(ROOT / "recipes" / "quickstart_suffix.yaml")
+
+
+def read_jsonl(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def offline_wandb(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_train_writes_per_step_metrics_summary_plot_and_a_wandb_run(tmp_path, offline_wandb, capsys):
+    pytest.importorskip("trl", reason="the trl extra is not installed")
+    from test_cli import wandb_records
+
+    small = ["train.steps=3", "train.prompts_per_step=2", "rollout.n=2", "sampling.max_new_tokens=24"]
+    assert main(["train", GRPO, *small, "data.num_prompts=8", f"output_dir={tmp_path}"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("\nstep ") + printed.startswith("step ") == 3 and "reward first 10%" in printed
+    steps = read_jsonl(tmp_path / "train.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for s in steps:
+        assert 0.0 <= s["reward"] <= 1.0 and s["step_time"] > 0
+        assert 0.0 < s["rollout/seconds"] < s["step_time"] and s["rollout/share"] == pytest.approx(
+            s["rollout/seconds"] / s["step_time"]
+        )
+        assert s["rollout/tokens_per_s"] > 0 and s["rollout/bulk/tokens_per_s"] > 0
+        assert "rollout/mean_k" in s and 0.0 <= s["rollout/acceptance_rate"] <= 1.0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["num_steps"] == 3
+    assert summary["reward_first_10pct"] == pytest.approx(steps[0]["reward"])
+    assert summary["reward_last_10pct"] == pytest.approx(steps[-1]["reward"])
+    assert summary["rollout_share"] == pytest.approx(
+        sum(s["rollout/seconds"] for s in steps) / sum(s["step_time"] for s in steps)
+    )
+    assert list(summary["rollout_tokens_per_s_per_epoch"]) == ["1"]
+    assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "train:" in (tmp_path / "config.yaml").read_text()
+    # the trainer's own W&B run holds the rollout metrics of every step
+    run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1
+    logged = []
+    for record in wandb_records(run_files[0]):
+        if record.WhichOneof("record_type") == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            if "train/rollout/tokens_per_s" in row:
+                logged.append(row)
+    assert [row["train/rollout/tokens_per_s"] for row in logged] == pytest.approx(
+        [s["rollout/tokens_per_s"] for s in steps]
+    )
+    assert [row["train/reward"] for row in logged] == pytest.approx([s["reward"] for s in steps])
+
+
+def test_run_makes_several_rollouts_on_one_generator(tmp_path, offline_wandb, capsys):
+    args = ["rollout.num_rollouts=3", "rollout.prompts_per_rollout=2", "data.num_prompts=4", "rollout.n=2"]
+    args += ["sampling.max_new_tokens=32", "logging.wandb_mode=disabled", f"output_dir={tmp_path}"]
+    assert main(["run", QUICKSTART_SUFFIX, *args]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"rollout {i}: " in printed for i in range(3))
+    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
+    steps = read_jsonl(tmp_path / "steps.jsonl")
+    assert [r["rollout"] for r in rollouts] == [0] * 4 + [1] * 4 + [2] * 4
+    assert {s["rollout"] for s in steps} == {0, 1, 2}
+    # prompts are taken in order and cycled: rollout 2 repeats rollout 0's prompts, with its own seed
+    prompts = [r["prompt"] for r in rollouts]
+    assert prompts[8:] == prompts[:4] and prompts[4:8] != prompts[:4]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["num_rollouts"] == 3 and summary["num_samples"] == 12
+
+
+def test_bad_train_settings_are_one_line(tmp_path, capsys):
+    assert main(["train", GRPO, "train.steps=0", f"output_dir={tmp_path}"]) == 2
+    assert "train.steps (0) must be >= 1" in capsys.readouterr().err
+    assert main(["run", GRPO, "rollout.num_rollouts=0", f"output_dir={tmp_path}"]) == 2
+    assert "rollout.num_rollouts (0) must be >= 1" in capsys.readouterr().err
+
+
+def test_plain_pytorch_grpo_raises_the_reward_of_the_prompts_it_trains_on():
+    from rollout.grpo import train
+    from rollout.loop import Rollout
+    from rollout.sampling import SamplingParams
+    from rollout.tasks import arithmetic_dataset
+    from rollout.zoo import load_model
+
+    model, tokenizer = load_model("tiny-target")
+    rows = arithmetic_dataset(64, split="train", seed=3)
+    rows = rows.select(
+        [i for i, steps in enumerate(rows["num_steps"]) if 3 <= steps <= 6][:4]
+    )  # neither sure nor hopeless
+
+    def reward_on(rows) -> float:  # 3 seeds x 16 samples of each prompt
+        rollout = Rollout(model, tokenizer, sampling=SamplingParams(n=16, max_new_tokens=160), max_batch_size=64)
+        return sum(rollout(rows, seed=s).summary["reward_mean"] for s in range(3)) / 3
+
+    before = reward_on(rows)
+    records = train(model, tokenizer, rows, steps=8, prompts_per_step=4, n=8, max_new_tokens=160, log=lambda _: None)
+    after = reward_on(rows)
+    assert len(records) == 8 and all(r["rollout_tokens_per_s"] > 0 for r in records)
+    assert after > before + 0.1, (before, after)
+    assert all(r["logprob_drift"] < 1e-4 for r in records)  # the behaviour log-probs are the policy's own
