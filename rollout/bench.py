@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import torch
 
+from rollout.files import write_atomic
 from rollout.phases import PHASES
 from rollout.recipe import Recipe, method_name, sampling_params
 from rollout.rewards import build_rewards, score
@@ -71,7 +72,7 @@ def run_bench(recipe: Recipe) -> list[dict]:
         "max_batch_size": recipe.rollout.max_batch_size,
         "threads": torch.get_num_threads(),
     }
-    (out / "bench.json").write_text(json.dumps({"workload": workload, "rows": rows}, indent=2) + "\n")
+    write_atomic(out / "bench.json", json.dumps({"workload": workload, "rows": rows}, indent=2) + "\n")
     return rows
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import signal
 import sys
 
 
@@ -142,17 +143,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that a run closes its files as it does for Ctrl-C."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         args.func(args)
     except (ValueError, TypeError, OSError) as err:  # OSError: missing files, unreachable hub ids
         message = " ".join(str(err).split())  # one line, whatever the message held
         print(f"rollout {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"rollout {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        terminated = isinstance(err, Terminated)
+        what = "terminated (SIGTERM)" if terminated else "interrupted"
+        kept = ": what finished is in the output folder; resume=true continues the run" if args.command == "run" else ""
+        print(f"rollout {args.command}: {what}{kept}", file=sys.stderr)
+        return 143 if terminated else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import numbers
+import os
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -54,6 +57,13 @@ class Generator:
         spec: SpecConfig | None = None,
         max_prefill_tokens: int = 16384,
     ):
+        if isinstance(model, (str, os.PathLike)):
+            raise TypeError(
+                f"Generator takes a loaded model, not the name or path {str(model)!r}: load it first with "
+                "rollout.zoo.load_model(name) (shipped models) or transformers.AutoModelForCausalLM.from_pretrained"
+            )
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"Generator takes a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
         for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
@@ -82,6 +92,7 @@ class Generator:
         self.history = torch.zeros(max_batch_size, num_positions, dtype=torch.long)
         self.eos_token_ids = _eos_token_ids(model)
         self.last_trace: list[StepRecord] = []
+        self._lock = threading.Lock()  # one generate call at a time
         self.warm_up_seconds = 0.0
         if isinstance(self.policy, AutoPolicy):  # seed its step-time model once per generator, as vLLM profiles
             start = time.perf_counter()
@@ -104,6 +115,8 @@ class Generator:
         prompt_ids: list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         on_step: Callable[[StepRecord, int, int], None] | None = None,
+        on_group: Callable[[list[Completion]], None] | None = None,
+        seed_indices: list[int] | None = None,
     ) -> list[Completion]:
         """Sample `params.n` completions for every prompt.
 
@@ -113,25 +126,55 @@ class Generator:
                 settings included: `SamplingParams(spec=SpecDecodeParams(enabled=False))` turns drafts off for one).
             on_step: called after every step with (its trace record, samples finished so far, samples in total),
                 e.g. for a progress display.
+            on_group: called with a prompt's completions as soon as its last sample finishes (to stream results:
+                what it has received is kept whatever stops the call later).
+            seed_indices: the index that seeds each prompt's samples with the params' seed (default: its position
+                in this call); a caller that resumes a run passes each prompt's index in the whole run, so a
+                prompt's samples do not depend on which other prompts share the call.
         Returns:
             `params.n` completions per prompt, prompt-major (all samples of prompt 0 first).
         """
-        self._check_prompts(prompt_ids)
-        sequences = self._make_sequences(prompt_ids, self._check_params(params, len(prompt_ids)))
+        if not self._lock.acquire(blocking=False):
+            raise RuntimeError(
+                "this Generator is already generating (a call from another thread): one Generator serves one call at "
+                "a time; give each thread its own Generator"
+            )
+        try:
+            return self._generate(prompt_ids, params, on_step, on_group, seed_indices)
+        finally:
+            self._lock.release()
+
+    def _generate(self, prompt_ids, params, on_step, on_group, seed_indices) -> list[Completion]:
+        prompt_ids = self._check_prompts(prompt_ids)
+        if seed_indices is not None and len(seed_indices) != len(prompt_ids):
+            raise ValueError(
+                f"seed_indices holds {len(seed_indices)} values for {len(prompt_ids)} prompts: give one each"
+            )
+        per_prompt = self._check_params(params, len(prompt_ids))
+        sequences = self._make_sequences(prompt_ids, per_prompt, seed_indices)
         self.last_trace = []
         if self.proposers is not None:
             self.proposers.begin()
         queue = deque(sequences)
         active: list[Sequence] = []
         num_finished = num_reported = 0
+        unfinished = [p.n for p in per_prompt]  # samples of each prompt still running
+        by_prompt: list[list[Sequence]] = [[] for _ in prompt_ids]
+        for seq in sequences:
+            by_prompt[seq.prompt_index].append(seq)
 
-        def release() -> None:  # free finished rows, then report every step recorded since the last report
+        def release() -> None:  # free finished rows, report the steps recorded since the last report, then groups
             nonlocal num_finished, num_reported
+            done = [seq for seq in active if seq.finish_reason is not None]
             num_finished += self._release_finished(active)
             if on_step is not None:
                 for record in self.last_trace[num_reported:]:
                     on_step(record, num_finished, len(sequences))
             num_reported = len(self.last_trace)
+            for seq in done:
+                unfinished[seq.prompt_index] -= 1
+                if on_group is not None and unfinished[seq.prompt_index] == 0:
+                    on_group([s.completion() for s in by_prompt[seq.prompt_index]])
 
         with torch.inference_mode(), eval_mode(self.model):
             while queue or active:
@@ -374,24 +417,45 @@ class Generator:
 
     # ---- input ------------------------------------------------------------------------------------------------
 
-    def _check_prompts(self, prompt_ids: list[list[int]]) -> None:
-        if not isinstance(prompt_ids, (list, tuple)) or len(prompt_ids) == 0:
-            raise ValueError("prompt_ids is empty: pass a non-empty list of prompts, each a list of token ids")
+    def _check_prompts(self, prompt_ids) -> list[list[int]]:
+        """The prompts as lists of Python ints (numpy / torch integer ids accepted), checked against the vocabulary
+        and max_seq_len."""
+        if isinstance(prompt_ids, str) or not hasattr(prompt_ids, "__len__") or len(prompt_ids) == 0:
+            raise ValueError(
+                "prompt_ids must be a non-empty list of prompts, each a list of token ids "
+                "(tokenizer(texts)['input_ids']); Rollout takes text and chat messages"
+            )
         vocab_size = self.vocab_size
+        checked = []
         for index, prompt in enumerate(prompt_ids):
-            if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-                raise ValueError(f"prompt {index} is empty: every prompt needs at least one token id")
-            bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+            if isinstance(prompt, str):
+                raise ValueError(
+                    f"prompt {index} is a string ({prompt!r:.40}): pass token ids (tokenizer(text)['input_ids']), "
+                    "or use Rollout, which formats and tokenizes text"
+                )
+            values = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+            if not isinstance(values, (list, tuple)) or len(values) == 0:
+                raise ValueError(f"prompt {index} is empty or not a list of token ids: got {prompt!r:.60}")
+            ids = []
+            for token in values:
+                if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                    raise ValueError(
+                        f"prompt {index} holds {token!r:.30} ({type(token).__name__}): token ids are integers"
+                    )
+                ids.append(int(token))
+            bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(
-                    f"prompt {index} has token id {bad[0]!r} outside the model's vocabulary [0, {vocab_size}): "
+                    f"prompt {index} has token id {bad[0]} outside the model's vocabulary [0, {vocab_size}): "
                     "tokenize with the model's own tokenizer"
                 )
-            if len(prompt) >= self.max_seq_len:
+            if len(ids) >= self.max_seq_len:
                 raise ValueError(
-                    f"prompt {index} has {len(prompt)} tokens but max_seq_len is {self.max_seq_len}, leaving no room "
-                    f"for a completion: shorten the prompt or raise max_seq_len above {len(prompt)}"
+                    f"prompt {index} has {len(ids)} tokens but max_seq_len is {self.max_seq_len}, leaving no room "
+                    f"for a completion: shorten the prompt or raise max_seq_len above {len(ids)}"
                 )
+            checked.append(ids)
+        return checked
 
     def _check_params(self, params, num_prompts: int) -> list[SamplingParams]:
         """One SamplingParams per prompt; a request's spec settings must name a configured proposer."""
@@ -412,7 +476,9 @@ class Generator:
                 )
         return list(per_prompt)
 
-    def _make_sequences(self, prompt_ids: list[list[int]], per_prompt: list[SamplingParams]) -> list[Sequence]:
+    def _make_sequences(
+        self, prompt_ids: list[list[int]], per_prompt: list[SamplingParams], seed_indices: list[int] | None = None
+    ) -> list[Sequence]:
         call_seed = random.SystemRandom().getrandbits(62)
         max_k = self.spec.num_speculative_tokens if self.spec is not None else 0
         sequences = []
@@ -423,7 +489,8 @@ class Generator:
             for sample_index in range(params.n):
                 generator = None
                 if params.temperature > 0:
-                    generator = torch.Generator().manual_seed(_mix_seed(base_seed, prompt_index, sample_index))
+                    seed_index = prompt_index if seed_indices is None else seed_indices[prompt_index]
+                    generator = torch.Generator().manual_seed(_mix_seed(base_seed, seed_index, sample_index))
                 seq = Sequence(prompt_index, sample_index, list(prompt), params, max_new, stop_ids, generator)
                 seq.spec_cap = min(params.spec.cap(max_k), max_k)
                 sequences.append(seq)

@@ -9,16 +9,17 @@ for step, rows in enumerate(prompt_batches):
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from rollout.batch import RolloutBatch
+from rollout.batch import SAMPLE_FIELDS, RolloutBatch
 from rollout.generator import Generator
 from rollout.phases import PhaseLabeler, summarize
 from rollout.prompts import PromptFormatter, check_prompt_column, prompt_kind
 from rollout.rewards import RewardFn, WeightedReward, build_rewards, score
-from rollout.sampling import SamplingParams
+from rollout.sampling import Completion, SamplingParams
 from specdec.config import SpecConfig
 
 # on_step(step, num_finished_samples, num_total_samples); `step` is a step-trace dict with phase relabelled
@@ -79,7 +80,14 @@ class Rollout:
         self.pad_token_id = pad if pad is not None else 0
 
     def __call__(
-        self, data, seed: int | None = None, on_step: StepCallback | None = None, *, n: int | None = None
+        self,
+        data,
+        seed: int | None = None,
+        on_step: StepCallback | None = None,
+        *,
+        n: int | None = None,
+        on_group: Callable[[RolloutBatch], None] | None = None,
+        group_indices: Sequence[int] | None = None,
     ) -> RolloutBatch:
         """Sample `n` completions for every prompt of `data` and score them.
 
@@ -91,46 +99,80 @@ class Rollout:
                 the same seed and inputs give the same completions.
             on_step: called after every generator step with (step dict, finished samples, total samples).
             n: completions per prompt for this call; None uses `sampling.n`.
+            on_group: called with each prompt's scored samples (a `RolloutBatch` of one group, no steps) as soon as
+                its last sample finishes: stream them to disk here, and what was written survives a later failure.
+            group_indices: each prompt's group index (default 0, 1, ...); it also seeds the prompt's samples, so a
+                resumed run that passes the remaining prompts with their original indices draws the same samples.
         Returns:
             the `RolloutBatch`, prompt-major, with the step trace and the per-phase summary.
         """
         rows, prompts, prompt_ids = self._prompts(data)
+        indices = list(range(len(rows))) if group_indices is None else [int(i) for i in group_indices]
+        if len(indices) != len(rows):
+            raise ValueError(f"group_indices holds {len(indices)} values for {len(rows)} prompts: give one each")
+        self._check_reward_columns(rows[0])
         params = self.sampling if seed is None else replace(self.sampling, seed=seed)
         if n is not None:
             params = replace(params, n=n)
-        outs, steps = self._generate(prompt_ids, params, on_step)
-        completions = self.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
+        groups: dict[int, RolloutBatch] = {}
+
+        def finish_group(outs: list[Completion]) -> None:
+            local = outs[0].prompt_index
+            groups[local] = self._score_group(rows[local], prompts[local], prompt_ids[local], indices[local], outs)
+            if on_group is not None:
+                on_group(groups[local])
+
+        steps = self._generate(prompt_ids, params, on_step, finish_group, indices)
+        batch = concat_groups([groups[i] for i in range(len(rows))], self.pad_token_id)
         summary = summarize(steps)
+        reward = batch.reward
+        summary["reward_mean"] = sum(reward) / len(reward) if reward else None
+        summary["reward_terms"] = {name: sum(v) / len(v) for name, v in batch.reward_terms.items()}
+        summary["wall_seconds"] = steps[-1]["elapsed"] if steps else 0.0
+        summary["num_samples"] = len(batch)
+        batch.steps, batch.summary = steps, summary
+        return batch
+
+    def _score_group(self, row: dict, prompt: str, prompt_ids: list[int], index: int, outs) -> RolloutBatch:
+        """One prompt's samples, decoded and scored."""
+        completions = self.tokenizer.batch_decode([o.token_ids for o in outs], skip_special_tokens=True)
         reward, terms = None, {}
         if self.rewards:
-            columns = {
-                name: [rows[o.prompt_index][name] for o in outs]
-                for name in rows[0]
-                if name not in RESERVED_REWARD_KWARGS
-            }
-            columns["prompts"] = [prompts[o.prompt_index] for o in outs]
+            columns = {name: [row[name]] * len(outs) for name in row if name not in RESERVED_REWARD_KWARGS}
+            columns["prompts"] = [prompt] * len(outs)
             columns["completion_ids"] = [o.token_ids for o in outs]
             columns["finish_reasons"] = [o.finish_reason for o in outs]
-            reward, terms = score(self.rewards, completions, columns)
-        summary["reward_mean"] = sum(reward) / len(reward) if reward else None
-        summary["reward_terms"] = {name: sum(v) / len(v) for name, v in terms.items()}
-        summary["wall_seconds"] = steps[-1]["elapsed"] if steps else 0.0
-        summary["num_samples"] = len(outs)
+            try:
+                reward, terms = score(self.rewards, completions, columns)
+            except ValueError as err:
+                raise ValueError(f"prompt {index}: {err}") from None
+            except Exception as err:  # a reward's own bug: name it, the prompt and the exception
+                names = ", ".join(t.name for t in self.rewards)
+                raise ValueError(f"prompt {index}: a reward ({names}) raised {type(err).__name__}: {err}") from err
         return RolloutBatch(
-            group_index=[o.prompt_index for o in outs],
+            group_index=[index] * len(outs),
             sample_index=[o.sample_index for o in outs],
-            prompt=[prompts[o.prompt_index] for o in outs],
+            prompt=[prompt] * len(outs),
             completion=completions,
-            prompt_ids=[prompt_ids[o.prompt_index] for o in outs],
+            prompt_ids=[prompt_ids] * len(outs),
             completion_ids=[o.token_ids for o in outs],
             logprobs=[o.logprobs for o in outs],
             finish_reason=[o.finish_reason for o in outs],
             reward=reward,
             reward_terms=terms,
             pad_token_id=self.pad_token_id,
-            steps=steps,
-            summary=summary,
         )
+
+    def _check_reward_columns(self, row: dict) -> None:
+        """Before any generation: every reward's required keyword arguments must be columns the loop passes."""
+        available = {name for name in row} | set(RESERVED_REWARD_KWARGS)
+        for term in self.rewards:
+            missing = [name for name in required_arguments(term.fn)[1:] if name not in available]
+            if missing:
+                raise ValueError(
+                    f"reward {term.name!r} needs the column(s) {missing}, which the data lacks; it has "
+                    f"{sorted(set(row)) or 'no columns (bare prompts)'}: pass rows with those columns"
+                )
 
     def _prompts(self, data) -> tuple[list[dict], list[str], list[list[int]]]:
         """(rows, prompt texts, prompt ids) of the call's data: dataset rows, or bare prompts as rows of one column."""
@@ -171,9 +213,9 @@ class Rollout:
             self._chat_formatter = PromptFormatter(*self._chat_args)
         return self._chat_formatter
 
-    def _generate(self, prompt_ids: list[list[int]], params: SamplingParams, on_step: StepCallback | None):
-        """Run the generator; return its completions and its steps as dicts with the phase relabelled and `elapsed`
-        (seconds from the start of the call to the end of the step)."""
+    def _generate(self, prompt_ids, params, on_step, on_group, indices) -> list[dict]:
+        """Run the generator; return its steps as dicts with the phase relabelled and `elapsed` (seconds from the
+        start of the call to the end of the step)."""
         labeler = PhaseLabeler(self.tail_fraction)
         steps: list[dict] = []
         start = time.perf_counter()
@@ -186,5 +228,26 @@ class Rollout:
             if on_step is not None:
                 on_step(step, num_finished, num_total)
 
-        outs = self.generator.generate(prompt_ids, params, on_step=record_step)
-        return outs, steps
+        self.generator.generate(prompt_ids, params, on_step=record_step, on_group=on_group, seed_indices=indices)
+        return steps
+
+
+def required_arguments(fn) -> list[str]:
+    """The names of `fn`'s parameters that have no default (positional or keyword); [] when it cannot be read."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty]
+
+
+def concat_groups(groups: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """The groups' samples in one batch, in the order given."""
+    fields = {name: [v for g in groups for v in getattr(g, name)] for name in SAMPLE_FIELDS if name != "reward"}
+    scored = bool(groups) and groups[0].reward is not None
+    terms = {
+        name: [v for g in groups for v in g.reward_terms[name]] for name in (groups[0].reward_terms if groups else {})
+    }
+    reward = [v for g in groups for v in g.reward] if scored else None
+    return RolloutBatch(**fields, reward=reward, reward_terms=terms, pad_token_id=pad_token_id)

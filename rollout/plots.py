@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+from rollout.files import atomic_path
 from rollout.phases import PHASES
 
 PHASE_COLORS = {"prefill": "#9ecae1", "bulk": "#c7e9c0", "tail": "#fdd0a2"}
@@ -52,7 +53,8 @@ def plot_steps(steps: list[dict], path: str | pathlib.Path, title: str | None = 
         fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return path
 

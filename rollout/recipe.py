@@ -161,12 +161,15 @@ class Recipe:
     bench: BenchRecipe = field(default_factory=BenchRecipe)
     train: TrainRecipe = field(default_factory=TrainRecipe)
     output_dir: str = "outputs/rollout"  # where the run writes rollouts.jsonl, steps.jsonl, summary.json, ...
+    overwrite: bool = False  # replace a run already in output_dir (its files removed first); false: refuse it
+    resume: bool = False  # continue the interrupted run in output_dir (same recipe): finished groups are kept
     seed: int = 0  # sampling seed: same seed + inputs = same rollouts (not with sampling + spec auto: see README)
     threads: int = 1  # torch CPU threads (1 gives stable timings); 0 keeps torch's default
 
     def __post_init__(self) -> None:
         _require(self.threads >= 0, f"threads ({self.threads}) must be >= 0 (0 keeps torch's default)")
         _require(len(self.rewards) >= 1, "rewards is empty: give at least one reward, e.g. [{name: arithmetic}]")
+        _require(not (self.resume and self.overwrite), "resume and overwrite are both true: choose one")
 
 
 def _error(err: OmegaConfBaseException, source: str) -> ValueError:

@@ -13,6 +13,7 @@ sample. Accept `**kwargs` so that new columns do not break the function.
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -123,6 +124,12 @@ def score(
             got = "None" if values is None else f"{len(values)} values"
             raise ValueError(f"reward {term.name!r} returned {got} for {len(completions)} completions: return one each")
         values = [float(v) for v in values]
+        bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+        if bad:
+            raise ValueError(
+                f"reward {term.name!r} returned {values[bad[0]]} for sample {bad[0]} ({len(bad)} non-finite values): "
+                "a reward must be a finite number"
+            )
         per_term[term.name] = values
         total = [t + term.weight * v for t, v in zip(total, values)]
     return total, per_term

@@ -79,7 +79,10 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) 
 
 def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
     """Run the recipe's rollouts (`rollout.num_rollouts`, each over the next `rollout.prompts_per_rollout` prompts,
-    cycling, with seed `seed + index`) on one generator, and write its output folder; returns (summary, tracker)."""
+    cycling, with seed `seed + index`) on one generator, streaming each finished group and each step to the output
+    folder; returns (summary, tracker). With `resume`, the groups already on disk are skipped (a prompt's samples
+    are seeded by its index, so the rest come out as they would have). Whatever stops the run (an error, Ctrl-C,
+    SIGTERM), the folder keeps what finished and a summary marked incomplete, and the exception goes on up."""
     inputs = load_inputs(recipe)
     rollout = make_rollout(recipe, inputs, recipe_spec(recipe))
     log = recipe.logging
@@ -91,18 +94,48 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
         run_name=log.run_name,
         num_table_rows=log.num_table_rows,
         plot=log.plot,
+        overwrite=recipe.overwrite,
+        resume=recipe.resume,
+        group_size=recipe.rollout.n,
     )
-    progress = Progress(enabled=None if log.progress else False)
     rows = list(inputs.data)
     per_rollout = recipe.rollout.prompts_per_rollout or len(rows)
+    history = rollout.generator.draft_history
+    if recipe.resume and history is not None:  # the drafting history of what is on disk
+        for record in tracker.kept_records:
+            row = (record["rollout"] * per_rollout + record["prompt_index"]) % len(rows)
+            history.add_responses([inputs.prompt_ids[row]], [record["completion_ids"]])
+    progress = Progress(enabled=None if log.progress else False)
     try:
         for index in range(recipe.rollout.num_rollouts):
             first = index * per_rollout
-            batch = rollout([rows[(first + j) % len(rows)] for j in range(per_rollout)], recipe.seed + index, progress)
-            tracker.log_rollout(batch)
-    except BaseException:
-        tracker.abort()
-        raise
-    finally:
+            todo = [j for j in range(per_rollout) if j not in tracker.done.get(index, set())]
+            if not todo:  # all on disk already (resume)
+                tracker.num_rollouts = max(tracker.num_rollouts, index + 1)
+                continue
+
+            def on_step(step, finished, total, index=index):
+                tracker.log_step(step, index)
+                progress(step, finished, total)
+
+            batch = rollout(
+                [rows[(first + j) % len(rows)] for j in todo],
+                recipe.seed + index,
+                on_step,
+                on_group=lambda group, index=index: tracker.log_group(group, index),
+                group_indices=todo,
+            )
+            tracker.log_rollout(batch, index)
+    except BaseException as err:
         progress.close()
+        tracker.finish(complete=False, reason=stop_reason(err))
+        raise
+    progress.close()
     return tracker.finish(), tracker
+
+
+def stop_reason(err: BaseException) -> str:
+    """What stopped a run, for its incomplete summary."""
+    if isinstance(err, KeyboardInterrupt):
+        return "terminated (SIGTERM)" if type(err).__name__ == "Terminated" else "interrupted (SIGINT)"
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from specdec.config import SpecDecodeParams
@@ -23,8 +24,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n ({self.n!r}) must be an integer >= 1: the number of completions per prompt")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature ({self.temperature!r}) must be >= 0; use 0 for greedy decoding")
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
+            raise ValueError(
+                f"temperature ({self.temperature!r}) must be a finite number >= 0; use 0 for greedy decoding"
+            )
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p ({self.top_p!r}) must be in (0, 1]; use 1.0 to turn nucleus sampling off")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -3,14 +3,16 @@
 Output folder contract (external tools read these names):
 
 - `config.yaml`: the resolved config of the run.
-- `rollouts.jsonl`: one line per sample: `prompt_index`, `prompt`, `completion`, `completion_ids`, `logprobs`,
-  `finish_reason`, `reward` (and `rollout`, `sample_index`, `truncated`, `reward_<term>` per reward term).
+- `rollouts.jsonl`: one line per sample, appended group by group as groups finish: `prompt_index`, `prompt`,
+  `completion`, `completion_ids`, `logprobs`, `finish_reason`, `reward` (and `rollout`, `sample_index`,
+  `truncated`, `reward_<term>` per reward term).
 - `steps.jsonl`: one line per generator step: the step-trace fields (`phase` = prefill / bulk / tail,
   `batch_size`, `num_draft_tokens`, `num_drafted`, `num_accepted`, `num_emitted`, `seconds`, ...) plus `elapsed`
   (seconds since the tracker started, across rollouts) and `rollout` (which call of the rollout loop).
 - `summary.json`: `phases` = {prefill|bulk|tail: {seconds, tokens, tokens_per_s, mean_batch_size, mean_k,
   acceptance_rate, mean_accepted_length, num_steps}}, `total` with the same keys, `reward_mean` (see
-  `rollout.phases.summarize`), plus `reward_terms`, `wall_seconds`, `num_samples`, `num_rollouts`.
+  `rollout.phases.summarize`), plus `reward_terms`, `wall_seconds`, `num_samples`, `num_rollouts`, and
+  `complete` (false when an error or a signal stopped the run, with `incomplete_reason`).
 - `rollout.png`: batch size, K and tokens/s over time with the phases shaded.
 - `wandb/`: the W&B run folder (unless `WANDB_DIR` points elsewhere or W&B is disabled).
 """
@@ -22,6 +24,7 @@ import os
 import pathlib
 
 from rollout.batch import RolloutBatch
+from rollout.files import append_lines, prepare_output_dir, read_jsonl, write_atomic
 from rollout.phases import PHASES, SUMMARY_KEYS, summarize
 from rollout.plots import plot_steps
 
@@ -40,6 +43,11 @@ class RunTracker:
         project: W&B project. run_name: W&B run name (None: W&B picks one).
         num_table_rows: samples per rollout logged to the W&B table of completions and rewards.
         plot: write the PNG plot at `finish`.
+        overwrite: replace a run already in `output_dir` (its files are removed first); without it such a folder
+            is refused.
+        resume: continue the interrupted run in `output_dir` (same config): its complete groups (`group_size`
+            samples of a prompt) are kept and listed in `done`, a group cut short is dropped, and the run clock goes
+            on from its last step. The W&B run is a new one.
     """
 
     def __init__(
@@ -51,24 +59,78 @@ class RunTracker:
         run_name: str | None = None,
         num_table_rows: int = 32,
         plot: bool = True,
+        overwrite: bool = False,
+        resume: bool = False,
+        group_size: int | None = None,
     ):
-        self.output_dir = pathlib.Path(output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.done: dict[int, set[int]] = {}  # with resume: the prompts of each rollout whose samples are all on disk
+        if resume:
+            self.output_dir = pathlib.Path(output_dir)
+            self._check_resumable(config)
+        else:
+            self.output_dir = prepare_output_dir(output_dir, overwrite)
         self.config = config or {}
         self.num_table_rows = num_table_rows
         self.plot = plot
-        for name in ("rollouts.jsonl", "steps.jsonl"):  # a rerun into the same folder starts these afresh
-            (self.output_dir / name).write_text("")
+        for name in ("rollouts.jsonl", "steps.jsonl"):
+            (self.output_dir / name).touch()
         if config is not None:
             from omegaconf import OmegaConf
 
-            (self.output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+            write_atomic(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)))
         self.steps: list[dict] = []
         self.rewards: list[float] = []
         self.reward_terms: dict[str, list[float]] = {}
         self.num_rollouts = 0
+        self.num_samples = 0
         self.wall_seconds = 0.0
+        self._streamed: set[int] = set()  # rollouts whose samples went out group by group
+        self._streamed_steps: set[int] = set()
+        if resume:
+            self._load_finished(group_size)
         self.wandb_run = self._start_wandb(os.environ.get("WANDB_MODE") or wandb_mode, project, run_name)
+
+    def _check_resumable(self, config: dict | None) -> None:
+        saved_path = self.output_dir / "config.yaml"
+        if not saved_path.is_file():
+            raise ValueError(f"resume=true but {self.output_dir} holds no run (no config.yaml): drop resume=true")
+        if config is None:
+            return
+        from omegaconf import OmegaConf
+
+        saved = OmegaConf.to_container(OmegaConf.load(saved_path))
+        ignored = {"resume", "overwrite", "logging"}
+        for key in sorted(set(saved) | set(config)):
+            if key not in ignored and saved.get(key) != config.get(key):
+                raise ValueError(
+                    f"resume=true but the run in {self.output_dir} was made with another {key!r} section: resume with "
+                    "the same recipe and overrides, or start afresh with overwrite=true"
+                )
+
+    def _load_finished(self, group_size: int | None) -> None:
+        """Keep the complete groups of the run on disk (rewriting rollouts.jsonl without cut ones) and its steps."""
+        records = read_jsonl(self.output_dir / "rollouts.jsonl")
+        counts: dict[tuple[int, int], int] = {}
+        for r in records:
+            key = (r["rollout"], r["prompt_index"])
+            counts[key] = counts.get(key, 0) + 1
+        complete = {key for key, count in counts.items() if group_size is None or count == group_size}
+        kept = [r for r in records if (r["rollout"], r["prompt_index"]) in complete]
+        write_atomic(self.output_dir / "rollouts.jsonl", "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
+        for rollout, prompt_index in complete:
+            self.done.setdefault(rollout, set()).add(prompt_index)
+        self.kept_records = kept
+        for r in kept:
+            if r.get("reward") is not None:
+                self.rewards.append(r["reward"])
+            for name in [k[len("reward_") :] for k in r if k.startswith("reward_")]:
+                self.reward_terms.setdefault(name, []).append(r[f"reward_{name}"])
+        self.num_samples = len(kept)
+        self.steps = read_jsonl(self.output_dir / "steps.jsonl")
+        write_atomic(
+            self.output_dir / "steps.jsonl", "".join(json.dumps(s, allow_nan=False) + "\n" for s in self.steps)
+        )
+        self.wall_seconds = self.steps[-1]["elapsed"] if self.steps else 0.0
 
     def _start_wandb(self, mode: str, project: str, run_name: str | None):
         if mode not in WANDB_MODES:
@@ -98,27 +160,47 @@ class RunTracker:
         """The W&B run folder (offline-run-... / run-...), or None without W&B."""
         return pathlib.Path(self.wandb_run.settings.sync_dir) if self.wandb_run is not None else None
 
-    def log_rollout(self, batch: RolloutBatch) -> None:
-        """Append one rollout: its samples, its steps (elapsed shifted to run time) and its W&B metrics."""
-        offset = self.wall_seconds
-        first_index = len(self.steps)
-        steps = [{**step, "elapsed": step["elapsed"] + offset, "rollout": self.num_rollouts} for step in batch.steps]
-        with open(self.output_dir / "steps.jsonl", "a") as f:
-            for step in steps:
-                f.write(json.dumps(step) + "\n")
-        with open(self.output_dir / "rollouts.jsonl", "a") as f:
-            for record in batch.records():
-                f.write(json.dumps({"rollout": self.num_rollouts, **record}) + "\n")
-        self.steps.extend(steps)
-        self.rewards.extend(batch.reward or ())
-        for name, values in batch.reward_terms.items():
-            self.reward_terms.setdefault(name, []).extend(values)
-        self.wall_seconds = offset + batch.summary.get("wall_seconds", 0.0)
-        if self.wandb_run is not None:
-            self._log_wandb(batch, steps, first_index)
-        self.num_rollouts += 1
+    def log_group(self, group: RolloutBatch, rollout: int | None = None) -> None:
+        """Append one finished group's samples to rollouts.jsonl now, in one write (whole lines only), as
+        `Rollout(on_group=...)` hands them over; `rollout` defaults to the rollout in progress."""
+        index = self.num_rollouts if rollout is None else rollout
+        lines = [json.dumps({"rollout": index, **record}, allow_nan=False) + "\n" for record in group.records()]
+        append_lines(self.output_dir / "rollouts.jsonl", "".join(lines))
+        self._streamed.add(index)
+        self._add_rewards(group)
+        self.num_samples += len(group)
 
-    def _log_wandb(self, batch: RolloutBatch, steps: list[dict], first_index: int) -> None:
+    def log_step(self, step: dict, rollout: int | None = None) -> None:
+        """Append one generator step (a step dict of the rollout loop) to steps.jsonl now."""
+        index = self.num_rollouts if rollout is None else rollout
+        record = {**step, "elapsed": step["elapsed"] + self.wall_seconds, "rollout": index}
+        append_lines(self.output_dir / "steps.jsonl", json.dumps(record, allow_nan=False) + "\n")
+        self.steps.append(record)
+        self._streamed_steps.add(index)
+
+    def log_rollout(self, batch: RolloutBatch, rollout: int | None = None) -> None:
+        """Close one rollout: append its samples and steps unless they were streamed (`log_group`, `log_step`),
+        move the run clock on, and log its W&B metrics."""
+        index = self.num_rollouts if rollout is None else rollout
+        if index not in self._streamed:
+            self.log_group(batch, index)
+        if index in self._streamed_steps:
+            steps = [s for s in self.steps if s["rollout"] == index][-len(batch.steps) :] if batch.steps else []
+        else:
+            for step in batch.steps:
+                self.log_step(step, index)
+            steps = self.steps[len(self.steps) - len(batch.steps) :]
+        self.wall_seconds += batch.summary.get("wall_seconds", 0.0)
+        if self.wandb_run is not None:
+            self._log_wandb(batch, steps, len(self.steps) - len(steps), index)
+        self.num_rollouts = max(self.num_rollouts, index + 1)
+
+    def _add_rewards(self, group: RolloutBatch) -> None:
+        self.rewards.extend(group.reward or ())
+        for name, values in group.reward_terms.items():
+            self.reward_terms.setdefault(name, []).extend(values)
+
+    def _log_wandb(self, batch: RolloutBatch, steps: list[dict], first_index: int, rollout: int) -> None:
         import wandb
 
         for index, step in enumerate(steps, start=first_index):
@@ -128,7 +210,7 @@ class RunTracker:
             metrics["step/tokens_per_s"] = step["num_emitted"] / step["seconds"] if step["seconds"] > 0 else 0.0
             self.wandb_run.log(metrics)
         total = batch.summary["total"]
-        metrics = {"rollout/index": self.num_rollouts}
+        metrics = {"rollout/index": rollout}
         if batch.summary.get("reward_mean") is not None:
             metrics["rollout/reward_mean"] = batch.summary["reward_mean"]
         metrics.update({f"rollout/{key}": total[key] for key in SUMMARY_KEYS})
@@ -137,7 +219,7 @@ class RunTracker:
             columns = ["rollout", "prompt_index", "sample_index", "prompt", "completion", "finish_reason", "reward"]
             table = wandb.Table(columns=columns)
             for row in batch.records()[: self.num_table_rows]:
-                table.add_data(self.num_rollouts, *(row[c] for c in columns[1:]))
+                table.add_data(rollout, *(row[c] for c in columns[1:]))
             metrics["samples"] = table
         self.wandb_run.log(metrics)
 
@@ -153,14 +235,18 @@ class RunTracker:
         summary["reward_mean"] = sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
         summary["reward_terms"] = {name: sum(v) / len(v) for name, v in self.reward_terms.items()}
         summary["wall_seconds"] = self.wall_seconds
-        summary["num_samples"] = len(self.rewards)
+        summary["num_samples"] = self.num_samples
         summary["num_rollouts"] = self.num_rollouts
         return summary
 
-    def finish(self) -> dict:
-        """Write summary.json and the plot, close the W&B run; returns the summary."""
+    def finish(self, complete: bool = True, reason: str | None = None) -> dict:
+        """Write summary.json and the plot, close the W&B run; returns the summary. `complete=False` (a run stopped
+        by an error or a signal) marks the summary incomplete with `reason`: the files hold what finished."""
         summary = self.summary()
-        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary["complete"] = complete
+        if not complete:
+            summary["incomplete_reason"] = reason
+        write_atomic(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plot_path = plot_steps(self.steps, self.output_dir / PLOT_NAME) if self.plot and self.steps else None
         if self.wandb_run is not None:
             for phase in PHASES:
@@ -173,7 +259,8 @@ class RunTracker:
                 import wandb
 
                 self.wandb_run.log({"plot": wandb.Image(str(plot_path))})
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=0 if complete else 1)
+            self.wandb_run = None
         return summary
 
 

@@ -24,6 +24,7 @@ import time
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
+from rollout.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.recipe import Recipe, recipe_dict
 from rollout.rewards import WeightedReward, build_rewards
 from rollout.runs import load_inputs, recipe_spec
@@ -47,11 +48,10 @@ def run_training(recipe: Recipe) -> dict:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
     inputs = load_inputs(recipe)
-    output_dir = pathlib.Path(recipe.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    output_dir = prepare_output_dir(recipe.output_dir, recipe.overwrite, resumable=False)
     from omegaconf import OmegaConf
 
-    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(recipe_dict(recipe))))
+    write_atomic(output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(recipe_dict(recipe))))
     d = recipe.data
     rows = list(inputs.data)
     if d.chat_template:  # conversational: TRL's path applies the chat template, as it would for its own generation
@@ -98,7 +98,7 @@ def run_training(recipe: Recipe) -> dict:
     if recipe.train.save_model:
         trainer.save_model(str(output_dir / "model"))
     summary = summarize_training(record.steps, wall)
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     if log.plot and record.steps:
         summary["plot"] = str(plot_training(record.steps, output_dir / "train.png", title=str(output_dir)))
     return summary
@@ -252,6 +252,7 @@ def plot_training(steps: list[dict], path: pathlib.Path, title: str | None = Non
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return path

@@ -121,6 +121,58 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batching():
     assert len({tuple(o.token_ids) for o in first[:3]}) > 1
 
 
+def test_numpy_and_torch_integer_ids_are_token_ids():
+    import numpy as np
+
+    gen = Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32)
+    prompt = [5, 9, 3]
+    params = SamplingParams(temperature=0, max_new_tokens=4)
+    expected = gen.generate([prompt], params)[0].token_ids
+    for given in (np.array(prompt), torch.tensor(prompt), [np.int64(t) for t in prompt]):
+        assert gen.generate([given], params)[0].token_ids == expected
+
+
+def test_a_name_or_path_is_not_a_model():
+    with pytest.raises(TypeError, match="not the name or path 'tiny-target'.*rollout.zoo.load_model"):
+        Generator("tiny-target")
+
+
+def test_concurrent_calls_are_refused_never_mixed():
+    import threading
+
+    model = make_model("qwen2", dtype=torch.float32)
+    gen = Generator(model, max_batch_size=4, max_seq_len=32)
+    prompts = {name: random_prompts(2, seed=seed) for name, seed in (("a", 1), ("b", 2))}
+    params = SamplingParams(temperature=0, max_new_tokens=3)
+    expected = {name: [o.token_ids for o in gen.generate(p, params)] for name, p in prompts.items()}
+    outcomes = {"done": 0, "refused": 0, "mixed": 0, "other": []}
+    start = threading.Barrier(2)
+
+    def call(name):
+        start.wait()
+        try:
+            got = [o.token_ids for o in gen.generate(prompts[name], params)]
+        except RuntimeError as err:
+            if "already generating" not in str(err):
+                outcomes["other"].append(repr(err))
+            outcomes["refused"] += 1
+            return
+        except Exception as err:  # anything else is a failure, reported below (threads cannot fail the test)
+            outcomes["other"].append(repr(err))
+            return
+        outcomes["done" if got == expected[name] else "mixed"] += 1
+
+    for _ in range(300):
+        threads = [threading.Thread(target=call, args=(name,)) for name in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert outcomes["mixed"] == 0 and outcomes["other"] == []
+    assert outcomes["done"] + outcomes["refused"] == 600 and outcomes["done"] >= 300
+    assert outcomes["refused"] > 0  # the calls did overlap
+
+
 @pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (4, 0.6)])
 def test_sampled_tokens_stay_inside_top_k_top_p(top_k, top_p):
     model = make_model("qwen3")
@@ -178,8 +230,11 @@ def test_max_seq_len_caps_completions():
 @pytest.mark.parametrize(
     "prompts,kwargs,match",
     [
-        ([], {}, "prompt_ids is empty"),
+        ([], {}, "prompt_ids must be a non-empty list of prompts"),
+        ("1 2 3", {}, "prompt_ids must be a non-empty list of prompts"),
+        (["1 + 1 ="], {}, "prompt 0 is a string .'1 \\+ 1 ='.: pass token ids"),
         ([[1, 2], []], {}, "prompt 1 is empty"),
+        ([[1, 2.5]], {}, "prompt 0 holds 2.5 .float.: token ids are integers"),
         ([[1, 500]], {}, "prompt 0 has token id 500 outside"),
         ([[1, -1]], {}, "token id -1 outside"),
         ([[1] * 40], {}, "prompt 0 has 40 tokens but max_seq_len is 32"),
@@ -195,7 +250,8 @@ def test_bad_prompts_are_clear_errors(prompts, kwargs, match):
     "kwargs,match",
     [
         ({"n": 0}, r"n \(0\) must be an integer >= 1"),
-        ({"temperature": -0.5}, r"temperature \(-0.5\) must be >= 0"),
+        ({"temperature": -0.5}, r"temperature \(-0.5\) must be a finite number >= 0"),
+        ({"temperature": float("nan")}, r"temperature \(nan\) must be a finite number >= 0"),
         ({"top_p": 0.0}, r"top_p \(0.0\) must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p \(1.5\) must be in \(0, 1\]"),
         ({"top_k": -1}, r"top_k \(-1\)"),

@@ -65,7 +65,7 @@ def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):
         (["rollout.n=abc"], r"rollout\.n: Value 'abc' of type 'str' could not be converted to Integer"),
         (["rollout.n=0"], r"rollout\.n \(0\) must be >= 1"),
         (["model.dtype=float8"], r"model\.dtype \('float8'\) must be one of"),
-        (["sampling.temperature=-1"], r"sampling: temperature \(-1\.0\) must be >= 0"),
+        (["sampling.temperature=-1"], r"sampling: temperature \(-1\.0\) must be a finite number >= 0"),
         (["spec.method=eagle"], r"spec: method \('eagle'\) must be one of"),
         (["spec.num_speculative_tokens_per_batch_size=[[1,8,3],[10,64,1]]"], r"spec: .* leave a gap at 9"),
         (["spec.num_speculative_tokens_per_batch_size=[[1,32,3]]"], r"spec: .* max_batch_size is 64"),

@@ -231,3 +231,23 @@ def test_bad_adapter_arguments_name_the_argument():
         trl_rollout_func(max_batch_size=0)
     with pytest.raises(ValueError, match="spec must be a specdec.config.SpecConfig"):
         trl_rollout_func(spec={"method": "suffix"})
+
+
+def test_a_longer_prompt_grows_the_generator_and_keeps_the_drafting_history(tmp_path):
+    func = trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=3))
+    trainer = make_trainer(tmp_path, func, max_steps=1)
+    short = ["Question: Ann has 3 apples.\nAnswer:"] * 2
+    out = func(short, trainer)
+    assert len(out["completion_ids"]) == 2 and out["prompt_ids"][0] == out["prompt_ids"][1]
+    first = func.generator
+    assert func.generator.max_seq_len >= len(out["prompt_ids"][0]) + 40
+    before = first.draft_history.stats()["responses"]
+    assert before == 2
+    long_prompt = "Question: " + "Ann has 3 apples and buys 2 more. " * 40 + "\nAnswer:"
+    out = func([long_prompt, *short], trainer)
+    assert [len(ids) for ids in out["completion_ids"]] and len(out["completion_ids"]) == 3
+    assert func.generator is not first and func.generator.max_seq_len >= len(out["prompt_ids"][0]) + 40
+    assert func.generator.draft_history.stats()["responses"] == before + 3  # the old history came along
+    bounded = trl_rollout_func(max_seq_len=64)
+    with pytest.raises(ValueError, match="needs .* positions but max_seq_len is 64"):
+        bounded([long_prompt], trainer)

@@ -1,0 +1,121 @@
+"""Nothing finished is lost: `rollout run` killed (SIGKILL), interrupted (SIGINT) or terminated (SIGTERM) at a
+random point, then resumed, holds every sample exactly once, the same greedy tokens as an uninterrupted run, and only
+files that parse. A few trials run here; `FAULT_TRIALS=20 python -m pytest tests/test_faults.py` runs more."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rollout.cli import main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RECIPE = str(ROOT / "recipes" / "quickstart_suffix.yaml")
+# greedy in float64 (rounding cannot flip an argmax, whatever the batch), small enough to run in seconds
+SETTINGS = [
+    "model.dtype=float64",
+    "sampling.temperature=0",
+    "data.num_prompts=10",
+    "rollout.n=2",
+    "rollout.num_rollouts=2",
+    "sampling.max_new_tokens=40",
+    "rollout.max_batch_size=4",
+    "logging.wandb_mode=disabled",
+    "logging.progress=false",
+]
+TRIALS = int(os.environ.get("FAULT_TRIALS", "1"))
+
+
+def read_lines(path: pathlib.Path) -> list[dict]:
+    text = path.read_text()
+    assert text == "" or text.endswith("\n"), f"{path.name} ends in a cut line"
+    return [json.loads(line) for line in text.splitlines()]  # every line parses
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("reference")
+    assert main(["run", RECIPE, *SETTINGS, f"output_dir={out}"]) == 0
+    return {
+        (r["rollout"], r["prompt_index"], r["sample_index"]): r["completion_ids"]
+        for r in read_lines(out / "rollouts.jsonl")
+    }
+
+
+def start_run(out: pathlib.Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "rollout.cli", "run", RECIPE, *SETTINGS, f"output_dir={out}", *extra]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def interrupt(out: pathlib.Path, sig: int, rng: random.Random) -> tuple[int, str]:
+    """Start a run, send `sig` at a random point after its first finished group, return (exit code, stderr)."""
+    proc = start_run(out)
+    rollouts = out / "rollouts.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if rollouts.is_file() and rollouts.stat().st_size > 0:
+            break
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.0, 0.6))
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def check_complete(out: pathlib.Path, reference: dict) -> None:
+    records = read_lines(out / "rollouts.jsonl")
+    keys = [(r["rollout"], r["prompt_index"], r["sample_index"]) for r in records]
+    assert len(keys) == len(set(keys)), "a sample is in rollouts.jsonl twice"
+    assert set(keys) == set(reference), "samples are missing"
+    assert all(r["completion_ids"] == reference[(r["rollout"], r["prompt_index"], r["sample_index"])] for r in records)
+    read_lines(out / "steps.jsonl")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["num_samples"] == len(reference)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["kill", "int", "term"])
+def test_an_interrupted_run_resumes_with_every_sample_exactly_once(tmp_path, reference, sig):
+    rng = random.Random(f"{sig}")
+    interrupted = 0
+    for trial in range(TRIALS):
+        out = tmp_path / f"trial{trial}"
+        code, err = interrupt(out, sig, rng)
+        if code == 0:  # the signal came after the run had finished: nothing to resume
+            check_complete(out, reference)
+            continue
+        interrupted += 1
+        expected = {signal.SIGKILL: -9, signal.SIGINT: 130, signal.SIGTERM: 143}[sig]
+        assert code == expected, err
+        if sig != signal.SIGKILL:  # a caught signal: one line, and a summary marked incomplete with what finished
+            assert err.strip().count("\n") == 0 and "resume=true continues" in err, err
+            summary = json.loads((out / "summary.json").read_text())
+            assert summary["complete"] is False and "SIG" in summary["incomplete_reason"]
+            assert summary["num_samples"] == len(read_lines(out / "rollouts.jsonl"))
+        for line in (out / "rollouts.jsonl").read_text().splitlines():
+            json.loads(line)  # whole lines only, even after SIGKILL
+        before = (out / "rollouts.jsonl").read_bytes()
+        assert main(["run", RECIPE, *SETTINGS, f"output_dir={out}"]) == 2  # without resume=true: refused, untouched
+        assert (out / "rollouts.jsonl").read_bytes() == before
+        assert main(["run", RECIPE, *SETTINGS, f"output_dir={out}", "resume=true"]) == 0
+        check_complete(out, reference)
+    print(f"{signal.Signals(sig).name}: {interrupted} of {TRIALS} trials stopped mid-run and resumed")
+    assert interrupted > 0, "every signal came after the run had finished: the trials tested nothing"
+
+
+def test_overwrite_replaces_a_run_and_nothing_stale_remains(tmp_path, reference):
+    assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}"]) == 0
+    (tmp_path / "bench.json").write_text("{}")  # a file of the old run that the new one does not write
+    assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}"]) == 2
+    assert main(["run", RECIPE, *SETTINGS, "rollout.num_rollouts=1", f"output_dir={tmp_path}", "overwrite=true"]) == 0
+    assert not (tmp_path / "bench.json").exists()
+    assert {r["rollout"] for r in read_lines(tmp_path / "rollouts.jsonl")} == {0}
+    assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}", "resume=true", "data.num_prompts=9"]) == 2
