@@ -96,6 +96,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="recipes/grpo_quickstart.yaml")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--methods", nargs="*", default=["suffix", "draft_model"])
+    parser.add_argument("--no-baselines", action="store_true", help="skip TRL generate and rollout, none")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("overrides", nargs="*", help="recipe overrides key.sub=value")
     args = parser.parse_args()
@@ -106,14 +107,18 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
     overrides = [f"train.steps={args.steps}", "logging.wandb_mode=disabled", *args.overrides]
     recipe = load_recipe(args.recipe, overrides)
-    rows = [run("TRL generate", None, recipe), run("rollout, none", trl_rollout_func(), recipe)]
+    rows = (
+        []
+        if args.no_baselines
+        else [run("TRL generate", None, recipe), run("rollout, none", trl_rollout_func(), recipe)]
+    )
     for method in args.methods:
         changes = {"method": method, "num_speculative_tokens_per_batch_size": "auto"}
         if method == "draft_model":
             changes["model"] = "tiny-draft"
         spec = recipe_spec(recipe, **changes)
         rows.append(run(f"rollout, {method}", trl_rollout_func(spec=spec, max_batch_size=64), recipe))
-    base = rows[0]
+    base = rows[0]  # the ratios are to the first row: TRL generate, unless --no-baselines
     print(f"\n{'backend':24s} {'s/step':>8s} {'gen s/step':>11s} {'step x TRL':>11s} {'gen x TRL':>10s} {'reward':>7s}")
     for row in rows:
         print(
