@@ -195,7 +195,10 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         try:
             sources.append((str(path), OmegaConf.load(path)))
         except Exception as err:  # the YAML parser's own error types
-            raise ValueError(f"{path}: invalid YAML: {str(err).splitlines()[0]}") from None
+            mark = getattr(err, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"{where}: invalid YAML: {problem}") from None
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must be key=value, e.g. rollout.n=8")

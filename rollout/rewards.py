@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -68,6 +70,8 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
             "or give an import path as 'module:function'"
         )
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the `rollout` command: a module in this folder counts
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:

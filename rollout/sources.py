@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 
@@ -33,10 +34,22 @@ def _kind(name: str, short_names: tuple[str, ...]) -> str:
 
 
 def resolve_device(device: str) -> torch.device:
-    """`auto` is CUDA when there is a GPU, else the CPU."""
+    """`auto` is CUDA when there is a GPU, else the CPU; a CUDA device that is not there is a user error."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"model.device ({device!r}) is not a device: use cpu, cuda, cuda:N or auto") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"model.device is {device!r} but this torch ({torch.__version__}) sees no CUDA device: use "
+                "model.device=cpu, or auto (CUDA when there is one)"
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"model.device is {device!r} but there are {torch.cuda.device_count()} CUDA devices")
+    return resolved
 
 
 def load_model(name: str, dtype: str = "float32", device: str = "cpu", key: str = "model.name"):
@@ -100,6 +113,10 @@ def load_dataset(name: str, split: str = "eval", config_name: str | None = None,
         builder = DATA_FILE_BUILDERS.get(path.suffix)
         if builder is None:
             raise ValueError(f"data.dataset: {name}: unknown file type; use one of {', '.join(DATA_FILE_BUILDERS)}")
+        if not path.read_text().strip():
+            raise ValueError(f"data.dataset: {name} is empty: it needs one row per prompt")
+        if path.suffix == ".jsonl":
+            _check_jsonl(path)
         data = datasets.load_dataset(builder, data_files=str(path), split="train")
     elif kind == "path":
         data = datasets.load_from_disk(str(path))
@@ -112,3 +129,19 @@ def load_dataset(name: str, split: str = "eval", config_name: str | None = None,
     if num_prompts is not None:
         data = data.select(range(min(num_prompts, len(data))))
     return data
+
+
+def _check_jsonl(path: pathlib.Path) -> None:
+    """Every non-blank line is a JSON object; the first that is not is named with its line and column."""
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"data.dataset: {path}:{number}:{err.colno}: invalid JSON: {err.msg}") from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"data.dataset: {path}:{number}: a line must be a JSON object (one row), got {row!r:.40}"
+                )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 
 from rollout.batch import RolloutBatch
 from rollout.files import append_lines, prepare_output_dir, read_jsonl, write_atomic
@@ -29,6 +30,7 @@ from rollout.phases import PHASES, SUMMARY_KEYS, summarize
 from rollout.plots import plot_steps
 
 WANDB_MODES = ("offline", "online", "disabled")
+ONLINE_TIMEOUT_S = 15  # how long an online W&B run may take to start before the run falls back to offline
 PLOT_NAME = "rollout.png"
 
 
@@ -133,26 +135,12 @@ class RunTracker:
         self.wall_seconds = self.steps[-1]["elapsed"] if self.steps else 0.0
 
     def _start_wandb(self, mode: str, project: str, run_name: str | None):
-        if mode not in WANDB_MODES:
-            raise ValueError(f"logging.wandb_mode / WANDB_MODE ({mode!r}) must be one of {', '.join(WANDB_MODES)}")
-        if mode == "disabled":
-            return None
-        import wandb
-
-        wandb_dir = os.environ.get("WANDB_DIR") or str(self.output_dir)
-        pathlib.Path(wandb_dir).mkdir(parents=True, exist_ok=True)
-        run = wandb.init(
-            project=project,
-            name=run_name,
-            dir=wandb_dir,
-            mode=mode,
-            config=self.config,
-            settings=wandb.Settings(console="off", silent=True),
-        )
-        run.define_metric("step/index")
-        run.define_metric("step/*", step_metric="step/index")
-        run.define_metric("rollout/index")
-        run.define_metric("rollout/*", step_metric="rollout/index")
+        run = start_wandb_run(mode, project, run_name, self.output_dir, self.config)
+        if run is not None:
+            run.define_metric("step/index")
+            run.define_metric("step/*", step_metric="step/index")
+            run.define_metric("rollout/index")
+            run.define_metric("rollout/*", step_metric="rollout/index")
         return run
 
     @property
@@ -274,3 +262,51 @@ def _numeric_fields(record: dict, prefix: str) -> dict:
         elif isinstance(value, (int, float)):
             out[f"{prefix}{key}"] = value
     return out
+
+
+def _wandb_key() -> bool:
+    """Whether W&B has an API key: the environment or the netrc entry `wandb login` writes."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    import netrc
+
+    try:
+        entries = netrc.netrc().hosts
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+    return any("wandb" in host for host in entries)
+
+
+def start_wandb_run(mode: str, project: str, run_name: str | None, output_dir: pathlib.Path, config: dict):
+    """A W&B run in `WANDB_DIR` or `output_dir`; None when `mode` is "disabled". "online" without an API key, or
+    when the service cannot be reached within `ONLINE_TIMEOUT_S`, logs offline instead, with one line on stderr."""
+    if mode not in WANDB_MODES:
+        raise ValueError(f"logging.wandb_mode / WANDB_MODE ({mode!r}) must be one of {', '.join(WANDB_MODES)}")
+    if mode == "disabled":
+        return None
+    import wandb
+
+    wandb_dir = os.environ.get("WANDB_DIR") or str(output_dir)
+    pathlib.Path(wandb_dir).mkdir(parents=True, exist_ok=True)
+    if mode == "online" and not _wandb_key():
+        print("rollout: W&B online needs an API key (wandb login, WANDB_API_KEY): logging offline", file=sys.stderr)
+        mode = "offline"
+
+    def start(mode: str):
+        return wandb.init(
+            project=project,
+            name=run_name,
+            dir=wandb_dir,
+            mode=mode,
+            config=config,
+            settings=wandb.Settings(console="off", silent=True, init_timeout=ONLINE_TIMEOUT_S),
+        )
+
+    try:
+        return start(mode)
+    except Exception as err:  # no network, a refused key: the run goes on offline
+        if mode != "online":
+            raise
+        reason = " ".join(str(err).split())[:120]
+        print(f"rollout: W&B online failed ({reason}): logging offline (`wandb sync` uploads it)", file=sys.stderr)
+        return start("offline")

@@ -14,7 +14,6 @@ The recipe's model, data, sampling, spec, rollout and rewards sections mean what
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from rollout.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.recipe import Recipe, recipe_dict
 from rollout.rewards import WeightedReward, build_rewards
 from rollout.runs import load_inputs, recipe_spec
+from rollout.tracking import start_wandb_run
 
 # the per-step keys copied from the trainer's logs to train.jsonl (besides every rollout/ key)
 TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "learning_rate", "step_time", "completions/mean_length")
@@ -69,14 +69,6 @@ def run_training(recipe: Recipe) -> dict:
     )
     log = recipe.logging
     wandb_mode = os.environ.get("WANDB_MODE") or log.wandb_mode
-    if wandb_mode not in ("offline", "online", "disabled"):
-        raise ValueError(f"logging.wandb_mode / WANDB_MODE ({wandb_mode!r}) must be one of offline, online, disabled")
-    wandb_env = {
-        "WANDB_MODE": wandb_mode,
-        "WANDB_DIR": os.environ.get("WANDB_DIR") or str(output_dir),
-        "WANDB_PROJECT": os.environ.get("WANDB_PROJECT") or log.project,
-        "WANDB_SILENT": os.environ.get("WANDB_SILENT") or "true",
-    }
     record = StepLog(output_dir / "train.jsonl")
     trainer = trl.GRPOTrainer(
         model=inputs.model,
@@ -88,12 +80,14 @@ def run_training(recipe: Recipe) -> dict:
         callbacks=[record],
     )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; StepLog prints one line per step instead
+    # the trainer's W&B callback logs into the run already started (here: its folder and mode are ours to choose)
+    run = start_wandb_run(wandb_mode, log.project, log.run_name, output_dir, recipe_dict(recipe))
     start = time.perf_counter()
-    with _environment(wandb_env if wandb_mode != "disabled" else {}):
-        try:
-            trainer.train()
-        finally:
-            _finish_wandb()  # the trainer leaves its W&B run open until the process exits
+    try:
+        trainer.train()
+    finally:
+        if run is not None:
+            run.finish()  # the trainer would leave it open until the process exits
     wall = time.perf_counter() - start
     if recipe.train.save_model:
         trainer.save_model(str(output_dir / "model"))
@@ -136,29 +130,6 @@ def grpo_config(recipe: Recipe, report_to: str):
         run_name=recipe.logging.run_name,
         disable_tqdm=True,
     )
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    """Set environment variables for the block (the trainer's W&B callback reads them), then restore them."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _finish_wandb() -> None:
-    import sys
-
-    wandb = sys.modules.get("wandb")
-    if wandb is not None and wandb.run is not None:
-        wandb.run.finish()
 
 
 def _texts(rows: list[dict], d) -> list[str]:

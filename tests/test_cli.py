@@ -203,3 +203,57 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path):
     assert result.returncode == 2
     expected = f"rollout run: error: recipe file not found: {tmp_path / 'absent.yaml'}"
     assert result.stderr.strip().splitlines() == [expected]
+
+
+def test_more_user_errors_are_one_line_with_the_place(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert "empty.jsonl is empty" in _error(capsys, ["run", QUICKSTART, f"data.dataset={empty}"])
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "1 + 1", "answer": "2"}\n{"prompt": "2 + 2", "answer": 4\n')
+    assert f"{broken}:2:" in _error(capsys, ["run", QUICKSTART, f"data.dataset={broken}"])
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model:\n  name: tiny-target\n  dtype: [float32\n")
+    line = _error(capsys, ["run", str(bad_yaml)])
+    assert f"{bad_yaml}:4:1: invalid YAML" in line
+    if not __import__("torch").cuda.is_available():
+        line = _error(capsys, ["run", QUICKSTART, "model.device=cuda"])
+        assert "sees no CUDA device" in line and "model.device=cpu" in line
+    assert "temperature (nan)" in _error(capsys, ["run", QUICKSTART, "sampling.temperature=nan"])
+
+
+def test_wandb_online_without_a_key_logs_offline_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no key from `wandb login`
+    monkeypatch.setenv("NETRC", str(tmp_path / "absent-netrc"))
+    assert main(["run", QUICKSTART, *SMALL, f"output_dir={tmp_path / 'out'}"]) == 0
+    err = capsys.readouterr().err
+    assert "W&B online needs an API key" in err and "logging offline" in err
+    assert list((tmp_path / "out" / "wandb").glob("offline-run-*"))
+
+
+def test_a_module_function_reward_in_the_current_folder(tmp_path):
+    (tmp_path / "my_rewards.py").write_text("def short(completions, **kw):\n    return [1.0] * len(completions)\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("rewards:\n  - name: my_rewards:short\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from rollout.cli import main; sys.exit(main(sys.argv[1:]))",
+            "run",
+            str(recipe),
+            *SMALL,
+            "spec.method=null",
+            "logging.wandb_mode=disabled",
+            f"output_dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "PYTHONSAFEPATH": "1"},  # like the installed command: no '' on sys.path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "reward mean 1.000" in result.stdout

@@ -75,9 +75,10 @@ def test_run_makes_several_rollouts_on_one_generator(tmp_path, offline_wandb, ca
     assert main(["run", QUICKSTART_SUFFIX, *args]) == 0
     printed = capsys.readouterr().out
     assert all(f"rollout {i}: " in printed for i in range(3))
-    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")
+    rollouts = read_jsonl(tmp_path / "rollouts.jsonl")  # groups in the order they finished, rollout by rollout
     steps = read_jsonl(tmp_path / "steps.jsonl")
     assert [r["rollout"] for r in rollouts] == [0] * 4 + [1] * 4 + [2] * 4
+    rollouts.sort(key=lambda r: (r["rollout"], r["prompt_index"], r["sample_index"]))
     assert {s["rollout"] for s in steps} == {0, 1, 2}
     # prompts are taken in order and cycled: rollout 2 repeats rollout 0's prompts, with its own seed
     prompts = [r["prompt"] for r in rollouts]
