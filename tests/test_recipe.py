@@ -85,7 +85,7 @@ def test_bad_files(tmp_path):
         load_recipe(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  name: [unclosed\n")
-    with pytest.raises(ValueError, match="bad.yaml: invalid YAML"):
+    with pytest.raises(ValueError, match=r"bad.yaml:3:1: invalid YAML"):
         load_recipe(bad)
     nested = tmp_path / "nested.yaml"
     nested.write_text("rollout:\n  tail_fraction: high\n")
