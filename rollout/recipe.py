@@ -6,6 +6,7 @@ and by building the generator's own settings (`SamplingParams`, `SpecConfig`, th
 
 from __future__ import annotations
 
+import math
 import pathlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -267,6 +268,7 @@ def spec_config(recipe: Recipe, draft_model: Any = None, **changes) -> SpecConfi
 
 def check_recipe(recipe: Recipe) -> None:
     """Build the generator's settings from the recipe so that their errors come before any model loads."""
+    _check_finite(recipe_dict(recipe))
     sampling_params(recipe)
     spec = spec_config(recipe)
     table = spec.num_speculative_tokens_per_batch_size if spec is not None else None
@@ -275,3 +277,15 @@ def check_recipe(recipe: Recipe) -> None:
             TablePolicy(table, spec.num_speculative_tokens, recipe.rollout.max_batch_size)
         except ValueError as err:
             raise ValueError(f"spec: {err}") from None
+
+
+def _check_finite(values: Any, key: str = "") -> None:
+    """No setting may be NaN or infinite: name the first that is."""
+    if isinstance(values, dict):
+        for name, value in values.items():
+            _check_finite(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(values, list):
+        for index, value in enumerate(values):
+            _check_finite(value, f"{key}[{index}]")
+    elif isinstance(values, float) and not math.isfinite(values):
+        raise ValueError(f"{key} ({values}) must be a finite number")

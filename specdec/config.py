@@ -53,7 +53,12 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         methods = [self.method] if isinstance(self.method, str) else self.method
-        if not isinstance(methods, (list, tuple)) or not methods or len(set(methods)) != len(methods):
+        if (
+            not isinstance(methods, (list, tuple))
+            or not methods
+            or not all(isinstance(m, str) for m in methods)
+            or len(set(methods)) != len(methods)
+        ):
             raise ValueError(f"method ({self.method!r}) must be one of {', '.join(METHODS)} or a list of distinct ones")
         for method in methods:
             if method not in METHODS:
