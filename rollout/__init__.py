@@ -1,8 +1,25 @@
-"""Fast RL rollout generation with speculative decoding over Hugging Face causal LMs."""
+"""Fast RL rollout generation with speculative decoding over Hugging Face causal LMs.
 
-from rollout.batch import RolloutBatch
-from rollout.generator import Generator
-from rollout.loop import Rollout
-from rollout.sampling import Completion, SamplingParams
+The public names load on first use (PEP 562), so that the command line checks a recipe before torch and transformers
+are imported.
+"""
 
-__all__ = ["Completion", "Generator", "Rollout", "RolloutBatch", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "Completion": "rollout.sampling",
+    "Generator": "rollout.generator",
+    "Rollout": "rollout.loop",
+    "RolloutBatch": "rollout.batch",
+    "SamplingParams": "rollout.sampling",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'rollout' has no attribute {name!r}")

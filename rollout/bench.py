@@ -26,11 +26,17 @@ from rollout.sampling import SamplingParams
 BASELINE = "model.generate (padded)"
 
 
-def run_bench(recipe: Recipe) -> list[dict]:
-    """Run every row of the benchmark on the recipe's prompts; write bench.json; return the rows."""
+def run_bench(recipe: Recipe, log=None) -> list[dict]:
+    """Run every row of the benchmark on the recipe's prompts; write bench.json; return the rows. `log(line)` hears
+    of each configuration as it starts and ends (the command line prints them)."""
+    log = log or (lambda line: None)
     inputs = load_inputs(recipe)
     params = sampling_params(recipe)
-    rows = [_baseline_row(recipe, inputs, params)] if recipe.bench.baseline else []
+    rows = []
+    if recipe.bench.baseline:
+        log(f"[1] {BASELINE} ...")
+        rows.append(_baseline_row(recipe, inputs, params))
+        log(f"    {rows[-1]['seconds']:.1f} s, {rows[-1]['tokens_per_s']:.0f} tokens/s")
     method = recipe.spec.method if recipe.spec.method not in (None, "none") else "ngram"
     configured = None if recipe.spec.method in (None, "none") else recipe.spec
     plain_recipe_k = configured is not None and configured.num_speculative_tokens_per_batch_size is None
@@ -42,6 +48,7 @@ def run_bench(recipe: Recipe) -> list[dict]:
     if configured is not None and not (plain_recipe_k and configured.num_speculative_tokens in recipe.bench.static_k):
         runs.append((f"recipe ({_policy_name(configured)})", {}))
     for name, changes in runs:
+        log(f"[{len(rows) + 1}] {name} ...")
         spec = recipe_spec(recipe, **changes) if changes is not None else None
         rollout = make_rollout(recipe, inputs, spec)
         rollout.generator.generate(inputs.prompt_ids[:2], replace(params, n=1, max_new_tokens=8))  # warm-up
@@ -60,6 +67,7 @@ def run_bench(recipe: Recipe) -> list[dict]:
                 "reward_mean": batch.summary["reward_mean"],
             }
         )
+        log(f"    {seconds:.1f} s, {rows[-1]['tokens_per_s']:.0f} tokens/s, K {rows[-1]['mean_k']:.2f}")
     out = pathlib.Path(recipe.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     workload = {

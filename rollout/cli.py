@@ -34,11 +34,11 @@ def _setup(recipe_path: str, overrides: list[str]):
 
 
 def _run(args: argparse.Namespace) -> None:
+    recipe = _setup(args.recipe, args.overrides)  # a bad recipe is reported before torch is imported
     from rollout.phases import format_table, summarize
     from rollout.recipe import method_name
     from rollout.runs import run_recipe
 
-    recipe = _setup(args.recipe, args.overrides)
     spec = recipe.spec
     policy = method_name(spec.method)
     if policy != "none":
@@ -68,10 +68,10 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
+    recipe = _setup(args.recipe, args.overrides)
     from rollout.recipe import method_name
     from rollout.train import run_training
 
-    recipe = _setup(args.recipe, args.overrides)
     t = recipe.train
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs:g} epochs"
     print(
@@ -91,10 +91,10 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    recipe = _setup(args.recipe, args.overrides)
     from rollout.bench import format_bench, run_bench
 
-    recipe = _setup(args.recipe, args.overrides)
-    rows = run_bench(recipe)
+    rows = run_bench(recipe, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_bench(rows))
     print(f"rows written to {pathlib.Path(recipe.output_dir) / 'bench.json'}")
 

@@ -157,8 +157,12 @@ def test_bench_rows(tmp_path, capsys, monkeypatch):
         assert row["tokens"] > 0 and row["tokens_per_s"] == pytest.approx(row["tokens"] / row["seconds"])
     assert rows[0]["tokens_per_s_per_phase"] is None
     assert set(rows[1]["tokens_per_s_per_phase"]) == {"prefill", "bulk", "tail"}
-    out = capsys.readouterr().out
-    assert all(r["name"] in out for r in rows)
+    captured = capsys.readouterr()
+    assert all(r["name"] in captured.out for r in rows)
+    # progress: each configuration is announced on stderr as it starts, with its time when it ends
+    assert [line for line in captured.err.splitlines() if line.startswith("[")] == [
+        f"[{i + 1}] {r['name']} ..." for i, r in enumerate(rows)
+    ]
 
 
 def _error(capsys, argv: list[str]) -> str:
@@ -257,3 +261,16 @@ def test_a_module_function_reward_in_the_current_folder(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "reward mean 1.000" in result.stdout
+
+
+def test_a_bad_recipe_is_reported_before_torch_is_imported(tmp_path):
+    code = (
+        "import sys, time; start = time.perf_counter(); from rollout.cli import main; "
+        "rc = main(['run', sys.argv[1], 'rollout.n=0']); "
+        "print(rc, 'torch' in sys.modules, round(time.perf_counter() - start, 2))"
+    )
+    result = subprocess.run([sys.executable, "-c", code, QUICKSTART], capture_output=True, text=True, cwd=ROOT)
+    rc, torch_imported, seconds = result.stdout.split()
+    assert (rc, torch_imported) == ("2", "False"), result.stderr
+    assert float(seconds) < 2.0
+    assert result.stderr.strip() == "rollout run: error: rollout.n (0) must be >= 1: completions per prompt"
