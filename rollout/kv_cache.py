@@ -128,3 +128,31 @@ class SlotKVCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 op(layer.keys, layer.values, rows, base_positions, accepted_nodes)
+
+
+def kv_cache_bytes(model: torch.nn.Module, num_slots: int, num_positions: int) -> int:
+    """The bytes a `SlotKVCache` for `model` takes once every layer has written: keys and values of
+    `[num_slots, H_kv, num_positions + 1, D]` per layer, in the model's parameter dtype."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layer_types = getattr(config, "layer_types", None)
+    num_layers = len(layer_types) if layer_types is not None else config.num_hidden_layers
+    itemsize = next(model.parameters()).element_size()
+    return 2 * num_layers * num_slots * kv_heads * (num_positions + 1) * head_dim * itemsize
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new allocations on `device`: CUDA's own count, MemAvailable on a Linux CPU; None if unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

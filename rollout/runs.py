@@ -85,6 +85,11 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
     SIGTERM), the folder keeps what finished and a summary marked incomplete, and the exception goes on up."""
     inputs = load_inputs(recipe)
     rollout = make_rollout(recipe, inputs, recipe_spec(recipe))
+    gen = rollout.generator
+    print(
+        f"KV cache {gen.kv_cache_bytes / 2**20:.1f} MiB ({gen.max_batch_size} slots x {inputs.max_seq_len} tokens)",
+        flush=True,
+    )
     log = recipe.logging
     tracker = RunTracker(
         recipe.output_dir,

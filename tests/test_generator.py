@@ -314,3 +314,15 @@ def test_on_step_reports_every_step_and_the_finished_count():
     assert all(total == len(outs) == 10 for _, _, total in calls)
     done = [c[1] for c in calls]
     assert done == sorted(done) and done[-1] == 10 and done[0] < 10
+
+
+def test_the_kv_cache_is_planned_before_it_is_allocated():
+    model = make_model("qwen2", dtype=torch.float32)
+    gen = Generator(model, max_batch_size=3, max_seq_len=20)
+    gen.generate(random_prompts(2, seed=4), SamplingParams(temperature=0, max_new_tokens=3))
+    allocated = sum(layer.keys.nbytes + layer.values.nbytes for layer in gen.runner.cache.layers)
+    assert gen.kv_cache_bytes == allocated
+    with pytest.raises(
+        ValueError, match=r"the KV cache needs .* GiB \(10000000 slots .* largest max_batch_size that fits is \d+"
+    ):
+        Generator(model, max_batch_size=10**7, max_seq_len=2000)
