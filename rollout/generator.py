@@ -83,8 +83,8 @@ class Generator:
         # tokens fed per row per decode step: the pending token plus the largest K
         self.max_block = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         num_positions = max_seq_len + self.max_block
-        self.kv_cache_bytes = self._plan_memory(model, spec, max_batch_size, num_positions)
-        self.runner = ModelRunner(model, num_slots=max_batch_size, num_positions=num_positions)
+        self.runner = ModelRunner(model, num_slots=max_batch_size, num_positions=num_positions)  # checks the model
+        self.kv_cache_bytes = self._plan_memory(model, spec, max_batch_size, num_positions)  # allocated lazily
         self.device = self.runner.device
         self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
         self._methods = spec.methods if spec else ()
