@@ -134,7 +134,9 @@ def kv_cache_bytes(model: torch.nn.Module, num_slots: int, num_positions: int) -
     """The bytes a `SlotKVCache` for `model` takes once every layer has written: keys and values of
     `[num_slots, H_kv, num_positions + 1, D]` per layer, in the model's parameter dtype."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:  # no attention: such a model is refused when its runner is built
+        return 0
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layer_types = getattr(config, "layer_types", None)
