@@ -26,7 +26,7 @@ from transformers.trainer_callback import PrinterCallback
 from rollout.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.recipe import Recipe, recipe_dict
 from rollout.rewards import WeightedReward, build_rewards
-from rollout.runs import load_inputs, recipe_spec
+from rollout.runs import load_inputs, recipe_spec, stop_reason
 from rollout.tracking import start_wandb_run
 
 # the per-step keys copied from the trainer's logs to train.jsonl (besides every rollout/ key)
@@ -85,16 +85,26 @@ def run_training(recipe: Recipe) -> dict:
     start = time.perf_counter()
     try:
         trainer.train()
+    except BaseException as err:  # an error, Ctrl-C, SIGTERM: the steps so far are in train.jsonl; say so
+        _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot, stop_reason(err))
+        raise
     finally:
         if run is not None:
             run.finish()  # the trainer would leave it open until the process exits
-    wall = time.perf_counter() - start
     if recipe.train.save_model:
         trainer.save_model(str(output_dir / "model"))
-    summary = summarize_training(record.steps, wall)
+    return _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot)
+
+
+def _write_summary(steps: list[dict], wall: float, output_dir: pathlib.Path, plot: bool, stopped: str | None = None):
+    """summary.json (`complete: false` with the reason when the run was stopped) and the plot."""
+    summary = summarize_training(steps, wall)
+    summary["complete"] = stopped is None
+    if stopped is not None:
+        summary["incomplete_reason"] = stopped
     write_atomic(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-    if log.plot and record.steps:
-        summary["plot"] = str(plot_training(record.steps, output_dir / "train.png", title=str(output_dir)))
+    if plot and steps:
+        summary["plot"] = str(plot_training(steps, output_dir / "train.png", title=str(output_dir)))
     return summary
 
 
@@ -142,7 +152,10 @@ def _trl_reward(term: WeightedReward):
 
     def reward(completions, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: last message
-        values = term.fn(texts, **kwargs)
+        try:
+            values = term.fn(texts, **kwargs)
+        except Exception as err:  # one line naming the reward, as `rollout run` gives
+            raise ValueError(f"reward {term.name!r} raised {type(err).__name__}: {err}") from err
         return [term.weight * float(v) for v in values]
 
     reward.__name__ = term.name.replace(":", "_")

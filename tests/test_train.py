@@ -69,6 +69,29 @@ def test_train_writes_per_step_metrics_summary_plot_and_a_wandb_run(tmp_path, of
     assert [row["train/reward"] for row in logged] == pytest.approx([s["reward"] for s in steps])
 
 
+def failing_after_two_calls(completions, **kwargs):
+    """A reward for the test below: fine twice, then raises."""
+    failing_after_two_calls.calls = getattr(failing_after_two_calls, "calls", 0) + 1
+    if failing_after_two_calls.calls > 2:
+        raise RuntimeError("the reward server went away")
+    return [0.0] * len(completions)
+
+
+def test_a_failing_train_run_keeps_its_steps_and_says_it_is_incomplete(tmp_path, capsys):
+    pytest.importorskip("trl", reason="the trl extra is not installed")
+    failing_after_two_calls.calls = 0
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("rewards:\n  - name: test_train:failing_after_two_calls\n")
+    args = ["train.steps=4", "train.prompts_per_step=2", "rollout.n=2", "sampling.max_new_tokens=16"]
+    args += ["spec.method=null", "logging.wandb_mode=disabled", f"output_dir={tmp_path / 'out'}"]
+    code = main(["train", str(recipe), *args])
+    assert code == 2 and "the reward server went away" in capsys.readouterr().err
+    steps = read_jsonl(tmp_path / "out" / "train.jsonl")
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [s["step"] for s in steps] == [1, 2] and summary["num_steps"] == 2
+    assert summary["complete"] is False and "the reward server went away" in summary["incomplete_reason"]
+
+
 def test_run_makes_several_rollouts_on_one_generator(tmp_path, offline_wandb, capsys):
     args = ["rollout.num_rollouts=3", "rollout.prompts_per_rollout=2", "data.num_prompts=4", "rollout.n=2"]
     args += ["sampling.max_new_tokens=32", "logging.wandb_mode=disabled", f"output_dir={tmp_path}"]
