@@ -106,10 +106,10 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
     rows = list(inputs.data)
     per_rollout = recipe.rollout.prompts_per_rollout or len(rows)
     history = rollout.generator.draft_history
-    if recipe.resume and history is not None:  # the drafting history of what is on disk
-        for record in tracker.kept_records:
-            row = (record["rollout"] * per_rollout + record["prompt_index"]) % len(rows)
-            history.add_responses([inputs.prompt_ids[row]], [record["completion_ids"]])
+    if recipe.resume and history is not None and tracker.kept_records:  # the drafting history of what is on disk
+        kept = tracker.kept_records
+        rows_of = [(r["rollout"] * per_rollout + r["prompt_index"]) % len(rows) for r in kept]
+        history.add_responses([inputs.prompt_ids[i] for i in rows_of], [r["completion_ids"] for r in kept])
     progress = Progress(enabled=None if log.progress else False)
     try:
         for index in range(recipe.rollout.num_rollouts):

@@ -41,8 +41,6 @@ def run_training(recipe: Recipe) -> dict:
         raise ValueError(
             "rollout train needs TRL: install the trl extra (pip install 'rollout[trl]', as the README's command does)"
         ) from None
-    from datasets import Dataset
-
     from rollout.integrations.trl import trl_rollout_func
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -52,15 +50,7 @@ def run_training(recipe: Recipe) -> dict:
     from omegaconf import OmegaConf
 
     write_atomic(output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(recipe_dict(recipe))))
-    d = recipe.data
-    rows = list(inputs.data)
-    if d.chat_template:  # conversational: TRL's path applies the chat template, as it would for its own generation
-        system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
-        prompts = [system + [{"role": "user", "content": text}] for text in _texts(rows, d)]
-    else:
-        prompts = inputs.prompts
-    columns = {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"}
-    dataset = Dataset.from_dict({"prompt": prompts, **columns})
+    dataset = trl_dataset(recipe, inputs)
     func = trl_rollout_func(
         spec=recipe_spec(recipe),
         max_batch_size=recipe.rollout.max_batch_size,
@@ -106,6 +96,22 @@ def _write_summary(steps: list[dict], wall: float, output_dir: pathlib.Path, plo
     if plot and steps:
         summary["plot"] = str(plot_training(steps, output_dir / "train.png", title=str(output_dir)))
     return summary
+
+
+def trl_dataset(recipe: Recipe, inputs):
+    """The recipe's prompts as TRL's train_dataset: a `prompt` column (the formatted text, or chat messages when the
+    recipe uses the chat template, so that TRL's path applies it) and every other column of the data."""
+    from datasets import Dataset
+
+    d = recipe.data
+    rows = list(inputs.data)
+    if d.chat_template:
+        system = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+        prompts = [system + [{"role": "user", "content": text}] for text in _texts(rows, d)]
+    else:
+        prompts = inputs.prompts
+    columns = {name: [row[name] for row in rows] for name in rows[0] if name != "prompt"}
+    return Dataset.from_dict({"prompt": prompts, **columns})
 
 
 def grpo_config(recipe: Recipe, report_to: str):

@@ -34,14 +34,10 @@ def run(name: str, rollout_func, recipe) -> dict:
 
     from rollout.rewards import build_rewards
     from rollout.runs import load_inputs
-    from rollout.train import _trl_reward, grpo_config
+    from rollout.train import _trl_reward, grpo_config, trl_dataset
 
     inputs = load_inputs(recipe)
-    from datasets import Dataset
-
-    rows = list(inputs.data)
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    dataset = Dataset.from_dict({"prompt": inputs.prompts, **columns})
+    dataset = trl_dataset(recipe, inputs)
     terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
     trainer = GRPOTrainer(
         model=inputs.model,
