@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,8 @@ SAMPLE_FIELDS = (
 def group_advantages(
     rewards: Tensor, group_index: Tensor, eps: float = 1e-4, scale: bool = True, std: str = "population"
 ) -> Tensor:
-    """GRPO advantages: `(r - mean of its group) / (std of its group + eps)`.
+    """GRPO advantages: `(r - mean of its group) / (std of its group + eps)`, over the finite rewards of each group;
+    a sample whose reward is non-finite (missing) gets advantage 0 and does not count in its group's mean and std.
 
     Args:
         rewards: `[num_samples]` rewards.
@@ -39,17 +41,19 @@ def group_advantages(
     if std not in ("population", "sample"):
         raise ValueError(f"std ({std!r}) must be 'population' (ddof 0) or 'sample' (ddof 1, as TRL computes it)")
     rewards = rewards.to(torch.float64)
+    valid = rewards.isfinite()
+    rewards = torch.where(valid, rewards, 0.0)
     _, inverse = torch.unique(group_index, return_inverse=True)
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
-    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(rewards))
-    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, rewards) / count
-    centred = rewards - mean[inverse]
+    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, valid.to(torch.float64))
+    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, rewards) / count.clamp(min=1)
+    centred = torch.where(valid, rewards - mean[inverse], 0.0)
     if not scale:
         return centred
     ddof = 0 if std == "population" else 1
     squares = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, centred**2)
     var = squares / (count - ddof).clamp(min=1)
-    return centred / (var.sqrt()[inverse] + eps)
+    return torch.where(centred == 0, 0.0, centred / (var.sqrt()[inverse] + eps))  # no deviation: 0, even at eps 0
 
 
 @dataclass
@@ -69,8 +73,10 @@ class RolloutBatch:
     completion_ids: list[list[int]]
     logprobs: list[list[float]]
     finish_reason: list[str]  # "stop" (EOS or a stop id) | "length" (hit max_new_tokens)
-    reward: list[float] | None  # the weighted sum of the reward terms; None when the rollout scored nothing
-    reward_terms: dict[str, list[float]] = field(default_factory=dict)  # each term's unweighted rewards
+    # the weighted sum of the reward terms; None when the rollout scored nothing; an entry is None where a reward was
+    # non-finite and the Rollout records such samples as null (`non_finite_rewards="null"`)
+    reward: list[float | None] | None
+    reward_terms: dict[str, list[float | None]] = field(default_factory=dict)  # each term's unweighted rewards
     pad_token_id: int = 0  # what `to_padded` pads ids with
     steps: list[dict] = field(default_factory=list)  # the step trace, phases relabelled, with `elapsed`
     summary: dict = field(default_factory=dict)  # `rollout.phases.summarize(steps)`
@@ -88,7 +94,7 @@ class RolloutBatch:
         return sum(len(ids) for ids in self.completion_ids)
 
     def advantages(self, eps: float = 1e-4, scale: bool = True, std: str = "population") -> Tensor:
-        """`[num_samples]` GRPO group-normalised advantages of `reward` (see `group_advantages`)."""
+        """`[num_samples]` GRPO group-normalised advantages of `reward` (see `group_advantages`); 0 where it is None."""
         if self.reward is None:
             raise ValueError(
                 "this batch has no rewards (its Rollout was built with rewards=None): set batch.reward to one float "
@@ -96,7 +102,8 @@ class RolloutBatch:
             )
         if len(self.reward) != len(self):
             raise ValueError(f"batch.reward holds {len(self.reward)} values for {len(self)} samples: give one each")
-        return group_advantages(torch.tensor(self.reward), torch.tensor(self.group_index), eps, scale, std)
+        rewards = torch.tensor([math.nan if r is None else r for r in self.reward], dtype=torch.float64)
+        return group_advantages(rewards, torch.tensor(self.group_index), eps, scale, std)
 
     def to_padded(self, pad_token_id: int | None = None) -> dict[str, Tensor]:
         """Padded tensors, TRL's layout: prompts padded on the LEFT, completions on the RIGHT, so that
@@ -106,7 +113,8 @@ class RolloutBatch:
             prompt_ids `[N, P]` long, padded with `pad_token_id`; prompt_mask `[N, P]` long, 1 = token, 0 = pad;
             completion_ids `[N, C]` long, padded with `pad_token_id`; completion_mask `[N, C]` long, 1 = token;
             logprobs `[N, C]` float32, 0.0 at padding; group_index `[N]` long; truncated `[N]` bool; and when the
-            batch has rewards, rewards `[N]` float32 and advantages `[N]` float32 (population std). P and C are the
+            batch has rewards, rewards `[N]` float32 (0.0 where a reward is None), reward_mask `[N]` bool (False
+            there) and advantages `[N]` float32 (population std; 0.0 where a reward is None). P and C are the
             longest prompt and completion.
         """
         pad = self.pad_token_id if pad_token_id is None else pad_token_id
@@ -135,7 +143,8 @@ class RolloutBatch:
             "truncated": torch.tensor(self.truncated, dtype=torch.bool),
         }
         if self.reward is not None:
-            tensors["rewards"] = torch.tensor(self.reward, dtype=torch.float32)
+            tensors["rewards"] = torch.tensor([0.0 if r is None else r for r in self.reward], dtype=torch.float32)
+            tensors["reward_mask"] = torch.tensor([r is not None for r in self.reward], dtype=torch.bool)
             tensors["advantages"] = self.advantages().to(torch.float32)
         return tensors
 

@@ -20,7 +20,7 @@ from rollout.files import write_atomic
 from rollout.phases import PHASES
 from rollout.recipe import Recipe, method_name, sampling_params
 from rollout.rewards import build_rewards, score
-from rollout.runs import RecipeInputs, load_inputs, make_rollout, recipe_spec
+from rollout.runs import RecipeInputs, batch_size, load_inputs, make_rollout, recipe_spec
 from rollout.sampling import SamplingParams
 
 BASELINE = "model.generate (padded)"
@@ -77,7 +77,7 @@ def run_bench(recipe: Recipe, log=None) -> list[dict]:
         "n": recipe.rollout.n,
         "max_new_tokens": recipe.sampling.max_new_tokens,
         "temperature": recipe.sampling.temperature,
-        "max_batch_size": recipe.rollout.max_batch_size,
+        "max_batch_size": batch_size(recipe, inputs, None),
         "threads": torch.get_num_threads(),
     }
     write_atomic(out / "bench.json", json.dumps({"workload": workload, "rows": rows}, indent=2) + "\n")
@@ -98,7 +98,7 @@ def _baseline_row(recipe: Recipe, inputs: RecipeInputs, params: SamplingParams) 
     stop_ids = set([eos] if isinstance(eos, int) else (eos or [])) | set(params.stop_token_ids or [])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
     prompts = [p for p in inputs.prompt_ids for _ in range(params.n)]
-    size = recipe.rollout.max_batch_size
+    size = batch_size(recipe, inputs, None)
     sampling = dict(do_sample=params.temperature > 0, max_new_tokens=params.max_new_tokens, pad_token_id=pad)
     if params.temperature > 0:
         sampling.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)

@@ -61,6 +61,11 @@ def _run(args: argparse.Namespace) -> None:
     print(format_table(summary))
     print(
         f"{summary['num_samples']} samples, reward mean {summary['reward_mean']:.3f}, {summary['wall_seconds']:.2f} s"
+        + (
+            f" ({summary['num_null_rewards']} non-finite rewards recorded as null)"
+            if summary["num_null_rewards"]
+            else ""
+        )
     )
     print(f"output: {tracker.output_dir}")
     if tracker.wandb_dir is not None:

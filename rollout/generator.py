@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from rollout.kv_cache import free_memory, kv_cache_bytes
+from rollout.memory_plan import check_kv_cache_fits
 from rollout.model_runner import ModelRunner, eval_mode
 from rollout.sampling import Completion, SamplingParams
 from rollout.sequence import Sequence
@@ -84,7 +84,7 @@ class Generator:
         self.max_block = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         num_positions = max_seq_len + self.max_block
         self.runner = ModelRunner(model, num_slots=max_batch_size, num_positions=num_positions)  # checks the model
-        self.kv_cache_bytes = self._plan_memory(model, spec, max_batch_size, num_positions)  # allocated lazily
+        self.kv_cache_bytes = check_kv_cache_fits(model, spec, max_batch_size, max_seq_len)  # allocated lazily
         self.device = self.runner.device
         self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
         self._methods = spec.methods if spec else ()
@@ -101,25 +101,6 @@ class Generator:
             warm_up(self, self.policy)
             self.proposers.reset()  # the warm-up's random rows are no drafting material
             self.warm_up_seconds = time.perf_counter() - start
-
-    @staticmethod
-    def _plan_memory(model, spec: SpecConfig | None, max_batch_size: int, num_positions: int) -> int:
-        """The KV caches' bytes (target, and a draft model given as a module), refused before any allocation when
-        they do not fit the device's free memory, with the largest max_batch_size that does."""
-        models = [model]
-        if spec is not None and isinstance(spec.model, torch.nn.Module):
-            models.append(spec.model)
-        per_slot = sum(kv_cache_bytes(m, 1, num_positions) for m in models)
-        device = next(model.parameters()).device
-        free = free_memory(device)
-        usable = int(0.9 * free) if free is not None else None  # leave room for activations and logits
-        if usable is not None and per_slot * max_batch_size > usable:
-            raise ValueError(
-                f"the KV cache needs {per_slot * max_batch_size / 2**30:.2f} GiB ({max_batch_size} slots x "
-                f"{num_positions} positions) but {device} has {free / 2**30:.2f} GiB free: the largest "
-                f"max_batch_size that fits is {usable // per_slot}; lower max_batch_size or max_seq_len"
-            )
-        return per_slot * max_batch_size
 
     @property
     def vocab_size(self) -> int:

@@ -133,7 +133,14 @@ class SlotKVCache(Cache):
 def kv_cache_bytes(model: torch.nn.Module, num_slots: int, num_positions: int) -> int:
     """The bytes a `SlotKVCache` for `model` takes once every layer has written: keys and values of
     `[num_slots, H_kv, num_positions + 1, D]` per layer, in the model's parameter dtype."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    itemsize = next(model.parameters()).element_size()
+    return kv_cache_bytes_from_config(model.config, itemsize, num_slots, num_positions)
+
+
+def kv_cache_bytes_from_config(config, itemsize: int, num_slots: int, num_positions: int) -> int:
+    """`kv_cache_bytes` from a model's config alone (nothing loaded), with `itemsize` bytes per value."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)
     if not heads:  # no attention: such a model is refused when its runner is built
         return 0
@@ -141,7 +148,6 @@ def kv_cache_bytes(model: torch.nn.Module, num_slots: int, num_positions: int) -
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     layer_types = getattr(config, "layer_types", None)
     num_layers = len(layer_types) if layer_types is not None else config.num_hidden_layers
-    itemsize = next(model.parameters()).element_size()
     return 2 * num_layers * num_slots * kv_heads * (num_positions + 1) * head_dim * itemsize
 
 

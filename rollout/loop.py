@@ -18,7 +18,7 @@ from rollout.batch import SAMPLE_FIELDS, RolloutBatch
 from rollout.generator import Generator
 from rollout.phases import PhaseLabeler, summarize
 from rollout.prompts import PromptFormatter, check_prompt_column, prompt_kind
-from rollout.rewards import RewardFn, WeightedReward, build_rewards, score
+from rollout.rewards import RewardFn, WeightedReward, build_rewards, mean_reward, score
 from rollout.sampling import Completion, SamplingParams
 from specdec.config import SpecConfig
 
@@ -45,6 +45,9 @@ class Rollout:
         max_seq_len: prompt + completion tokens a sequence may hold.
         prompt_column, template, chat_template, system_prompt: prompt formatting (see `PromptFormatter`).
         tail_fraction: decode steps whose batch is below this fraction of the peak decode batch are `tail`.
+        non_finite_rewards_as_null: False: a NaN or infinite reward stops the call, naming the reward and the
+            prompt; True: the sample's reward is None, its advantage 0, and the summary counts it in
+            `num_null_rewards`.
     """
 
     def __init__(
@@ -62,7 +65,9 @@ class Rollout:
         chat_template: bool = False,
         system_prompt: str | None = None,
         tail_fraction: float = 0.25,
+        non_finite_rewards_as_null: bool = False,
     ):
+        self.non_finite_rewards_as_null = bool(non_finite_rewards_as_null)
         self.tokenizer = tokenizer
         self.sampling = sampling if sampling is not None else SamplingParams()
         if isinstance(rewards, str) or callable(rewards):  # one reward given bare, not in a list
@@ -126,8 +131,9 @@ class Rollout:
         batch = concat_groups([groups[i] for i in range(len(rows))], self.pad_token_id)
         summary = summarize(steps)
         reward = batch.reward
-        summary["reward_mean"] = sum(reward) / len(reward) if reward else None
-        summary["reward_terms"] = {name: sum(v) / len(v) for name, v in batch.reward_terms.items()}
+        summary["reward_mean"] = mean_reward(reward) if reward else None
+        summary["reward_terms"] = {name: mean_reward(v) for name, v in batch.reward_terms.items()}
+        summary["num_null_rewards"] = sum(r is None for r in reward) if reward else 0
         summary["wall_seconds"] = steps[-1]["elapsed"] if steps else 0.0
         summary["num_samples"] = len(batch)
         batch.steps, batch.summary = steps, summary
@@ -143,7 +149,7 @@ class Rollout:
             columns["completion_ids"] = [o.token_ids for o in outs]
             columns["finish_reasons"] = [o.finish_reason for o in outs]
             try:
-                reward, terms = score(self.rewards, completions, columns)
+                reward, terms = score(self.rewards, completions, columns, self.non_finite_rewards_as_null)
             except ValueError as err:
                 raise ValueError(f"prompt {index}: {err}") from None
             except Exception as err:  # a reward's own bug: name it, the prompt and the exception

@@ -80,18 +80,24 @@ class SpecRecipe:
 @dataclass
 class RolloutRecipe:
     n: int = 4  # completions per prompt (GRPO group size)
-    max_batch_size: int = 64  # generator slots: sequences decoded at once
+    max_batch_size: Any = 64  # generator slots: sequences decoded at once; auto = a whole rollout, lowered to fit
     max_seq_len: int | None = None  # prompt + completion cap; null = longest prompt + sampling.max_new_tokens
     tail_fraction: float = 0.25  # decode steps with batch < tail_fraction * peak decode batch are the tail phase
     num_rollouts: int = 1  # rollout run: rollouts made one after another (drafting history grows between them)
     prompts_per_rollout: int | None = None  # prompts per rollout, taken in order and cycled; null = all of them
+    non_finite_rewards_as_null: bool = False  # a NaN/inf reward: false = stop, naming it; true = record it as null
 
     def __post_init__(self) -> None:
         _require(self.num_rollouts >= 1, f"rollout.num_rollouts ({self.num_rollouts}) must be >= 1")
         p = self.prompts_per_rollout
         _require(p is None or p >= 1, f"rollout.prompts_per_rollout ({p}) must be >= 1, or null for all prompts")
         _require(self.n >= 1, f"rollout.n ({self.n}) must be >= 1: completions per prompt")
-        _require(self.max_batch_size >= 1, f"rollout.max_batch_size ({self.max_batch_size}) must be >= 1")
+        size = self.max_batch_size
+        _require(
+            size == "auto" or (isinstance(size, int) and not isinstance(size, bool) and size >= 1),
+            f"rollout.max_batch_size ({size!r}) must be an integer >= 1, or auto (every sequence of a rollout at "
+            "once, lowered to what the free memory holds)",
+        )
         _require(
             0.0 <= self.tail_fraction <= 1.0,
             f"rollout.tail_fraction ({self.tail_fraction}) must be in [0, 1], e.g. 0.25 (0 = no tail phase)",
@@ -272,7 +278,7 @@ def check_recipe(recipe: Recipe) -> None:
     sampling_params(recipe)
     spec = spec_config(recipe)
     table = spec.num_speculative_tokens_per_batch_size if spec is not None else None
-    if isinstance(table, (list, tuple)):
+    if isinstance(table, (list, tuple)) and recipe.rollout.max_batch_size != "auto":  # auto: checked once resolved
         try:
             TablePolicy(table, spec.num_speculative_tokens, recipe.rollout.max_batch_size)
         except ValueError as err:

@@ -103,20 +103,28 @@ def build_rewards(specs: Sequence[tuple[str | RewardFn, float]]) -> list[Weighte
     return terms
 
 
+def mean_reward(values: Sequence[float | None]) -> float | None:
+    """The mean of the rewards that are not None (None if there are none)."""
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
 def score(
-    terms: Sequence[WeightedReward], completions: list[str], columns: dict[str, list]
-) -> tuple[list[float], dict[str, list[float]]]:
+    terms: Sequence[WeightedReward], completions: list[str], columns: dict[str, list], non_finite_as_null: bool = False
+) -> tuple[list[float | None], dict[str, list[float | None]]]:
     """Run every reward term over the completions.
 
     Args:
         terms: the reward terms.
         completions: decoded completion texts, one per sample.
         columns: keyword arguments for the reward functions, each a list with one entry per sample.
+        non_finite_as_null: False raises on a NaN or infinite reward; True records it as None, and the sample's
+            total too.
     Returns:
         (total, per_term): the weighted sum per sample, and each term's unweighted rewards by term name.
     """
-    total = [0.0] * len(completions)
-    per_term: dict[str, list[float]] = {}
+    total: list[float | None] = [0.0] * len(completions)
+    per_term: dict[str, list[float | None]] = {}
     for term in terms:
         try:
             values = term.fn(completions, **columns)
@@ -129,11 +137,12 @@ def score(
             raise ValueError(f"reward {term.name!r} returned {got} for {len(completions)} completions: return one each")
         values = [float(v) for v in values]
         bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
-        if bad:
+        if bad and not non_finite_as_null:
             raise ValueError(
                 f"reward {term.name!r} returned {values[bad[0]]} for sample {bad[0]} ({len(bad)} non-finite values): "
-                "a reward must be a finite number"
+                "a reward must be a finite number (or set non_finite_rewards_as_null to record such samples as null)"
             )
-        per_term[term.name] = values
-        total = [t + term.weight * v for t, v in zip(total, values)]
+        kept = [v if math.isfinite(v) else None for v in values]
+        per_term[term.name] = kept
+        total = [None if t is None or v is None else t + term.weight * v for t, v in zip(total, kept)]
     return total, per_term

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.loop import Rollout
+from rollout.memory_plan import fitting_batch_size
 from rollout.progress import Progress
 from rollout.prompts import PromptFormatter, check_prompt_column
 from rollout.recipe import Recipe, recipe_dict, sampling_params, spec_config
@@ -58,6 +59,16 @@ def recipe_spec(recipe: Recipe, **changes) -> SpecConfig | None:
     return spec_config(recipe, draft_model=draft if not isinstance(draft, str) else None, **changes)
 
 
+def batch_size(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) -> int:
+    """rollout.max_batch_size; for auto, every sequence of one rollout (prompts per rollout x n) at once, lowered to
+    the largest size whose KV caches fit the device's free memory."""
+    size = recipe.rollout.max_batch_size
+    if size != "auto":
+        return size
+    num_prompts = min(recipe.rollout.prompts_per_rollout or len(inputs.prompt_ids), len(inputs.prompt_ids))
+    return fitting_batch_size(inputs.model, spec, inputs.max_seq_len, num_prompts * recipe.rollout.n)
+
+
 def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) -> Rollout:
     """The rollout loop over the loaded model, with `spec` for speculation (None: plain decoding)."""
     d = recipe.data
@@ -67,13 +78,14 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) 
         rewards=[(r.name, r.weight) for r in recipe.rewards],
         sampling=sampling_params(recipe),
         spec=spec,
-        max_batch_size=recipe.rollout.max_batch_size,
+        max_batch_size=batch_size(recipe, inputs, spec),
         max_seq_len=inputs.max_seq_len,
         prompt_column=d.prompt_column,
         template=d.template,
         chat_template=d.chat_template,
         system_prompt=d.system_prompt,
         tail_fraction=recipe.rollout.tail_fraction,
+        non_finite_rewards_as_null=recipe.rollout.non_finite_rewards_as_null,
     )
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pathlib
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from rollout.kv_cache import kv_cache_bytes, kv_cache_bytes_from_config
 from rollout.model_runner import ModelRunner
 from specdec.auto_policy import AutoPolicy
 from specdec.config import SpecConfig
@@ -81,6 +82,23 @@ def load_draft_model(model, target: ModelRunner) -> PreTrainedModel:
     """A loaded model as is; a shipped short name or a local path loaded in the target's dtype, on its device."""
     if isinstance(model, PreTrainedModel):
         return model.eval()
+    draft = AutoModelForCausalLM.from_pretrained(_draft_path(model), dtype=target.dtype, attn_implementation="sdpa")
+    return draft.to(target.device).eval()
+
+
+def draft_kv_bytes_per_slot(spec: SpecConfig | None, itemsize: int, num_positions: int) -> int:
+    """KV-cache bytes per slot of the spec's draft model (0 without one), from its config: nothing is loaded. A
+    draft loaded by name takes the target's dtype, hence `itemsize` (the target's); a loaded one keeps its own."""
+    if spec is None or "draft_model" not in spec.methods:
+        return 0
+    if isinstance(spec.model, torch.nn.Module):
+        return kv_cache_bytes(spec.model, 1, num_positions)
+    config = AutoConfig.from_pretrained(_draft_path(spec.model))
+    return kv_cache_bytes_from_config(config, itemsize, 1, num_positions)
+
+
+def _draft_path(model) -> pathlib.Path:
+    """The folder of a draft model named by a shipped short name or a local path."""
     if not isinstance(model, (str, pathlib.Path)):
         raise ValueError(f"spec.model ({model!r}) must be a path, a shipped short name or a loaded model")
     from rollout import zoo
@@ -88,5 +106,4 @@ def load_draft_model(model, target: ModelRunner) -> PreTrainedModel:
     path = zoo.model_path(model) if str(model) in zoo.MODEL_NAMES else pathlib.Path(model)
     if not path.exists():
         raise ValueError(f"spec.model ({model!r}) is neither a shipped model ({', '.join(zoo.MODEL_NAMES)}) nor a path")
-    draft = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype, attn_implementation="sdpa")
-    return draft.to(target.device).eval()
+    return path

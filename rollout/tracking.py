@@ -28,6 +28,7 @@ from rollout.batch import RolloutBatch
 from rollout.files import append_lines, prepare_output_dir, read_jsonl, write_atomic
 from rollout.phases import PHASES, SUMMARY_KEYS, summarize
 from rollout.plots import plot_steps
+from rollout.rewards import mean_reward
 
 WANDB_MODES = ("offline", "online", "disabled")
 ONLINE_TIMEOUT_S = 15  # how long an online W&B run may take to start before the run falls back to offline
@@ -81,8 +82,8 @@ class RunTracker:
 
             write_atomic(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)))
         self.steps: list[dict] = []
-        self.rewards: list[float] = []
-        self.reward_terms: dict[str, list[float]] = {}
+        self.rewards: list[float | None] = []  # None: a non-finite reward recorded as null
+        self.reward_terms: dict[str, list[float | None]] = {}
         self.num_rollouts = 0
         self.num_samples = 0
         self.wall_seconds = 0.0
@@ -123,8 +124,8 @@ class RunTracker:
             self.done.setdefault(rollout, set()).add(prompt_index)
         self.kept_records = kept
         for r in kept:
-            if r.get("reward") is not None:
-                self.rewards.append(r["reward"])
+            if r.get("reward") is not None or any(k.startswith("reward_") for k in r):  # scored (null: non-finite)
+                self.rewards.append(r.get("reward"))
             for name in [k[len("reward_") :] for k in r if k.startswith("reward_")]:
                 self.reward_terms.setdefault(name, []).append(r[f"reward_{name}"])
         self.num_samples = len(kept)
@@ -220,8 +221,9 @@ class RunTracker:
     def summary(self) -> dict:
         """The run's summary.json: per-phase and total stats over every step so far, and reward means."""
         summary = summarize(self.steps)
-        summary["reward_mean"] = sum(self.rewards) / len(self.rewards) if self.rewards else 0.0
-        summary["reward_terms"] = {name: sum(v) / len(v) for name, v in self.reward_terms.items()}
+        summary["reward_mean"] = mean_reward(self.rewards) or 0.0
+        summary["reward_terms"] = {name: mean_reward(v) for name, v in self.reward_terms.items()}
+        summary["num_null_rewards"] = sum(r is None for r in self.rewards)
         summary["wall_seconds"] = self.wall_seconds
         summary["num_samples"] = self.num_samples
         summary["num_rollouts"] = self.num_rollouts

@@ -53,7 +53,7 @@ def run_training(recipe: Recipe) -> dict:
     dataset = trl_dataset(recipe, inputs)
     func = trl_rollout_func(
         spec=recipe_spec(recipe),
-        max_batch_size=recipe.rollout.max_batch_size,
+        max_batch_size=None if recipe.rollout.max_batch_size == "auto" else recipe.rollout.max_batch_size,
         max_seq_len=inputs.max_seq_len,
         tail_fraction=recipe.rollout.tail_fraction,
     )
@@ -62,7 +62,7 @@ def run_training(recipe: Recipe) -> dict:
     record = StepLog(output_dir / "train.jsonl")
     trainer = trl.GRPOTrainer(
         model=inputs.model,
-        reward_funcs=[_trl_reward(term) for term in terms],
+        reward_funcs=[_trl_reward(term, recipe.rollout.non_finite_rewards_as_null) for term in terms],
         args=grpo_config(recipe, report_to="none" if wandb_mode == "disabled" else "wandb"),
         train_dataset=dataset,
         processing_class=inputs.tokenizer,
@@ -153,8 +153,10 @@ def _texts(rows: list[dict], d) -> list[str]:
     return [d.template.format(**row) if d.template is not None else str(row[d.prompt_column]) for row in rows]
 
 
-def _trl_reward(term: WeightedReward):
-    """A TRL reward function for one of the recipe's rewards (weight applied: TRL sums the functions' values)."""
+def _trl_reward(term: WeightedReward, as_null: bool):
+    """A TRL reward function for one of the recipe's rewards (weight applied: TRL sums the functions' values). A
+    non-finite value stops the run naming the reward, or with `as_null` goes to TRL as None, which it leaves out of
+    the sums."""
 
     def reward(completions, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: last message
@@ -162,7 +164,14 @@ def _trl_reward(term: WeightedReward):
             values = term.fn(texts, **kwargs)
         except Exception as err:  # one line naming the reward, as `rollout run` gives
             raise ValueError(f"reward {term.name!r} raised {type(err).__name__}: {err}") from err
-        return [term.weight * float(v) for v in values]
+        values = [float(v) for v in values]
+        bad = [v for v in values if not math.isfinite(v)]
+        if bad and not as_null:
+            raise ValueError(
+                f"reward {term.name!r} returned {bad[0]} ({len(bad)} non-finite values): a reward must be a finite "
+                "number (or set rollout.non_finite_rewards_as_null=true to record such samples as null)"
+            )
+        return [term.weight * v if math.isfinite(v) else None for v in values]
 
     reward.__name__ = term.name.replace(":", "_")
     return reward

@@ -224,6 +224,15 @@ def test_more_user_errors_are_one_line_with_the_place(tmp_path, capsys):
         line = _error(capsys, ["run", QUICKSTART, "model.device=cuda"])
         assert "sees no CUDA device" in line and "model.device=cpu" in line
     assert "temperature (nan)" in _error(capsys, ["run", QUICKSTART, "sampling.temperature=nan"])
+    for bad in ("0", "many", "true"):
+        assert "rollout.max_batch_size" in _error(capsys, ["run", QUICKSTART, f"rollout.max_batch_size={bad}"])
+
+
+def test_max_batch_size_auto_takes_a_whole_rollout(tmp_path, capsys):
+    small = [s for s in SMALL if not s.startswith("rollout.max_batch_size")]
+    argv = ["run", QUICKSTART, *small, "rollout.max_batch_size=auto", "logging.wandb_mode=disabled"]
+    assert main([*argv, f"output_dir={tmp_path / 'out'}"]) == 0
+    assert "(6 slots x" in capsys.readouterr().out  # 3 prompts x n=2
 
 
 def test_wandb_online_without_a_key_logs_offline_with_one_line(tmp_path, monkeypatch, capsys):
@@ -261,6 +270,25 @@ def test_a_module_function_reward_in_the_current_folder(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "reward mean 1.000" in result.stdout
+
+
+def test_non_finite_rewards_stop_the_run_or_are_recorded_as_null(tmp_path, capsys, monkeypatch):
+    (tmp_path / "nan_rewards.py").write_text(
+        "def first_nan(completions, **kw):\n    return [float('nan')] + [1.0] * (len(completions) - 1)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["run", QUICKSTART, *SMALL, "rewards=[{name: 'nan_rewards:first_nan'}]", "logging.wandb_mode=disabled"]
+    line = _error(capsys, [*argv, f"output_dir={tmp_path / 'a'}"])
+    assert "prompt 0" in line and "nan_rewards:first_nan" in line and "non_finite_rewards_as_null" in line
+    assert main([*argv, "rollout.non_finite_rewards_as_null=true", f"output_dir={tmp_path / 'b'}"]) == 0
+    assert "3 non-finite rewards recorded as null" in capsys.readouterr().out
+    text = (tmp_path / "b" / "rollouts.jsonl").read_text()
+    assert "NaN" not in text
+    records = [json.loads(line) for line in text.splitlines()]  # strict JSON: no NaN
+    assert [r["reward"] for r in records if r["sample_index"] == 0] == [None] * 3
+    assert all(r["reward"] == 1.0 for r in records if r["sample_index"] == 1)
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["num_null_rewards"] == 3 and summary["reward_mean"] == 1.0
 
 
 def test_a_bad_recipe_is_reported_before_torch_is_imported(tmp_path):

@@ -35,6 +35,7 @@ KEYS = [
     "rollout.max_seq_len",
     "rollout.tail_fraction",
     "rollout.num_rollouts",
+    "rollout.non_finite_rewards_as_null",
     "data.num_prompts",
     "data.prompt_column",
     "model.dtype",

@@ -326,3 +326,26 @@ def test_the_kv_cache_is_planned_before_it_is_allocated():
         ValueError, match=r"the KV cache needs .* GiB \(10000000 slots .* largest max_batch_size that fits is \d+"
     ):
         Generator(model, max_batch_size=10**7, max_seq_len=2000)
+
+
+def test_a_draft_model_named_by_path_is_planned_from_its_config(tmp_path):
+    from rollout.memory_plan import check_kv_cache_fits, fitting_batch_size
+    from specdec.config import SpecConfig
+
+    target = make_model("qwen2", dtype=torch.float32)
+    make_model("llama", dtype=torch.float32, num_hidden_layers=1, seed=1).save_pretrained(tmp_path / "draft")
+    spec = SpecConfig(method="draft_model", model=str(tmp_path / "draft"), num_speculative_tokens=2)
+    gen = Generator(target, max_batch_size=3, max_seq_len=20, spec=spec)
+    gen.generate(random_prompts(2, seed=4), SamplingParams(temperature=0, max_new_tokens=3))
+    draft_cache = gen.proposers.proposers["draft_model"].runner.cache
+    caches = [gen.runner.cache, draft_cache]
+    allocated = sum(layer.keys.nbytes + layer.values.nbytes for cache in caches for layer in cache.layers)
+    assert all(layer.is_initialized for layer in draft_cache.layers)
+    assert gen.kv_cache_bytes == allocated
+    # the largest size that fits is accepted, one more slot is refused; a small wish is kept as is
+    fits = fitting_batch_size(target, spec, 2000, 10**9)
+    assert 1 <= fits < 10**9
+    assert check_kv_cache_fits(target, spec, fits, 2000) > 0
+    with pytest.raises(ValueError, match=f"largest max_batch_size that fits is {fits};"):
+        check_kv_cache_fits(target, spec, fits + 1, 2000)
+    assert fitting_batch_size(target, spec, 20, 5) == 5

@@ -138,6 +138,30 @@ def test_group_advantages():
     assert group_advantages(rewards, groups, std="sample")[5].item() == 0.0
     with pytest.raises(ValueError, match="std .'ddof'. must be 'population'"):
         group_advantages(rewards, groups, std="ddof")
+    # a non-finite reward is missing: advantage 0, left out of its group's mean and std
+    rewards = torch.tensor([1.0, float("nan"), 0.0, float("inf"), 2.0])
+    adv = group_advantages(rewards, torch.tensor([0, 0, 0, 1, 1]), eps=0.0)
+    assert adv.tolist() == [1.0, 0.0, -1.0, 0.0, 0.0]
+
+
+def test_non_finite_rewards_recorded_as_null(tiny):
+    model, tokenizer = tiny
+
+    def half_nan(completions, **kwargs):
+        return [float("nan") if i % 2 else 1.0 + i for i in range(len(completions))]
+
+    kwargs = dict(sampling=SamplingParams(n=4, max_new_tokens=4, seed=0), max_batch_size=8, max_seq_len=64)
+    prompts = ["1 + 1 = ", "2 + 3 = "]
+    with pytest.raises(ValueError, match=r"prompt 0: reward 'half_nan' returned nan .*non_finite_rewards_as_null"):
+        Rollout(model, tokenizer, rewards=half_nan, **kwargs)(prompts)
+    batch = Rollout(model, tokenizer, rewards=half_nan, non_finite_rewards_as_null=True, **kwargs)(prompts)
+    assert batch.reward == [1.0, None, 3.0, None] * 2 and batch.reward_terms["half_nan"] == batch.reward
+    assert batch.summary["num_null_rewards"] == 4 and batch.summary["reward_mean"] == 2.0
+    assert batch.advantages().tolist() == [-1.0 / (1.0 + 1e-4), 0.0, 1.0 / (1.0 + 1e-4), 0.0] * 2
+    tensors = batch.to_padded()
+    assert tensors["reward_mask"].tolist() == [True, False] * 4 and tensors["rewards"].tolist() == [1, 0, 3, 0] * 2
+    json.dumps(batch.records(), allow_nan=False)
+    assert RolloutBatch.from_dataset(batch.to_dataset()).reward == batch.reward
 
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{{ 'Answer:' }}"

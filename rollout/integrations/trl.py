@@ -28,6 +28,7 @@ import time
 import torch
 
 from rollout.generator import Generator
+from rollout.memory_plan import fitting_batch_size
 from rollout.phases import PHASES, PhaseLabeler, summarize
 from rollout.sampling import SamplingParams
 from specdec.config import SpecConfig
@@ -51,7 +52,8 @@ def trl_rollout_func(
 
     Args:
         spec: speculative decoding settings; None decodes without drafts.
-        max_batch_size: generator slots; None takes the number of completions of the first call (at most 512).
+        max_batch_size: generator slots; None takes the number of completions of the first call (at most 512),
+            lowered to what the device's free memory holds.
         max_seq_len: prompt + completion tokens a sequence may hold; None sizes it from the first call's longest
             prompt plus `max_completion_length` (rounded up to a power of two) and grows it if a longer prompt comes.
         tail_fraction: decode steps below this fraction of the peak batch are the `tail` phase in the metrics.
@@ -141,7 +143,7 @@ class TRLRolloutFunc:
                 f"{self.max_seq_len}: raise trl_rollout_func(max_seq_len=...) or shorten the prompts"
             )
         max_seq_len = self.max_seq_len or 1 << (needed - 1).bit_length()
-        slots = self.max_batch_size or min(num_completions, 512)
+        slots = self.max_batch_size or fitting_batch_size(model, self.spec, max_seq_len, min(num_completions, 512))
         history = _saved_history(gen)
         self.generator = Generator(model, max_batch_size=slots, max_seq_len=max_seq_len, spec=self.spec)
         if history is not None and self.generator.draft_history is not None:
