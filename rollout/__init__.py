@@ -9,11 +9,11 @@ from __future__ import annotations
 import importlib
 
 _PUBLIC = {
-    "Completion": "rollout.sampling",
-    "Generator": "rollout.generator",
+    "Completion": "rollout.engine.sampling",
+    "Generator": "rollout.engine.generator",
     "Rollout": "rollout.loop",
     "RolloutBatch": "rollout.batch",
-    "SamplingParams": "rollout.sampling",
+    "SamplingParams": "rollout.engine.sampling",
 }
 
 __all__ = sorted(_PUBLIC)

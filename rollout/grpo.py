@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from rollout.batch import RolloutBatch
+from rollout.engine.sampling import SamplingParams
 from rollout.loop import Rollout
-from rollout.sampling import SamplingParams
 from specdec.config import SpecConfig
 
 
@@ -111,8 +111,8 @@ def train(
 
 
 def main() -> None:
+    from rollout.models.zoo import load_model
     from rollout.tasks import arithmetic_dataset
-    from rollout.zoo import load_model
 
     parser = argparse.ArgumentParser(description="GRPO in plain PyTorch on the shipped tiny model and arithmetic task")
     parser.add_argument("--steps", type=int, default=40)

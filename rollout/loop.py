@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from rollout.batch import SAMPLE_FIELDS, RolloutBatch
-from rollout.generator import Generator
+from rollout.engine.generator import Generator
+from rollout.engine.sampling import Completion, SamplingParams
 from rollout.phases import PhaseLabeler, summarize
 from rollout.prompts import PromptFormatter, check_prompt_column, prompt_kind
 from rollout.rewards import RewardFn, WeightedReward, build_rewards, mean_reward, score
-from rollout.sampling import Completion, SamplingParams
 from specdec.config import SpecConfig
 
 # on_step(step, num_finished_samples, num_total_samples); `step` is a step-trace dict with phase relabelled

@@ -19,8 +19,8 @@ from rollout import Generator, SamplingParams
 
 
 def load(name: str, num_prompts: int):
+    from rollout.models.zoo import load_model
     from rollout.tasks.arithmetic import arithmetic_dataset
-    from rollout.zoo import load_model
 
     model, tokenizer = load_model(name)
     rows = arithmetic_dataset(num_prompts, split="eval")

@@ -25,7 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from rollout import Generator, SamplingParams, zoo  # noqa: E402
+from rollout import Generator, SamplingParams  # noqa: E402
+from rollout.models import zoo  # noqa: E402
 from rollout.phases import PhaseLabeler, summarize  # noqa: E402
 from rollout.tasks import arithmetic_dataset  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402

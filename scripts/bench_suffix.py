@@ -35,7 +35,8 @@ import time
 
 import torch
 
-from rollout import Generator, SamplingParams, zoo
+from rollout import Generator, SamplingParams
+from rollout.models import zoo
 from rollout.phases import PhaseLabeler, summarize
 from rollout.tasks import arithmetic_dataset
 from specdec.config import SpecConfig

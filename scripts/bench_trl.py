@@ -32,9 +32,9 @@ def run(name: str, rollout_func, recipe) -> dict:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOTrainer
 
+    from rollout.cli.runs import load_inputs
+    from rollout.cli.train import _trl_reward, grpo_config, trl_dataset
     from rollout.rewards import build_rewards
-    from rollout.runs import load_inputs
-    from rollout.train import _trl_reward, grpo_config, trl_dataset
 
     inputs = load_inputs(recipe)
     dataset = trl_dataset(recipe, inputs)
@@ -84,9 +84,9 @@ def run(name: str, rollout_func, recipe) -> dict:
 
 
 def main() -> None:
+    from rollout.cli.recipe import load_recipe
+    from rollout.cli.runs import recipe_spec
     from rollout.integrations.trl import trl_rollout_func
-    from rollout.recipe import load_recipe
-    from rollout.runs import recipe_spec
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="recipes/grpo_quickstart.yaml")

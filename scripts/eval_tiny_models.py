@@ -150,7 +150,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.zoo import model_path
+    from rollout.models.zoo import model_path
 
     def path_of(name: str):
         return f"{args.dir}/{name}" if args.dir else model_path(name)

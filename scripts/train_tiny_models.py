@@ -1,4 +1,4 @@
-"""Train the tokenizer, the tiny target and the tiny draft shipped in `rollout/assets/models/`.
+"""Train the tokenizer, the tiny target and the tiny draft shipped in `rollout/models/assets/`.
 
 Everything comes from the seeded arithmetic task (`rollout.tasks.arithmetic`): a byte-level BPE tokenizer with
 single-digit tokens, a Llama target and a Llama draft with under a tenth of its parameters, both trained with
@@ -6,7 +6,7 @@ next-token loss on the solutions (prompt tokens are not scored). Deterministic f
 fixed step counts (never a time budget) and seeded data order. At the end it prints the metrics of
 `scripts/eval_tiny_models.py`.
 
-    python scripts/train_tiny_models.py --out rollout/assets/models --seed 0
+    python scripts/train_tiny_models.py --out rollout/models/assets --seed 0
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.policies import Decision
+from specdec.policies import Decision, StepTimerProtocol
 from specdec.step_time import StepTimeModel
 
 
@@ -182,6 +182,29 @@ class AutoPolicy:
             elif phase == self.explore_every // 2:  # a width less
                 best, measuring = best - 1, True
         return Decision(best, float(rate[best] / rate[0]), measuring)
+
+    def calibrate(self, timer: StepTimerProtocol, short_context: int = 32) -> None:
+        """Seed the step-time model with timed steps: B over powers of four up to the slot count, K over 0, 1, K/2 and
+        K (every K at the second largest B: a width's cost is not a straight line in the width), each at a short
+        context and at the longest one (rows attend over the longest row's cache, so a step's cost grows with it)."""
+        max_k = self.num_speculative_tokens
+        largest = timer.max_batch_size
+        sizes = sorted({min(4**i, largest) for i in range(largest.bit_length())})
+        ks = sorted({0, 1, max_k // 2, max_k})
+        contexts = sorted({min(short_context, timer.max_context), timer.max_context}, reverse=True)
+        for index, context in enumerate(contexts):
+            timer.fill(context)
+            if index == 0:
+                # a first pass, not kept: first calls pay one-off costs (a GPU compiles each width once; the process's
+                # heap grows to the largest step) that would make the first timed steps look slow
+                for k in ks:
+                    timer.time_step(1, k)
+                timer.time_step(largest, max_k)
+            for batch_size in sizes:
+                for k in ks:
+                    self.observe(timer.time_step(batch_size, k), warm_up=True)
+            for k in sorted(set(range(max_k + 1)) - set(ks)):
+                self.observe(timer.time_step(sizes[-2] if len(sizes) > 1 else sizes[-1], k), warm_up=True)
 
     def observe(self, observation: StepObservation, warm_up: bool = False) -> None:
         """Learn from a step; a warm-up step (random prompts) informs the step times only, not acceptance."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass
@@ -51,6 +51,33 @@ def validate_batch_size_table(table: Any, num_speculative_tokens: int) -> list[t
     return entries
 
 
+class StepTimerProtocol(Protocol):
+    """What a policy may measure before the first rollout (the engine implements it: `rollout.engine.step_timer`)."""
+
+    max_batch_size: int  # the most rows a step can hold
+    max_context: int  # the longest context a timed row can have
+
+    def fill(self, context: int) -> None:
+        """Fill every slot with a row of `context` tokens on which any K drafts in full."""
+
+    def time_step(self, num_rows: int, num_draft_tokens: int) -> Any:
+        """One decode step of `num_rows` of those rows at K; returns its `StepObservation`."""
+
+
+class KPolicy(Protocol):
+    """What every K policy does: choose a step's K, learn from the step, calibrate before the first rollout."""
+
+    num_speculative_tokens: int
+
+    def choose(
+        self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None, context: int = 0
+    ) -> Decision: ...
+
+    def observe(self, observation, warm_up: bool = False) -> None: ...
+
+    def calibrate(self, timer: StepTimerProtocol) -> None: ...
+
+
 class StaticPolicy:
     """K fixed at `num_speculative_tokens`."""
 
@@ -64,6 +91,9 @@ class StaticPolicy:
 
     def observe(self, observation, warm_up: bool = False) -> None:
         """Static and table policies learn nothing from a step."""
+
+    def calibrate(self, timer: StepTimerProtocol) -> None:
+        """Static and table policies need no measurements before the first rollout."""
 
 
 class TablePolicy(StaticPolicy):

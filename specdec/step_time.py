@@ -153,11 +153,6 @@ class StepTimeModel:
         self.measured.add((batch_size, width, num_draft_passes, seconds, self.num_steps, expected, context))
         self.num_steps += 1
 
-    def clear_profile(self) -> None:
-        """Forget the profiled steps (a throwaway first pass)."""
-        self.profile = _Samples(self.profile.capacity)
-        self._forget_profile_fits()
-
     def _forget_profile_fits(self) -> None:
         self._profile_fits.clear()
         self._width_factors = None

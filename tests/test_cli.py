@@ -10,8 +10,8 @@ import sys
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from rollout.cli import main
-from rollout.recipe import load_recipe
+from rollout.cli.main import main
+from rollout.cli.recipe import load_recipe
 from rollout.tasks import arithmetic_dataset, arithmetic_reward
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -255,7 +255,7 @@ def test_a_module_function_reward_in_the_current_folder(tmp_path):
         [
             sys.executable,
             "-c",
-            "import sys; from rollout.cli import main; sys.exit(main(sys.argv[1:]))",
+            "import sys; from rollout.cli.main import main; sys.exit(main(sys.argv[1:]))",
             "run",
             str(recipe),
             *SMALL,
@@ -293,7 +293,7 @@ def test_non_finite_rewards_stop_the_run_or_are_recorded_as_null(tmp_path, capsy
 
 def test_a_bad_recipe_is_reported_before_torch_is_imported(tmp_path):
     code = (
-        "import sys, time; start = time.perf_counter(); from rollout.cli import main; "
+        "import sys, time; start = time.perf_counter(); from rollout.cli.main import main; "
         "rc = main(['run', sys.argv[1], 'rollout.n=0']); "
         "print(rc, 'torch' in sys.modules, round(time.perf_counter() - start, 2))"
     )

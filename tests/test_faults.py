@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from rollout.cli import main
+from rollout.cli.main import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "recipes" / "quickstart_suffix.yaml")

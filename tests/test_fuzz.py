@@ -12,8 +12,8 @@ import torch
 from conftest import make_model
 
 from rollout import Generator, SamplingParams
-from rollout.cli import main
-from rollout.recipe import load_recipe
+from rollout.cli.main import main
+from rollout.cli.recipe import load_recipe
 from specdec.config import SpecConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

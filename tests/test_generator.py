@@ -133,7 +133,7 @@ def test_numpy_and_torch_integer_ids_are_token_ids():
 
 
 def test_a_name_or_path_is_not_a_model():
-    with pytest.raises(TypeError, match="not the name or path 'tiny-target'.*rollout.zoo.load_model"):
+    with pytest.raises(TypeError, match="not the name or path 'tiny-target'.*rollout.models.zoo.load_model"):
         Generator("tiny-target")
 
 
@@ -329,7 +329,7 @@ def test_the_kv_cache_is_planned_before_it_is_allocated():
 
 
 def test_a_draft_model_named_by_path_is_planned_from_its_config(tmp_path):
-    from rollout.memory_plan import check_kv_cache_fits, fitting_batch_size
+    from rollout.engine.memory_plan import check_kv_cache_fits, fitting_batch_size
     from specdec.config import SpecConfig
 
     target = make_model("qwen2", dtype=torch.float32)

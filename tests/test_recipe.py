@@ -5,7 +5,7 @@ import pathlib
 import pytest
 from omegaconf import OmegaConf
 
-from rollout.recipe import Recipe, load_recipe, recipe_dict, sampling_params, spec_config
+from rollout.cli.recipe import Recipe, load_recipe, recipe_dict, sampling_params, spec_config
 
 RECIPES = pathlib.Path(__file__).resolve().parent.parent / "recipes"
 SHIPPED = ("quickstart.yaml", "quickstart_suffix.yaml", "table.yaml", "gpu_hub.yaml")

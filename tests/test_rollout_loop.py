@@ -10,15 +10,15 @@ import torch
 
 from rollout import SamplingParams
 from rollout.batch import RolloutBatch, group_advantages
+from rollout.cli.progress import Progress
+from rollout.cli.sources import load_dataset
+from rollout.cli.tracking import RunTracker
 from rollout.loop import Rollout
+from rollout.models.zoo import load_model
 from rollout.phases import PhaseLabeler, summarize
-from rollout.progress import Progress
 from rollout.prompts import PromptFormatter
 from rollout.rewards import build_rewards, resolve_reward, score
-from rollout.sources import load_dataset
 from rollout.tasks import arithmetic_dataset, arithmetic_reward
-from rollout.tracking import RunTracker
-from rollout.zoo import load_model
 from specdec.config import SpecConfig
 
 

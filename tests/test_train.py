@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from rollout.cli import main
+from rollout.cli.main import main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GRPO = str(ROOT / "recipes" / "grpo_quickstart.yaml")
@@ -118,11 +118,11 @@ def test_bad_train_settings_are_one_line(tmp_path, capsys):
 
 
 def test_plain_pytorch_grpo_raises_the_reward_of_the_prompts_it_trains_on():
+    from rollout.engine.sampling import SamplingParams
     from rollout.grpo import train
     from rollout.loop import Rollout
-    from rollout.sampling import SamplingParams
+    from rollout.models.zoo import load_model
     from rollout.tasks import arithmetic_dataset
-    from rollout.zoo import load_model
 
     model, tokenizer = load_model("tiny-target")
     rows = arithmetic_dataset(64, split="train", seed=3)

@@ -15,8 +15,8 @@ from datasets import Dataset  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from rollout.integrations.trl import check_trainer, tokenize_prompts, trl_rollout_func  # noqa: E402
+from rollout.models.zoo import load_model  # noqa: E402
 from rollout.tasks import arithmetic_dataset, arithmetic_reward  # noqa: E402
-from rollout.zoo import load_model  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout.models.zoo import MODEL_NAMES, load_model, model_path
 from rollout.tasks.arithmetic import arithmetic_reward, format_prompt, generate_problems
-from rollout.zoo import MODEL_NAMES, load_model, model_path
 
 _EVAL_SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "eval_tiny_models.py"
 

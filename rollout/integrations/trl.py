@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from rollout.generator import Generator
-from rollout.memory_plan import fitting_batch_size
+from rollout.engine.generator import Generator
+from rollout.engine.memory_plan import fitting_batch_size
+from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES, PhaseLabeler, summarize
-from rollout.sampling import SamplingParams
 from specdec.config import SpecConfig
 
 logger = logging.getLogger(__name__)

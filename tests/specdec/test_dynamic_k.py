@@ -140,11 +140,11 @@ def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace():
         spec=SpecConfig(method="ngram", num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"),
     )
     profile = gen.policy.time_model.profile.view()
-    # B: powers of 4 and the slot count; context: 32 tokens and the longest that leaves room for K drafts; every other
-    # K at the second largest B
-    contexts = (32, 64 - 4 - 2)
+    # B: powers of 4 and the slot count; context: 32 tokens and the longest that leaves room for K drafts and a bonus;
+    # every other K at the second largest B
+    contexts = (32, 64 - 4 - 3)
     grid = sorted(
-        [(b, 1 + k, c) for b in (1, 4, 16, 20) for k in (0, 1, 2, 4) for c in contexts] + [(16, 4, 32), (16, 4, 58)]
+        [(b, 1 + k, c) for b in (1, 4, 16, 20) for k in (0, 1, 2, 4) for c in contexts] + [(16, 4, 32), (16, 4, 57)]
     )
     assert sorted((int(b), int(w), int(c)) for b, w, c in profile[:, [0, 1, 6]]) == grid  # the first pass not kept
     assert (profile[:, 3] > 0).all() and gen.last_trace == []

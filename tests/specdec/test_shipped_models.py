@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import Generator, SamplingParams, zoo
+from rollout import Generator, SamplingParams
+from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
 from specdec.config import SpecConfig
 

@@ -8,7 +8,7 @@ from conftest import make_model, random_prompts
 from test_generator import teacher_forced_logprobs
 
 from rollout import Generator, SamplingParams
-from rollout.kv_cache import SlotKVCache
+from rollout.engine.kv_cache import SlotKVCache
 from specdec.config import SpecConfig
 from specdec.tree import depths_and_ancestors, merge_candidates, with_root
 

@@ -7,8 +7,8 @@ import pathlib
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from rollout.kv_cache import kv_cache_bytes, kv_cache_bytes_from_config
-from rollout.model_runner import ModelRunner
+from rollout.engine.kv_cache import kv_cache_bytes, kv_cache_bytes_from_config
+from rollout.engine.model_runner import ModelRunner
 from specdec.auto_policy import AutoPolicy
 from specdec.config import SpecConfig
 from specdec.policies import StaticPolicy, TablePolicy
@@ -101,7 +101,7 @@ def _draft_path(model) -> pathlib.Path:
     """The folder of a draft model named by a shipped short name or a local path."""
     if not isinstance(model, (str, pathlib.Path)):
         raise ValueError(f"spec.model ({model!r}) must be a path, a shipped short name or a loaded model")
-    from rollout import zoo
+    from rollout.models import zoo
 
     path = zoo.model_path(model) if str(model) in zoo.MODEL_NAMES else pathlib.Path(model)
     if not path.exists():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.kv_cache import free_memory, kv_cache_bytes
-from rollout.speculation import draft_kv_bytes_per_slot
+from rollout.engine.kv_cache import free_memory, kv_cache_bytes
+from rollout.engine.speculation import draft_kv_bytes_per_slot
 from specdec.config import SpecConfig
 
 USABLE_SHARE = 0.9  # of the free memory, the KV caches may take this much: the rest is for activations and logits

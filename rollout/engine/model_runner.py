@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from rollout.attention_mask import build_attention_mask, to_additive
-from rollout.kv_cache import SlotKVCache
+from rollout.engine.attention_mask import build_attention_mask, to_additive
+from rollout.engine.kv_cache import SlotKVCache
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")

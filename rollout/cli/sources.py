@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from rollout import zoo
+from rollout.models import zoo
 
 EMBEDDED_DATASETS = ("arithmetic",)
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -56,7 +56,8 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", key: str 
     """Load a causal LM and its tokenizer from a shipped short name, a local folder or a hub id.
 
     Args:
-        name: "tiny-target" / "tiny-draft" (see `rollout.zoo`), a folder with a transformers model, or "org/name".
+        name: "tiny-target" / "tiny-draft" (see `rollout.models.zoo`), a folder with a transformers model, or
+            "org/name".
         dtype: one of `DTYPES`.
         device: "cpu", "cuda", "cuda:1", ... or "auto".
         key: the recipe key that named the model, quoted in errors.

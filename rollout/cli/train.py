@@ -23,11 +23,11 @@ import time
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from rollout.files import atomic_path, prepare_output_dir, write_atomic
-from rollout.recipe import Recipe, recipe_dict
+from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
+from rollout.cli.recipe import Recipe, recipe_dict
+from rollout.cli.runs import load_inputs, recipe_spec, stop_reason
+from rollout.cli.tracking import start_wandb_run
 from rollout.rewards import WeightedReward, build_rewards
-from rollout.runs import load_inputs, recipe_spec, stop_reason
-from rollout.tracking import start_wandb_run
 
 # the per-step keys copied from the trainer's logs to train.jsonl (besides every rollout/ key)
 TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "learning_rate", "step_time", "completions/mean_length")

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from rollout.sampling import SamplingParams
+from rollout.engine.sampling import SamplingParams
 from specdec.config import SpecConfig
 from specdec.policies import TablePolicy
 

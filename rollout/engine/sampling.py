@@ -18,6 +18,7 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 = off
     max_new_tokens: int = 256  # completion length cap (finish_reason "length")
     stop_token_ids: list[int] | None = None  # extra stop tokens besides the model's EOS ids
+    ignore_eos: bool = False  # keep generating past the model's EOS ids (stop_token_ids still stop)
     seed: int | None = None  # same seed + same inputs = same completions
     spec: SpecDecodeParams | None = None  # this request's speculation settings (off, a K cap, a proposer)
 

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.cli.progress import Progress
+from rollout.cli.recipe import Recipe, recipe_dict, sampling_params, spec_config
+from rollout.cli.sources import draft_model_spec, load_dataset, load_model
+from rollout.cli.tracking import RunTracker
+from rollout.engine.memory_plan import fitting_batch_size
 from rollout.loop import Rollout
-from rollout.memory_plan import fitting_batch_size
-from rollout.progress import Progress
 from rollout.prompts import PromptFormatter, check_prompt_column
-from rollout.recipe import Recipe, recipe_dict, sampling_params, spec_config
 from rollout.rewards import build_rewards
-from rollout.sources import draft_model_spec, load_dataset, load_model
-from rollout.tracking import RunTracker
 from specdec.config import SpecConfig
 
 

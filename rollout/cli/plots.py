@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from rollout.files import atomic_path
+from rollout.cli.files import atomic_path
 from rollout.phases import PHASES
 
 PHASE_COLORS = {"prefill": "#9ecae1", "bulk": "#c7e9c0", "tail": "#fdd0a2"}

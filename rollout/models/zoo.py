@@ -20,11 +20,11 @@ def model_path(name: str) -> pathlib.Path:
         raise ValueError(f"unknown model name {name!r}; valid names: {', '.join(MODEL_NAMES)}")
     # importlib.resources resolves inside an installed wheel as well as an editable checkout; the
     # package is installed unzipped (setuptools), so the traversable is a real folder on disk.
-    path = pathlib.Path(str(resources.files("rollout") / "assets" / "models" / name))
+    path = pathlib.Path(str(resources.files("rollout.models") / "assets" / name))
     if not (path / "config.json").is_file():
         raise ValueError(
             f"model {name!r} is missing its files at {path}; rebuild them with "
-            "`python scripts/train_tiny_models.py --out rollout/assets/models`"
+            "`python scripts/train_tiny_models.py --out rollout/models/assets`"
         )
     return path
 

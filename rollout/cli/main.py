@@ -20,7 +20,7 @@ import sys
 
 def _setup(recipe_path: str, overrides: list[str]):
     """Load the recipe, then set torch threads and quiet the model loaders' progress bars."""
-    from rollout.recipe import load_recipe
+    from rollout.cli.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
     import torch
@@ -35,9 +35,9 @@ def _setup(recipe_path: str, overrides: list[str]):
 
 def _run(args: argparse.Namespace) -> None:
     recipe = _setup(args.recipe, args.overrides)  # a bad recipe is reported before torch is imported
+    from rollout.cli.recipe import method_name
+    from rollout.cli.runs import run_recipe
     from rollout.phases import format_table, summarize
-    from rollout.recipe import method_name
-    from rollout.runs import run_recipe
 
     spec = recipe.spec
     policy = method_name(spec.method)
@@ -74,8 +74,8 @@ def _run(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace) -> None:
     recipe = _setup(args.recipe, args.overrides)
-    from rollout.recipe import method_name
-    from rollout.train import run_training
+    from rollout.cli.recipe import method_name
+    from rollout.cli.train import run_training
 
     t = recipe.train
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs:g} epochs"
@@ -97,7 +97,7 @@ def _train(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     recipe = _setup(args.recipe, args.overrides)
-    from rollout.bench import format_bench, run_bench
+    from rollout.cli.bench import format_bench, run_bench
 
     rows = run_bench(recipe, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_bench(rows))
@@ -105,9 +105,9 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
+    from rollout.cli.plots import plot_steps
+    from rollout.cli.tracking import PLOT_NAME
     from rollout.phases import format_table, summarize
-    from rollout.plots import plot_steps
-    from rollout.tracking import PLOT_NAME
 
     folder = pathlib.Path(args.output_dir)
     steps_path = folder / "steps.jsonl"

@@ -16,12 +16,12 @@ from dataclasses import replace
 
 import torch
 
-from rollout.files import write_atomic
+from rollout.cli.files import write_atomic
+from rollout.cli.recipe import Recipe, method_name, sampling_params
+from rollout.cli.runs import RecipeInputs, batch_size, load_inputs, make_rollout, recipe_spec
+from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES
-from rollout.recipe import Recipe, method_name, sampling_params
 from rollout.rewards import build_rewards, score
-from rollout.runs import RecipeInputs, batch_size, load_inputs, make_rollout, recipe_spec
-from rollout.sampling import SamplingParams
 
 BASELINE = "model.generate (padded)"
 

@@ -25,9 +25,9 @@ import pathlib
 import sys
 
 from rollout.batch import RolloutBatch
-from rollout.files import append_lines, prepare_output_dir, read_jsonl, write_atomic
+from rollout.cli.files import append_lines, prepare_output_dir, read_jsonl, write_atomic
+from rollout.cli.plots import plot_steps
 from rollout.phases import PHASES, SUMMARY_KEYS, summarize
-from rollout.plots import plot_steps
 from rollout.rewards import mean_reward
 
 WANDB_MODES = ("offline", "online", "disabled")

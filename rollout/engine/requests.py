@@ -1,0 +1,112 @@
+"""A call's requests: its prompts and settings checked (one clear error each), then one Sequence per sample."""
+
+from __future__ import annotations
+
+import hashlib
+import numbers
+import random
+
+from transformers import PreTrainedModel
+
+from rollout.engine.sampling import SamplingParams
+from rollout.engine.sequence import Sequence
+
+
+def check_prompts(prompt_ids, vocab_size: int, max_seq_len: int) -> list[list[int]]:
+    """The prompts as lists of Python ints (numpy / torch integer ids accepted), checked against the vocabulary
+    and max_seq_len."""
+    if isinstance(prompt_ids, str) or not hasattr(prompt_ids, "__len__") or len(prompt_ids) == 0:
+        raise ValueError(
+            "prompt_ids must be a non-empty list of prompts, each a list of token ids "
+            "(tokenizer(texts)['input_ids']); Rollout takes text and chat messages"
+        )
+    checked = []
+    for index, prompt in enumerate(prompt_ids):
+        if isinstance(prompt, str):
+            raise ValueError(
+                f"prompt {index} is a string ({prompt!r:.40}): pass token ids (tokenizer(text)['input_ids']), "
+                "or use Rollout, which formats and tokenizes text"
+            )
+        values = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+        if not isinstance(values, (list, tuple)) or len(values) == 0:
+            raise ValueError(f"prompt {index} is empty or not a list of token ids: got {prompt!r:.60}")
+        ids = []
+        for token in values:
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                raise ValueError(f"prompt {index} holds {token!r:.30} ({type(token).__name__}): token ids are integers")
+            ids.append(int(token))
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {index} has token id {bad[0]} outside the model's vocabulary [0, {vocab_size}): "
+                "tokenize with the model's own tokenizer"
+            )
+        if len(ids) >= max_seq_len:
+            raise ValueError(
+                f"prompt {index} has {len(ids)} tokens but max_seq_len is {max_seq_len}, leaving no room "
+                f"for a completion: shorten the prompt or raise max_seq_len above {len(ids)}"
+            )
+        checked.append(ids)
+    return checked
+
+
+def check_params(params, num_prompts: int, methods: tuple[str, ...]) -> list[SamplingParams]:
+    """One SamplingParams per prompt; a request's spec settings must name a configured proposer."""
+    params = SamplingParams() if params is None else params
+    per_prompt = [params] * num_prompts if isinstance(params, SamplingParams) else params
+    if not isinstance(per_prompt, (list, tuple)) or len(per_prompt) != num_prompts:
+        raise ValueError(
+            f"params must be one SamplingParams or a list of one per prompt ({num_prompts}), got {params!r:.80}"
+        )
+    for index, p in enumerate(per_prompt):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params[{index}] ({p!r:.60}) must be a SamplingParams")
+        method = p.spec.method
+        if method is not None and method not in methods:
+            raise ValueError(
+                f"params[{index}].spec.method ({method!r}) is not a configured proposer: the generator's spec has "
+                f"{list(methods) or 'no speculation'}; name one of those or leave method None"
+            )
+    return list(per_prompt)
+
+
+def make_sequences(
+    prompt_ids: list[list[int]],
+    per_prompt: list[SamplingParams],
+    eos_token_ids: list[int],
+    max_seq_len: int,
+    max_k: int,
+    seed_indices: list[int] | None = None,
+) -> list[Sequence]:
+    """One Sequence per sample, prompt-major. A sample's seed depends on (the call's seed, its prompt's index or
+    `seed_indices` entry, its sample index) only: never on the batch around it."""
+    call_seed = random.SystemRandom().getrandbits(62)
+    sequences = []
+    for prompt_index, (prompt, params) in enumerate(zip(prompt_ids, per_prompt)):
+        stop_ids = frozenset(() if params.ignore_eos else eos_token_ids) | frozenset(params.stop_token_ids or ())
+        base_seed = params.seed if params.seed is not None else call_seed
+        max_new = min(params.max_new_tokens, max_seq_len - len(prompt))
+        seed_index = prompt_index if seed_indices is None else seed_indices[prompt_index]
+        spec_cap = min(params.spec.cap(max_k), max_k)
+        for sample_index in range(params.n):
+            seed = _mix_seed(base_seed, seed_index, sample_index)
+            sequences.append(
+                Sequence(prompt_index, sample_index, list(prompt), params, max_new, stop_ids, seed, spec_cap)
+            )
+    return sequences
+
+
+def _mix_seed(base: int, prompt_index: int, sample_index: int) -> int:
+    """A per-sample seed: independent of batch composition, so a sample's stream never depends on its neighbours."""
+    digest = hashlib.blake2b(f"{base}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def eos_token_ids(model: PreTrainedModel) -> list[int]:
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)

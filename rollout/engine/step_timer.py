@@ -1,0 +1,96 @@
+"""Times real decode steps for a K policy's calibration, through the generator's public calls only.
+
+Rows hold random periodic prompts (an n-gram or suffix lookup finds matches in them and drafts the full K; a draft
+model always does), so every width is really timed: each timed step is a full decode step (drafting, the verification
+forward, the verifier, the commit) of the first B rows at a forced K, after which the rows are restored, so the same
+rows serve every (B, K). A few distinct prompts fan out to all slots (samples of one prompt share its prefill), so a
+long context costs a few prompts' prefill. Random text says nothing about real drafts: only times are measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+from typing import Protocol
+
+import torch
+
+from rollout.engine.model_runner import eval_mode
+from rollout.engine.sampling import SamplingParams
+from specdec.auto_policy import StepObservation
+
+
+class Engine(Protocol):
+    """The generator calls a StepTimer makes."""
+
+    model: torch.nn.Module
+    max_batch_size: int
+    max_seq_len: int
+    vocab_size: int
+
+    def add_requests(self, prompt_ids, params, seed_indices=None) -> list: ...
+    def step(self, num_draft_tokens: int | None = None): ...
+    def snapshot(self) -> list: ...
+    def restore(self, rows: list) -> None: ...
+    def abort(self) -> None: ...
+
+
+class StepTimer:
+    """A context manager over a generator (no garbage collection inside it: a full collection pauses the process
+    for 0.1-0.4 s and would land inside a timed step); on exit the generator holds no rows and no trace.
+
+    Args:
+        engine: the generator.
+        num_speculative_tokens: the largest K that will be timed (rows keep room for K drafts and the bonus).
+        num_prompts: distinct prompts fanned out to the slots.
+    """
+
+    def __init__(self, engine: Engine, num_speculative_tokens: int, num_prompts: int = 4):
+        self.engine = engine
+        self.max_batch_size = engine.max_batch_size
+        # the longest context whose rows can take K drafts and a bonus token without reaching the length cap
+        self.max_context = max(1, engine.max_seq_len - num_speculative_tokens - 3)
+        self.num_prompts = min(num_prompts, engine.max_batch_size)
+        self.noise = torch.Generator().manual_seed(0)
+        self.rows: list = []
+
+    def __enter__(self) -> StepTimer:
+        self._collecting = gc.isenabled()
+        gc.disable()
+        self._modes = [torch.inference_mode(), eval_mode(self.engine.model)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        if self._collecting:
+            gc.enable()
+        self.engine.abort()
+        self.engine.last_trace = []
+
+    def fill(self, context: int) -> None:
+        """Fill every slot with a row of `context` tokens of period 4, whose pending token continues the period."""
+        e = self.engine
+        pattern = torch.randint(0, e.vocab_size, (self.num_prompts, 4), generator=self.noise)
+        prompts = pattern.repeat(1, context // 4 + 1)[:, :context].tolist()
+        per_prompt = [
+            e.max_batch_size // self.num_prompts + (i < e.max_batch_size % self.num_prompts)
+            for i in range(self.num_prompts)
+        ]
+        params = [
+            SamplingParams(n=n, temperature=1.0, max_new_tokens=e.max_seq_len, seed=0, ignore_eos=True)
+            for n in per_prompt
+        ]
+        e.add_requests(prompts, params)
+        e.step()  # the prefill admits every row
+        # the first sampled token is random: continue the period instead, so that a lookup matches from the first
+        # step (it is pending, not in the KV cache: nothing else changes)
+        self.rows = [dataclasses.replace(r, pending=r.sequence.prompt[context % 4]) for r in e.snapshot()]
+        assert len(self.rows) == e.max_batch_size, f"expected every slot filled, got {len(self.rows)}"
+
+    def time_step(self, num_rows: int, num_draft_tokens: int) -> StepObservation:
+        """One decode step of the first `num_rows` rows at K = `num_draft_tokens`; the rows are restored first."""
+        self.engine.restore(self.rows[:num_rows])
+        return self.engine.step(num_draft_tokens).observation
