@@ -202,15 +202,16 @@ class AutoPolicy:
                 timer.time_step(largest, max_k)
             for batch_size in sizes:
                 for k in ks:
-                    self.observe(timer.time_step(batch_size, k), warm_up=True)
+                    self.observe(timer.time_step(batch_size, k), profiled=True)
             for k in sorted(set(range(max_k + 1)) - set(ks)):
-                self.observe(timer.time_step(sizes[-2] if len(sizes) > 1 else sizes[-1], k), warm_up=True)
+                self.observe(timer.time_step(sizes[-2] if len(sizes) > 1 else sizes[-1], k), profiled=True)
 
-    def observe(self, observation: StepObservation, warm_up: bool = False) -> None:
-        """Learn from a step; a warm-up step (random prompts) informs the step times only, not acceptance."""
+    def observe(self, observation: StepObservation, profiled: bool = False) -> None:
+        """Learn from a step; a `profiled` step (calibration, random prompts) informs the step times only, not
+        acceptance."""
         o = observation
-        self.time_model.add(o.batch_size, o.width, o.num_draft_passes, o.seconds, warm_up, o.context)
-        if warm_up:
+        self.time_model.add(o.batch_size, o.width, o.num_draft_passes, o.seconds, profiled, o.context)
+        if profiled:
             return
         for route, stats in self.stats.items():
             asked, accepted = observation.num_asked.get(route, ([], []))

@@ -11,11 +11,13 @@ METHODS = ("ngram", "suffix", "draft_model")
 
 @dataclass
 class SpecConfig:
-    """Speculative decoding settings. `Generator(model, spec=SpecConfig(...))` turns it on; `spec=None` is plain."""
+    """Speculative decoding settings. `Generator(model, spec=SpecConfig(...))` turns it on; `spec=None` (or
+    `method=None`) is plain decoding."""
 
     # "ngram" (prompt lookup), "suffix" (suffix trees over the batch in flight and earlier responses), "draft_model",
     # or a list in priority order: each row takes the first proposer that drafts for it (["suffix", "draft_model"]:
-    # suffix where it has a confident draft, the draft model elsewhere)
+    # suffix where it has a confident draft, the draft model elsewhere); None (or "none"): no speculation, the other
+    # fields ignored
     method: Any = "ngram"
     num_speculative_tokens: int = 3  # the largest K: draft tokens verified per row and step
     prompt_lookup_max: int | None = None  # ngram: longest suffix to match (default 4)
@@ -32,7 +34,9 @@ class SpecConfig:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The configured proposers in priority order."""
+        """The configured proposers in priority order (none when speculation is off)."""
+        if self.method is None:
+            return ()
         return (self.method,) if isinstance(self.method, str) else tuple(self.method)
 
     def _check_suffix(self) -> None:
@@ -52,6 +56,9 @@ class SpecConfig:
             raise ValueError(f"suffix_decoding_min_token_prob ({prob!r}) must be a probability in [0, 1], e.g. 0.1")
 
     def __post_init__(self) -> None:
+        if self.method in (None, "none"):  # speculation off: nothing else is used
+            self.method = None
+            return
         methods = [self.method] if isinstance(self.method, str) else self.method
         if (
             not isinstance(methods, (list, tuple))

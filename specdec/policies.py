@@ -73,7 +73,7 @@ class KPolicy(Protocol):
         self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None, context: int = 0
     ) -> Decision: ...
 
-    def observe(self, observation, warm_up: bool = False) -> None: ...
+    def observe(self, observation, profiled: bool = False) -> None: ...
 
     def calibrate(self, timer: StepTimerProtocol) -> None: ...
 
@@ -89,7 +89,7 @@ class StaticPolicy:
     ) -> Decision:
         return Decision(self.num_speculative_tokens)
 
-    def observe(self, observation, warm_up: bool = False) -> None:
+    def observe(self, observation, profiled: bool = False) -> None:
         """Static and table policies learn nothing from a step."""
 
     def calibrate(self, timer: StepTimerProtocol) -> None:

@@ -137,12 +137,12 @@ class StepTimeModel:
         width: int,
         num_draft_passes: int,
         seconds: float,
-        prior: bool = False,
+        profiled: bool = False,
         context: int = 0,
     ) -> None:
-        """Record a measured step, or (`prior`) a warm-up profile step, of `batch_size` rows fed `width` tokens after
+        """Record a measured step, or (`profiled`) a calibration step, of `batch_size` rows fed `width` tokens after
         `context` cached ones (the longest row's)."""
-        if prior:
+        if profiled:
             self.profile.add((batch_size, width, num_draft_passes, seconds, 0, 0, context))
             self._forget_profile_fits()
             return

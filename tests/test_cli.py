@@ -16,7 +16,7 @@ from rollout.tasks import arithmetic_dataset, arithmetic_reward
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
-SMALL = ["data.num_prompts=3", "rollout.n=2", "sampling.max_new_tokens=32", "rollout.max_batch_size=4"]
+SMALL = ["data.num_prompts=3", "sampling.n=2", "sampling.max_new_tokens=32", "rollout.max_batch_size=4"]
 STEP_KEYS = {"phase", "batch_size", "num_draft_tokens", "num_drafted", "num_accepted", "num_emitted", "seconds"}
 PHASE_KEYS = {"seconds", "tokens", "tokens_per_s", "mean_batch_size", "mean_k", "acceptance_rate"}
 PHASE_KEYS |= {"mean_accepted_length"}
@@ -124,7 +124,7 @@ def test_wandb_offline_run_holds_the_metrics(finished_run):
         assert summary[f"phase/{phase}/tokens_per_s"] == pytest.approx(expected["phases"][phase]["tokens_per_s"])
     assert summary["total/tokens"] == expected["total"]["tokens"]
     assert summary["reward_mean"] == pytest.approx(expected["reward_mean"])
-    assert config["rollout"]["n"] == 2 and config["data"]["num_prompts"] == 3
+    assert config["sampling"]["n"] == 2 and config["data"]["num_prompts"] == 3
     tables = list((run_files[0].parent / "files" / "media" / "table").glob("samples_*.table.json"))
     table = json.loads(tables[0].read_text())
     rollouts = read_jsonl(finished_run / "rollouts.jsonl")
@@ -142,7 +142,7 @@ def test_report_prints_the_phase_table_and_writes_the_plot(finished_run, capsys)
 
 def test_bench_rows(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    code = main(["bench", QUICKSTART, "data.num_prompts=2", "rollout.n=2", "sampling.max_new_tokens=16",
+    code = main(["bench", QUICKSTART, "data.num_prompts=2", "sampling.n=2", "sampling.max_new_tokens=16",
                  "bench.static_k=[2]", f"output_dir={tmp_path}"])  # fmt: skip
     assert code == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
@@ -179,7 +179,7 @@ def test_user_errors_are_one_line_naming_the_key_or_file(tmp_path, capsys):
     unknown_key = tmp_path / "unknown_key.yaml"
     unknown_key.write_text("model:\n  nme: tiny-target\n")
     assert "model.nme" in _error(capsys, ["run", str(unknown_key)])
-    assert "rollout.n" in _error(capsys, ["run", QUICKSTART, "rollout.n=many"])
+    assert "sampling.n" in _error(capsys, ["run", QUICKSTART, "sampling.n=many"])
     assert "nowhere.yaml" in _error(capsys, ["run", str(tmp_path / "nowhere.yaml")])
     assert "missing.jsonl" in _error(capsys, ["run", QUICKSTART, f"data.dataset={tmp_path}/missing.jsonl"])
     line = _error(capsys, ["run", QUICKSTART, "model.name=tiny-nope"])
@@ -294,11 +294,13 @@ def test_non_finite_rewards_stop_the_run_or_are_recorded_as_null(tmp_path, capsy
 def test_a_bad_recipe_is_reported_before_torch_is_imported(tmp_path):
     code = (
         "import sys, time; start = time.perf_counter(); from rollout.cli.main import main; "
-        "rc = main(['run', sys.argv[1], 'rollout.n=0']); "
+        "rc = main(['run', sys.argv[1], 'sampling.n=0']); "
         "print(rc, 'torch' in sys.modules, round(time.perf_counter() - start, 2))"
     )
     result = subprocess.run([sys.executable, "-c", code, QUICKSTART], capture_output=True, text=True, cwd=ROOT)
     rc, torch_imported, seconds = result.stdout.split()
     assert (rc, torch_imported) == ("2", "False"), result.stderr
     assert float(seconds) < 2.0
-    assert result.stderr.strip() == "rollout run: error: rollout.n (0) must be >= 1: completions per prompt"
+    assert result.stderr.strip() == (
+        "rollout run: error: sampling: n (0) must be an integer >= 1: the number of completions per prompt"
+    )

@@ -18,7 +18,7 @@ from specdec.config import SpecConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 QUICKSTART = str(ROOT / "recipes" / "quickstart_suffix.yaml")
-SMALL = ["data.num_prompts=2", "rollout.n=1", "sampling.max_new_tokens=6", "logging.wandb_mode=disabled"]
+SMALL = ["data.num_prompts=2", "sampling.n=1", "sampling.max_new_tokens=6", "logging.wandb_mode=disabled"]
 KEYS = [
     "sampling.temperature",
     "sampling.top_p",
@@ -30,7 +30,7 @@ KEYS = [
     "spec.suffix_decoding_max_tree_depth",
     "spec.suffix_decoding_min_token_prob",
     "spec.num_candidates",
-    "rollout.n",
+    "sampling.n",
     "rollout.max_batch_size",
     "rollout.max_seq_len",
     "rollout.tail_fraction",

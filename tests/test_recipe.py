@@ -5,7 +5,8 @@ import pathlib
 import pytest
 from omegaconf import OmegaConf
 
-from rollout.cli.recipe import Recipe, load_recipe, recipe_dict, sampling_params, spec_config
+from rollout import SamplingParams
+from rollout.cli.recipe import Recipe, load_recipe, recipe_dict, spec_config
 
 RECIPES = pathlib.Path(__file__).resolve().parent.parent / "recipes"
 SHIPPED = ("quickstart.yaml", "quickstart_suffix.yaml", "table.yaml", "gpu_hub.yaml")
@@ -40,9 +41,9 @@ def test_shipped_recipes_cover_the_policies():
 
 def test_overrides_win_over_the_file():
     recipe = load_recipe(
-        RECIPES / "quickstart.yaml", ["rollout.n=8", "spec.method=null", "data.template='Q: {prompt}'"]
+        RECIPES / "quickstart.yaml", ["sampling.n=8", "spec.method=null", "data.template='Q: {prompt}'"]
     )
-    assert recipe.rollout.n == 8 and sampling_params(recipe).n == 8
+    assert recipe.sampling.n == 8 and isinstance(recipe.sampling, SamplingParams)
     assert spec_config(recipe) is None
     assert recipe.data.template == "Q: {prompt}"
     table = load_recipe(RECIPES / "quickstart.yaml", ["spec.num_speculative_tokens_per_batch_size=[[1,64,2]]"])
@@ -52,7 +53,7 @@ def test_overrides_win_over_the_file():
 
 
 def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):
-    recipe = load_recipe(RECIPES / "table.yaml", ["seed=3"])
+    recipe = load_recipe(RECIPES / "table.yaml", ["sampling.seed=3"])
     path = tmp_path / "config.yaml"
     OmegaConf.save(OmegaConf.create(recipe_dict(recipe)), path)
     assert load_recipe(path) == recipe
@@ -62,8 +63,9 @@ def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):
     "overrides, message",
     [
         (["model.nme=x"], r"model\.nme: Key 'nme' not in 'ModelRecipe'"),
-        (["rollout.n=abc"], r"rollout\.n: Value 'abc' of type 'str' could not be converted to Integer"),
-        (["rollout.n=0"], r"rollout\.n \(0\) must be >= 1"),
+        (["sampling.n=abc"], r"sampling\.n: Value 'abc' of type 'str' could not be converted to Integer"),
+        (["sampling.n=0"], r"sampling: n \(0\) must be an integer >= 1"),
+        (["sampling.seed=null"], r"sampling\.seed \(None\) must be an integer"),
         (["model.dtype=float8"], r"model\.dtype \('float8'\) must be one of"),
         (["sampling.temperature=-1"], r"sampling: temperature \(-1\.0\) must be a finite number >= 0"),
         (["spec.method=eagle"], r"spec: method \('eagle'\) must be one of"),

@@ -31,7 +31,7 @@ def test_train_writes_per_step_metrics_summary_plot_and_a_wandb_run(tmp_path, of
     pytest.importorskip("trl", reason="the trl extra is not installed")
     from test_cli import wandb_records
 
-    small = ["train.steps=3", "train.prompts_per_step=2", "rollout.n=2", "sampling.max_new_tokens=24"]
+    small = ["train.steps=3", "train.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=24"]
     assert main(["train", GRPO, *small, "data.num_prompts=8", f"output_dir={tmp_path}"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("\nstep ") + printed.startswith("step ") == 3 and "reward first 10%" in printed
@@ -82,7 +82,7 @@ def test_a_failing_train_run_keeps_its_steps_and_says_it_is_incomplete(tmp_path,
     failing_after_two_calls.calls = 0
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("rewards:\n  - name: test_train:failing_after_two_calls\n")
-    args = ["train.steps=4", "train.prompts_per_step=2", "rollout.n=2", "sampling.max_new_tokens=16"]
+    args = ["train.steps=4", "train.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=16"]
     args += ["spec.method=null", "logging.wandb_mode=disabled", f"output_dir={tmp_path / 'out'}"]
     code = main(["train", str(recipe), *args])
     assert code == 2 and "the reward server went away" in capsys.readouterr().err
@@ -93,7 +93,7 @@ def test_a_failing_train_run_keeps_its_steps_and_says_it_is_incomplete(tmp_path,
 
 
 def test_run_makes_several_rollouts_on_one_generator(tmp_path, offline_wandb, capsys):
-    args = ["rollout.num_rollouts=3", "rollout.prompts_per_rollout=2", "data.num_prompts=4", "rollout.n=2"]
+    args = ["rollout.num_rollouts=3", "rollout.prompts_per_rollout=2", "data.num_prompts=4", "sampling.n=2"]
     args += ["sampling.max_new_tokens=32", "logging.wandb_mode=disabled", f"output_dir={tmp_path}"]
     assert main(["run", QUICKSTART_SUFFIX, *args]) == 0
     printed = capsys.readouterr().out

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from rollout.cli.files import write_atomic
-from rollout.cli.recipe import Recipe, method_name, sampling_params
+from rollout.cli.recipe import Recipe, method_name
 from rollout.cli.runs import RecipeInputs, batch_size, load_inputs, make_rollout, recipe_spec
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES
@@ -31,7 +31,7 @@ def run_bench(recipe: Recipe, log=None) -> list[dict]:
     of each configuration as it starts and ends (the command line prints them)."""
     log = log or (lambda line: None)
     inputs = load_inputs(recipe)
-    params = sampling_params(recipe)
+    params = recipe.sampling
     rows = []
     if recipe.bench.baseline:
         log(f"[1] {BASELINE} ...")
@@ -74,7 +74,7 @@ def run_bench(recipe: Recipe, log=None) -> list[dict]:
         "model": recipe.model.name,
         "dataset": recipe.data.dataset,
         "num_prompts": len(inputs.prompt_ids),
-        "n": recipe.rollout.n,
+        "n": recipe.sampling.n,
         "max_new_tokens": recipe.sampling.max_new_tokens,
         "temperature": recipe.sampling.temperature,
         "max_batch_size": batch_size(recipe, inputs, None),
@@ -114,7 +114,7 @@ def _baseline_row(recipe: Recipe, inputs: RecipeInputs, params: SamplingParams) 
         return [_cut(row, stop_ids) for row in out[:, width:].tolist()]
 
     generate(prompts[:2], max_new_tokens=8)  # warm-up
-    torch.manual_seed(recipe.seed)
+    torch.manual_seed(recipe.sampling.seed)
     start = time.perf_counter()
     completions = [c for i in range(0, len(prompts), size) for c in generate(prompts[i : i + size])]
     seconds = time.perf_counter() - start
@@ -142,7 +142,7 @@ def _cut(row: list[int], stop_ids: set[int]) -> list[int]:
 
 def _baseline_reward(recipe: Recipe, inputs: RecipeInputs, completions: list[list[int]], stop_ids: set[int]) -> float:
     """The mean reward of the baseline's completions, with the keyword arguments the rollout loop passes."""
-    n = recipe.rollout.n
+    n = recipe.sampling.n
     rows = list(inputs.data)
     texts = inputs.tokenizer.batch_decode(completions, skip_special_tokens=True)
     columns = {name: [rows[i // n][name] for i in range(len(texts))] for name in rows[0]}

@@ -5,7 +5,7 @@
     rollout bench RECIPE [key=value ...]   baseline, no speculation, static K values and the recipe's policy, one table
     rollout report OUTPUT_DIR              print the per-phase table of a finished run and write its plot
 
-`key.sub=value` overrides win over the recipe file, e.g. `rollout run recipes/quickstart.yaml rollout.n=8`.
+`key.sub=value` overrides win over the recipe file, e.g. `rollout run recipes/quickstart.yaml sampling.n=8`.
 User errors print one line `rollout <command>: error: ...` on stderr and exit with status 2.
 """
 
@@ -46,7 +46,7 @@ def _run(args: argparse.Namespace) -> None:
         how = "static" if table is None else ("auto" if table == "auto" else "table")
         policy += f" ({how}, K<={spec.num_speculative_tokens})"
     print(
-        f"model {recipe.model.name} | data {recipe.data.dataset} | n {recipe.rollout.n} | "
+        f"model {recipe.model.name} | data {recipe.data.dataset} | n {recipe.sampling.n} | "
         f"max_new_tokens {recipe.sampling.max_new_tokens} | speculation {policy}",
         flush=True,
     )
@@ -81,7 +81,7 @@ def _train(args: argparse.Namespace) -> None:
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs:g} epochs"
     print(
         f"GRPO | model {recipe.model.name} | data {recipe.data.dataset} | {length} x {t.prompts_per_step} prompts x "
-        f"n {recipe.rollout.n} | lr {t.learning_rate:g} | speculation {method_name(recipe.spec.method)}",
+        f"n {recipe.sampling.n} | lr {t.learning_rate:g} | speculation {method_name(recipe.spec.method)}",
         flush=True,
     )
     summary = run_training(recipe)
@@ -129,7 +129,7 @@ def _report(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout", description="RL rollout generation with speculative decoding")
     sub = parser.add_subparsers(dest="command", required=True)
-    overrides_help = "recipe overrides key.sub=value (win over the file), e.g. rollout.n=8 spec.method=null"
+    overrides_help = "recipe overrides key.sub=value (win over the file), e.g. sampling.n=8 spec.method=null"
     run = sub.add_parser("run", help="run a recipe and write its output folder")
     run.add_argument("recipe", help="a recipe YAML file, e.g. recipes/quickstart.yaml")
     run.add_argument("overrides", nargs="*", help=overrides_help)

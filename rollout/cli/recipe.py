@@ -6,6 +6,7 @@ and by building the generator's own settings (`SamplingParams`, `SpecConfig`, th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 from dataclasses import dataclass, field
@@ -52,34 +53,7 @@ class DataRecipe:
 
 
 @dataclass
-class SamplingRecipe:
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass in (0, 1]
-    top_k: int = 0  # 0 = off
-    max_new_tokens: int = 256  # completion length cap
-    stop_token_ids: list[int] | None = None  # extra stop ids besides the model's EOS
-
-
-@dataclass
-class SpecRecipe:
-    """vLLM's `--speculative-config` field names; `method: null` decodes without speculation."""
-
-    method: Any = None  # null (no speculation) | ngram | suffix | draft_model | a list of them in priority order
-    num_speculative_tokens: int = 3  # the largest K
-    prompt_lookup_max: int | None = None  # ngram: longest suffix matched (default 4)
-    prompt_lookup_min: int | None = None  # ngram: shortest suffix matched (default 1)
-    model: str | None = None  # draft_model: shipped short name, local folder or hub id
-    num_candidates: int = 1  # ngram/suffix: drafts merged into a token tree; 1 = a chain
-    suffix_decoding_max_tree_depth: int = 24  # suffix: longest n-gram counted (match + draft)
-    suffix_decoding_max_cached_requests: int = 10000  # suffix: finished responses kept as history; 0 = none
-    suffix_decoding_max_spec_factor: float = 1.0  # suffix: draft length <= this x match length
-    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop where the path probability falls below this
-    num_speculative_tokens_per_batch_size: Any = None  # [[start_bs, end_bs, K], ...] inclusive ranges, or "auto"
-
-
-@dataclass
 class RolloutRecipe:
-    n: int = 4  # completions per prompt (GRPO group size)
     max_batch_size: Any = 64  # generator slots: sequences decoded at once; auto = a whole rollout, lowered to fit
     max_seq_len: int | None = None  # prompt + completion cap; null = longest prompt + sampling.max_new_tokens
     tail_fraction: float = 0.25  # decode steps with batch < tail_fraction * peak decode batch are the tail phase
@@ -91,7 +65,6 @@ class RolloutRecipe:
         _require(self.num_rollouts >= 1, f"rollout.num_rollouts ({self.num_rollouts}) must be >= 1")
         p = self.prompts_per_rollout
         _require(p is None or p >= 1, f"rollout.prompts_per_rollout ({p}) must be >= 1, or null for all prompts")
-        _require(self.n >= 1, f"rollout.n ({self.n}) must be >= 1: completions per prompt")
         size = self.max_batch_size
         _require(
             size == "auto" or (isinstance(size, int) and not isinstance(size, bool) and size >= 1),
@@ -110,7 +83,7 @@ class TrainRecipe:
 
     steps: int | None = 30  # optimiser steps; null = `epochs` passes over the data
     epochs: float = 1.0  # passes over the data when steps is null
-    prompts_per_step: int = 8  # prompts per optimiser step (each sampled rollout.n times: one GRPO group each)
+    prompts_per_step: int = 8  # prompts per optimiser step (each sampled sampling.n times: one GRPO group each)
     learning_rate: float = 1e-5
     lr_scheduler_type: str = "constant"  # transformers' schedulers: constant | linear | cosine | ...
     warmup_steps: float = 0.0  # linear warm-up steps; below 1, a fraction of all steps
@@ -160,8 +133,10 @@ class BenchRecipe:
 class Recipe:
     model: ModelRecipe = field(default_factory=ModelRecipe)
     data: DataRecipe = field(default_factory=DataRecipe)
-    sampling: SamplingRecipe = field(default_factory=SamplingRecipe)
-    spec: SpecRecipe = field(default_factory=SpecRecipe)
+    # the generator's own settings, declared once: SamplingParams (n = the GRPO group size; seeded by default, so a
+    # recipe's rollouts reproduce and resume) and SpecConfig (vLLM's field names; method null = no speculation)
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=0))
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(method=None))
     rollout: RolloutRecipe = field(default_factory=RolloutRecipe)
     rewards: list[RewardRecipe] = field(default_factory=lambda: [RewardRecipe()])
     logging: LoggingRecipe = field(default_factory=LoggingRecipe)
@@ -170,13 +145,17 @@ class Recipe:
     output_dir: str = "outputs/rollout"  # where the run writes rollouts.jsonl, steps.jsonl, summary.json, ...
     overwrite: bool = False  # replace a run already in output_dir (its files removed first); false: refuse it
     resume: bool = False  # continue the interrupted run in output_dir (same recipe): finished groups are kept
-    seed: int = 0  # sampling seed: same seed + inputs = same rollouts (not with sampling + spec auto: see README)
     threads: int = 1  # torch CPU threads (1 gives stable timings); 0 keeps torch's default
 
     def __post_init__(self) -> None:
         _require(self.threads >= 0, f"threads ({self.threads}) must be >= 0 (0 keeps torch's default)")
         _require(len(self.rewards) >= 1, "rewards is empty: give at least one reward, e.g. [{name: arithmetic}]")
         _require(not (self.resume and self.overwrite), "resume and overwrite are both true: choose one")
+        _require(
+            isinstance(self.sampling.seed, int),
+            f"sampling.seed ({self.sampling.seed!r}) must be an integer: a recipe's rollouts are seeded, so that they "
+            "reproduce and a stopped run resumes",
+        )
 
 
 def _error(err: OmegaConfBaseException, source: str) -> ValueError:
@@ -208,7 +187,7 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
             raise ValueError(f"{where}: invalid YAML: {problem}") from None
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r} must be key=value, e.g. rollout.n=8")
+            raise ValueError(f"override {item!r} must be key=value, e.g. sampling.n=8")
         try:
             sources.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
         except OmegaConfBaseException as err:
@@ -222,29 +201,27 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         recipe = OmegaConf.to_object(config)
     except OmegaConfBaseException as err:
         raise _error(err, str(path) if path else "recipe") from None
+    except ValueError as err:  # SamplingParams' and SpecConfig's own checks name the field, not the section
+        section = _failing_section(config)
+        raise ValueError(f"{section}: {err}" if section in ("sampling", "spec") else str(err)) from None
     check_recipe(recipe)
     return recipe
+
+
+def _failing_section(config) -> str | None:
+    """The top-level section whose own checks fail (None: the recipe's cross-section checks)."""
+    for name in config:
+        if OmegaConf.is_config(config[name]) and not OmegaConf.is_list(config[name]):
+            try:
+                OmegaConf.to_object(config[name])
+            except ValueError:
+                return str(name)
+    return None
 
 
 def recipe_dict(recipe: Recipe) -> dict:
     """The resolved recipe as plain dicts and lists (config.yaml, W&B config)."""
     return OmegaConf.to_container(OmegaConf.structured(recipe), resolve=True)
-
-
-def sampling_params(recipe: Recipe) -> SamplingParams:
-    s = recipe.sampling
-    try:
-        return SamplingParams(
-            n=recipe.rollout.n,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            max_new_tokens=s.max_new_tokens,
-            stop_token_ids=list(s.stop_token_ids) if s.stop_token_ids is not None else None,
-            seed=recipe.seed,
-        )
-    except ValueError as err:
-        raise ValueError(f"sampling: {err}") from None
 
 
 def method_name(method: Any) -> str:
@@ -260,22 +237,18 @@ def spec_config(recipe: Recipe, draft_model: Any = None, **changes) -> SpecConfi
     Args:
         draft_model: what to pass as `SpecConfig.model` instead of spec.model (e.g. a model loaded from the hub).
     """
-    fields = recipe_dict(recipe)["spec"]
-    fields.update(changes)
-    if fields["method"] in (None, "none"):
-        return None
     if draft_model is not None:
-        fields["model"] = draft_model
+        changes["model"] = draft_model
     try:
-        return SpecConfig(**fields)
+        spec = dataclasses.replace(recipe.spec, **changes)
     except ValueError as err:
         raise ValueError(f"spec: {err}") from None
+    return spec if spec.methods else None
 
 
 def check_recipe(recipe: Recipe) -> None:
     """Build the generator's settings from the recipe so that their errors come before any model loads."""
     _check_finite(recipe_dict(recipe))
-    sampling_params(recipe)
     spec = spec_config(recipe)
     table = spec.num_speculative_tokens_per_batch_size if spec is not None else None
     if isinstance(table, (list, tuple)) and recipe.rollout.max_batch_size != "auto":  # auto: checked once resolved

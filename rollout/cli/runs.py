@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.cli.progress import Progress
-from rollout.cli.recipe import Recipe, recipe_dict, sampling_params, spec_config
+from rollout.cli.recipe import Recipe, recipe_dict, spec_config
 from rollout.cli.sources import draft_model_spec, load_dataset, load_model
 from rollout.cli.tracking import RunTracker
 from rollout.engine.memory_plan import fitting_batch_size
@@ -40,7 +40,7 @@ def load_inputs(recipe: Recipe) -> RecipeInputs:
     check_prompt_column(data.column_names, d.prompt_column)
     if len(data) == 0:
         raise ValueError(f"data.dataset {d.dataset!r} split {d.split!r} has no rows")
-    torch.manual_seed(recipe.seed)
+    torch.manual_seed(recipe.sampling.seed)
     model, tokenizer = load_model(recipe.model.name, recipe.model.dtype, recipe.model.device)
     formatter = PromptFormatter(tokenizer, d.prompt_column, d.template, d.chat_template, d.system_prompt)
     prompts, prompt_ids = formatter(list(data))
@@ -66,7 +66,7 @@ def batch_size(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) ->
     if size != "auto":
         return size
     num_prompts = min(recipe.rollout.prompts_per_rollout or len(inputs.prompt_ids), len(inputs.prompt_ids))
-    return fitting_batch_size(inputs.model, spec, inputs.max_seq_len, num_prompts * recipe.rollout.n)
+    return fitting_batch_size(inputs.model, spec, inputs.max_seq_len, num_prompts * recipe.sampling.n)
 
 
 def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) -> Rollout:
@@ -76,7 +76,7 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) 
         inputs.model,
         inputs.tokenizer,
         rewards=[(r.name, r.weight) for r in recipe.rewards],
-        sampling=sampling_params(recipe),
+        sampling=recipe.sampling,
         spec=spec,
         max_batch_size=batch_size(recipe, inputs, spec),
         max_seq_len=inputs.max_seq_len,
@@ -113,7 +113,7 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
         plot=log.plot,
         overwrite=recipe.overwrite,
         resume=recipe.resume,
-        group_size=recipe.rollout.n,
+        group_size=recipe.sampling.n,
     )
     rows = list(inputs.data)
     per_rollout = recipe.rollout.prompts_per_rollout or len(rows)
@@ -137,7 +137,7 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
 
             batch = rollout(
                 [rows[(first + j) % len(rows)] for j in todo],
-                recipe.seed + index,
+                recipe.sampling.seed + index,
                 on_step,
                 on_group=lambda group, index=index: tracker.log_group(group, index),
                 group_indices=todo,

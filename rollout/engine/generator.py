@@ -100,6 +100,8 @@ class Generator:
             )
         if spec is not None and not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
+        if spec is not None and not spec.methods:  # method None: speculation off
+            spec = None
         self.model = model
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len

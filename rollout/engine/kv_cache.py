@@ -110,11 +110,19 @@ class SlotKVCache(Cache):
         `num_positions` limits the copy to the leading positions that can hold valid data.
         """
         end = self.num_positions if num_positions is None else num_positions
-        for layer in self.layers:
-            if not layer.is_initialized:
-                continue
-            layer.keys[dst, :, :end] = layer.keys[src, :, :end]
-            layer.values[dst, :, :end] = layer.values[src, :, :end]
+        buffers = [b for layer in self.layers if layer.is_initialized for b in (layer.keys, layer.values)]
+        if not buffers:
+            return
+        pairs = [] if buffers[0].is_cuda else list(zip(src.tolist(), dst.tolist()))  # no device sync on a GPU
+        if pairs and not {s for s, _ in pairs} & {d for _, d in pairs}:
+            # rows apart (packing rows on a CPU): a copy per row of its [H, end, D] block is 2-4x faster than indexing
+            for buffer in buffers:
+                for s, d in pairs:
+                    buffer[d, :, :end].copy_(buffer[s, :, :end])
+            return
+        for buffer in buffers:  # one gather (every source read first) and one scatter per buffer
+            view = buffer[:, :, :end]
+            view.index_copy_(0, dst, view.index_select(0, src))
 
     def compact_paths(self, rows: Tensor, base_positions: Tensor, accepted_nodes: Tensor) -> None:
         """Move each row's accepted token-tree path next to its root, in every layer.

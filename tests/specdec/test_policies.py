@@ -19,7 +19,7 @@ def profiled(step_seconds) -> StepTimeModel:
     model = StepTimeModel()
     for batch_size in (1, 4, 16, 64, 256):
         for k in (0, 1, 4, 8):
-            model.add(batch_size, k + 1, k, step_seconds(batch_size, k + 1, k), prior=True)
+            model.add(batch_size, k + 1, k, step_seconds(batch_size, k + 1, k), profiled=True)
     return model
 
 
@@ -147,7 +147,7 @@ def profiled_with_context(step_seconds) -> StepTimeModel:
         for k in (0, 1, 4, 8):
             for context in (32, 600):
                 model.add(
-                    batch_size, k + 1, k, step_seconds(batch_size, k + 1, k, context), prior=True, context=context
+                    batch_size, k + 1, k, step_seconds(batch_size, k + 1, k, context), profiled=True, context=context
                 )
     return model
 
