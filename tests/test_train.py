@@ -115,6 +115,8 @@ def test_bad_train_settings_are_one_line(tmp_path, capsys):
     assert "train.steps (0) must be >= 1" in capsys.readouterr().err
     assert main(["run", GRPO, "rollout.num_rollouts=0", f"output_dir={tmp_path}"]) == 2
     assert "rollout.num_rollouts (0) must be >= 1" in capsys.readouterr().err
+    assert main(["train", GRPO, "resume=true", f"output_dir={tmp_path}"]) == 2
+    assert "does not resume a stopped training" in capsys.readouterr().err
 
 
 def test_plain_pytorch_grpo_raises_the_reward_of_the_prompts_it_trains_on():

@@ -35,6 +35,11 @@ TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "learning_rate", "ste
 
 def run_training(recipe: Recipe) -> dict:
     """Train the recipe's model with GRPO; write the output folder; return the summary."""
+    if recipe.resume:
+        raise ValueError(
+            "resume=true continues a `rollout run`; `rollout train` does not resume a stopped training (it keeps no "
+            "optimiser checkpoint): run it again with overwrite=true, or into another output_dir"
+        )
     try:
         import trl
     except ImportError:
