@@ -27,6 +27,7 @@ class Engine(Protocol):
     max_batch_size: int
     max_seq_len: int
     vocab_size: int
+    last_trace: list
 
     def add_requests(self, prompt_ids, params, seed_indices=None) -> list: ...
     def step(self, num_draft_tokens: int | None = None): ...
