@@ -27,7 +27,7 @@ from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.cli.recipe import Recipe, recipe_dict
 from rollout.cli.runs import load_inputs, recipe_spec, stop_reason
 from rollout.cli.tracking import start_wandb_run
-from rollout.rewards import WeightedReward, build_rewards
+from rollout.rewards import WeightedReward, build_rewards, score
 
 # the per-step keys copied from the trainer's logs to train.jsonl (besides every rollout/ key)
 TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "learning_rate", "step_time", "completions/mean_length")
@@ -165,18 +165,13 @@ def _trl_reward(term: WeightedReward, as_null: bool):
 
     def reward(completions, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: last message
-        try:
-            values = term.fn(texts, **kwargs)
+        try:  # the same checks as `rollout run` (one value each, finite or None), through the same scorer
+            total, _ = score([term], texts, kwargs, non_finite_as_null=as_null)
+        except ValueError:
+            raise
         except Exception as err:  # one line naming the reward, as `rollout run` gives
             raise ValueError(f"reward {term.name!r} raised {type(err).__name__}: {err}") from err
-        values = [float(v) for v in values]
-        bad = [v for v in values if not math.isfinite(v)]
-        if bad and not as_null:
-            raise ValueError(
-                f"reward {term.name!r} returned {bad[0]} ({len(bad)} non-finite values): a reward must be a finite "
-                "number (or set rollout.non_finite_rewards_as_null=true to record such samples as null)"
-            )
-        return [term.weight * v if math.isfinite(v) else None for v in values]
+        return total
 
     reward.__name__ = term.name.replace(":", "_")
     return reward
