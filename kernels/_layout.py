@@ -95,12 +95,12 @@ def check_draft_layout(draft_token_ids: Tensor, cu_num_draft_tokens: Tensor, max
 def check_target_rows(
     target: Tensor, name: str, draft_token_ids: Tensor, num_rows: int, dtypes: tuple[torch.dtype, ...]
 ) -> int:
-    """Check a `[num_draft_tokens + num_rows, vocab_size]` target tensor; return vocab_size."""
+    """Check a `[total_drafts + num_rows, vocab_size]` target tensor; return vocab_size."""
     check_tensor(target, name, 2, dtypes, draft_token_ids.device)
     num_target_rows = draft_token_ids.shape[0] + num_rows
     if target.shape[0] != num_target_rows:
         raise ValueError(
-            f"{name} has {target.shape[0]} rows, expected num_draft_tokens + num_rows = "
+            f"{name} has {target.shape[0]} rows, expected total_drafts + num_rows = "
             f"{draft_token_ids.shape[0]} + {num_rows} = {num_target_rows} (each row's drafts plus a bonus row)"
         )
     if target.shape[1] == 0:
@@ -115,16 +115,15 @@ def draft_row_ranges(
 
     References only: the kernels trust `cu_num_draft_tokens` (and clamp rows to max_num_draft_tokens).
     """
-    num_draft_tokens = draft_token_ids.shape[0]
+    total_drafts = draft_token_ids.shape[0]
     num_rows = cu_num_draft_tokens.shape[0]
     draft_start = torch.cat([cu_num_draft_tokens.new_zeros(1), cu_num_draft_tokens[:-1]])[:num_rows]
     num_drafts = cu_num_draft_tokens - draft_start
     if num_rows == 0:
         return draft_start, num_drafts
-    if int(cu_num_draft_tokens[-1]) != num_draft_tokens:
+    if int(cu_num_draft_tokens[-1]) != total_drafts:
         raise ValueError(
-            f"cu_num_draft_tokens[-1] is {int(cu_num_draft_tokens[-1])}, expected "
-            f"len(draft_token_ids) = {num_draft_tokens}"
+            f"cu_num_draft_tokens[-1] is {int(cu_num_draft_tokens[-1])}, expected len(draft_token_ids) = {total_drafts}"
         )
     if bool((num_drafts < 0).any()):
         raise ValueError(f"cu_num_draft_tokens must be non-decreasing, got {cu_num_draft_tokens.tolist()}")
@@ -136,7 +135,7 @@ def draft_row_ranges(
 
 
 def padded_drafts(
-    draft_token_ids: Tensor,  # [num_draft_tokens]
+    draft_token_ids: Tensor,  # [total_drafts]
     draft_start: Tensor,  # [num_rows]
     num_drafts: Tensor,  # [num_rows]
     max_num_draft_tokens: int,
@@ -144,7 +143,7 @@ def padded_drafts(
     """Drafts as `[num_rows, max + 1]` with -1 after each row's drafts, and each draft's (row, position)."""
     num_rows = draft_start.shape[0]
     device = draft_token_ids.device
-    draft_row = torch.repeat_interleave(torch.arange(num_rows, device=device), num_drafts)  # [num_draft_tokens]
+    draft_row = torch.repeat_interleave(torch.arange(num_rows, device=device), num_drafts)  # [total_drafts]
     draft_pos = torch.arange(draft_token_ids.shape[0], device=device) - draft_start[draft_row]
     drafts = torch.full((num_rows, max_num_draft_tokens + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
     drafts[draft_row, draft_pos] = draft_token_ids

@@ -30,9 +30,9 @@ from kernels._triton_common import _chain_row, _row_argmax, compute_dtype_for
 # Ties go to the lowest index (torch.argmax's first occurrence): see `_row_argmax`.
 @triton.jit
 def _greedy_verify_kernel(
-    draft_token_ids_ptr,  # [num_draft_tokens] int64
+    draft_token_ids_ptr,  # [total_drafts] int64
     cu_num_draft_tokens_ptr,  # [num_rows] int64
-    target_logits_ptr,  # [num_draft_tokens + num_rows, vocab_size]
+    target_logits_ptr,  # [total_drafts + num_rows, vocab_size]
     output_token_ids_ptr,  # [num_rows, max_num_draft_tokens + 1] int64, pre-filled with -1
     num_emitted_ptr,  # [num_rows] int64
     vocab_size,
@@ -57,17 +57,17 @@ def _greedy_verify_kernel(
 
 
 def greedy_verify(
-    draft_token_ids: Tensor,  # [num_draft_tokens] int64
+    draft_token_ids: Tensor,  # [total_drafts] int64
     cu_num_draft_tokens: Tensor,  # [num_rows] int64
-    target_logits: Tensor,  # [num_draft_tokens + num_rows, vocab_size]
+    target_logits: Tensor,  # [total_drafts + num_rows, vocab_size]
     max_num_draft_tokens: int,
 ) -> tuple[Tensor, Tensor]:
     """Accept drafts while each equals the target argmax; emit the argmax at the first mismatch.
 
     Args:
-        draft_token_ids: `[num_draft_tokens]` int64, all rows' drafts concatenated.
+        draft_token_ids: `[total_drafts]` int64, all rows' drafts concatenated.
         cu_num_draft_tokens: `[num_rows]` int64, inclusive cumulative sum of per-row draft counts.
-        target_logits: `[num_draft_tokens + num_rows, vocab_size]` float16, bfloat16, float32 or
+        target_logits: `[total_drafts + num_rows, vocab_size]` float16, bfloat16, float32 or
             float64; row i's target rows start at `cu[i-1] + i`, the last one gives the bonus token.
         max_num_draft_tokens: at least every row's draft count (a host int: no device sync).
 
@@ -97,9 +97,9 @@ def greedy_verify(
 
 
 def greedy_verify_ref(
-    draft_token_ids: Tensor,  # [num_draft_tokens] int64
+    draft_token_ids: Tensor,  # [total_drafts] int64
     cu_num_draft_tokens: Tensor,  # [num_rows] int64
-    target_logits: Tensor,  # [num_draft_tokens + num_rows, vocab_size]
+    target_logits: Tensor,  # [total_drafts + num_rows, vocab_size]
     max_num_draft_tokens: int,
 ) -> tuple[Tensor, Tensor]:
     """Pure-torch `greedy_verify`: same arguments and outputs, runs on any device."""

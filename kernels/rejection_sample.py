@@ -53,11 +53,11 @@ def _sampling_weights(
 #   accumulated in float64 block by block (running total + in-block cumsum), like the reference.
 @triton.jit
 def _rejection_sample_kernel(
-    draft_token_ids_ptr,  # [num_draft_tokens] int64
+    draft_token_ids_ptr,  # [total_drafts] int64
     cu_num_draft_tokens_ptr,  # [num_rows] int64
-    draft_probs_ptr,  # [num_draft_tokens, vocab_size], unused without HAS_DRAFT_PROBS
-    target_probs_ptr,  # [num_draft_tokens + num_rows, vocab_size]
-    accept_uniforms_ptr,  # [num_draft_tokens] float64
+    draft_probs_ptr,  # [total_drafts, vocab_size], unused without HAS_DRAFT_PROBS
+    target_probs_ptr,  # [total_drafts + num_rows, vocab_size]
+    accept_uniforms_ptr,  # [total_drafts] float64
     sample_uniforms_ptr,  # [num_rows] float64
     output_token_ids_ptr,  # [num_rows, max_num_draft_tokens + 1] int64, pre-filled with -1
     num_emitted_ptr,  # [num_rows] int64
@@ -108,24 +108,24 @@ def _rejection_sample_kernel(
 
 
 def rejection_sample(
-    draft_token_ids: Tensor,  # [num_draft_tokens] int64
+    draft_token_ids: Tensor,  # [total_drafts] int64
     cu_num_draft_tokens: Tensor,  # [num_rows] int64
-    draft_probs: Tensor | None,  # [num_draft_tokens, vocab_size] float32/float64, None for n-gram drafts
-    target_probs: Tensor,  # [num_draft_tokens + num_rows, vocab_size] float32/float64
-    accept_uniforms: Tensor,  # [num_draft_tokens] float64
+    draft_probs: Tensor | None,  # [total_drafts, vocab_size] float32/float64, None for n-gram drafts
+    target_probs: Tensor,  # [total_drafts + num_rows, vocab_size] float32/float64
+    accept_uniforms: Tensor,  # [total_drafts] float64
     sample_uniforms: Tensor,  # [num_rows] float64
     max_num_draft_tokens: int,
 ) -> tuple[Tensor, Tensor]:
     """Verify drafts by rejection sampling so that emitted tokens follow the target distribution.
 
     Args:
-        draft_token_ids: `[num_draft_tokens]` int64, all rows' drafts concatenated.
+        draft_token_ids: `[total_drafts]` int64, all rows' drafts concatenated.
         cu_num_draft_tokens: `[num_rows]` int64, inclusive cumulative sum of per-row draft counts.
-        draft_probs: `[num_draft_tokens, vocab_size]` float32/float64 draft distributions q, or None
+        draft_probs: `[total_drafts, vocab_size]` float32/float64 draft distributions q, or None
             when the drafts have none (n-gram: q is one-hot at the draft).
-        target_probs: `[num_draft_tokens + num_rows, vocab_size]` float32/float64 target
+        target_probs: `[total_drafts + num_rows, vocab_size]` float32/float64 target
             distributions p; row i's rows start at `cu[i-1] + i`, the last one for the bonus token.
-        accept_uniforms: `[num_draft_tokens]` float64 in [0, 1), one per draft (float64: float32
+        accept_uniforms: `[total_drafts]` float64 in [0, 1), one per draft (float64: float32
             uniforms can be exactly 0).
         sample_uniforms: `[num_rows]` float64 in [0, 1), one per row for its recovered or bonus token.
         max_num_draft_tokens: at least every row's draft count (a host int: no device sync).
@@ -166,11 +166,11 @@ def rejection_sample(
 
 
 def rejection_sample_ref(
-    draft_token_ids: Tensor,  # [num_draft_tokens] int64
+    draft_token_ids: Tensor,  # [total_drafts] int64
     cu_num_draft_tokens: Tensor,  # [num_rows] int64
-    draft_probs: Tensor | None,  # [num_draft_tokens, vocab_size], None for n-gram drafts
-    target_probs: Tensor,  # [num_draft_tokens + num_rows, vocab_size]
-    accept_uniforms: Tensor,  # [num_draft_tokens] float64
+    draft_probs: Tensor | None,  # [total_drafts, vocab_size], None for n-gram drafts
+    target_probs: Tensor,  # [total_drafts + num_rows, vocab_size]
+    accept_uniforms: Tensor,  # [total_drafts] float64
     sample_uniforms: Tensor,  # [num_rows] float64
     max_num_draft_tokens: int,
 ) -> tuple[Tensor, Tensor]:
@@ -228,17 +228,17 @@ def _check_inputs(
     """Host-side checks (no device sync); return (num_rows, vocab_size)."""
     num_rows = check_draft_layout(draft_token_ids, cu_num_draft_tokens, max_num_draft_tokens)
     vocab_size = check_target_rows(target_probs, "target_probs", draft_token_ids, num_rows, PROB_DTYPES)
-    num_draft_tokens = draft_token_ids.shape[0]
+    total_drafts = draft_token_ids.shape[0]
     device = draft_token_ids.device
     if draft_probs is not None:
         check_tensor(draft_probs, "draft_probs", 2, PROB_DTYPES, device)
-        if tuple(draft_probs.shape) != (num_draft_tokens, vocab_size):
+        if tuple(draft_probs.shape) != (total_drafts, vocab_size):
             raise ValueError(
-                f"draft_probs has shape {tuple(draft_probs.shape)}, expected (num_draft_tokens, vocab_size) = "
-                f"({num_draft_tokens}, {vocab_size}) to match draft_token_ids and target_probs"
+                f"draft_probs has shape {tuple(draft_probs.shape)}, expected (total_drafts, vocab_size) = "
+                f"({total_drafts}, {vocab_size}) to match draft_token_ids and target_probs"
             )
     for name, uniforms, expected in (
-        ("accept_uniforms", accept_uniforms, num_draft_tokens),
+        ("accept_uniforms", accept_uniforms, total_drafts),
         ("sample_uniforms", sample_uniforms, num_rows),
     ):
         check_tensor(uniforms, name, 1, (torch.float64,), device)

@@ -78,7 +78,7 @@ class RolloutBatch:
     reward: list[float | None] | None
     reward_terms: dict[str, list[float | None]] = field(default_factory=dict)  # each term's unweighted rewards
     pad_token_id: int = 0  # what `to_padded` pads ids with
-    steps: list[dict] = field(default_factory=list)  # the step trace, phases relabelled, with `elapsed`
+    steps: list[dict] = field(default_factory=list)  # the step trace, each with its phase and `elapsed`
     summary: dict = field(default_factory=dict)  # `rollout.phases.summarize(steps)`
 
     def __len__(self) -> int:

@@ -22,7 +22,7 @@ from rollout.prompts import PromptFormatter, check_prompt_column, prompt_kind
 from rollout.rewards import RewardFn, WeightedReward, build_rewards, mean_reward, score
 from specdec.config import SpecConfig
 
-# on_step(step, num_finished_samples, num_total_samples); `step` is a step-trace dict with phase relabelled
+# on_step(step, num_finished_samples, num_total_samples); `step` is a step-trace dict with its phase labelled
 StepCallback = Callable[[dict, int, int], None]
 # the keyword arguments the loop itself passes to reward functions; dataset columns of these names are not passed
 RESERVED_REWARD_KWARGS = ("prompts", "completion_ids", "finish_reasons")
@@ -220,15 +220,15 @@ class Rollout:
         return self._chat_formatter
 
     def _generate(self, prompt_ids, params, on_step, on_group, indices) -> list[dict]:
-        """Run the generator; return its steps as dicts with the phase relabelled and `elapsed` (seconds from the
-        start of the call to the end of the step)."""
+        """Run the generator; return its steps as dicts with their phase (prefill / bulk / tail) and `elapsed`
+        (seconds from the start of the call to the end of the step)."""
         labeler = PhaseLabeler(self.tail_fraction)
         steps: list[dict] = []
         start = time.perf_counter()
 
         def record_step(record, num_finished: int, num_total: int) -> None:
             step = record.to_dict()
-            step["phase"] = labeler.label(step["phase"], step["batch_size"])
+            step["phase"] = labeler.label(step["kind"], step["batch_size"])
             step["elapsed"] = time.perf_counter() - start
             steps.append(step)
             if on_step is not None:

@@ -36,17 +36,17 @@ class PhaseLabeler:
         self.tail_fraction = float(tail_fraction)
         self.peak_batch_size = 0
 
-    def label(self, phase: str, batch_size: int) -> str:
-        """The phase of the next step, given the generator's phase ("prefill" | "decode") and its batch size."""
-        if phase == "prefill":
+    def label(self, kind: str, batch_size: int) -> str:
+        """The phase of the next step, given the kind of step ("prefill" | "decode") and its batch size."""
+        if kind == "prefill":
             return "prefill"
-        assert phase == "decode", f"expected a 'prefill' or 'decode' step, got {phase!r}"
+        assert kind == "decode", f"expected a 'prefill' or 'decode' step, got {kind!r}"
         self.peak_batch_size = max(self.peak_batch_size, batch_size)
         return "tail" if batch_size < self.tail_fraction * self.peak_batch_size else "bulk"
 
 
 def summarize(steps: Iterable[dict]) -> dict:
-    """Per-phase and total throughput of labelled steps (dicts with the step-trace fields, phase relabelled).
+    """Per-phase and total throughput of labelled steps (dicts with the step-trace fields and a `phase`).
 
     Returns `{"phases": {phase: stats for each of PHASES}, "total": stats}`, where stats holds:
 

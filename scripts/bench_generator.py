@@ -58,7 +58,7 @@ def step_cost(model, prompt, num_slots: int, max_new_tokens: int) -> float:
     params = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=0, stop_token_ids=None)
     gen.generate([prompt, prompt], params)  # warm-up (allocates the cache)
     gen.generate([prompt, prompt], params)
-    decode = [r.seconds for r in gen.last_trace if r.phase == "decode" and r.batch_size == 2]
+    decode = [r.seconds for r in gen.last_trace if r.kind == "decode" and r.batch_size == 2]
     return statistics.median(decode)
 
 

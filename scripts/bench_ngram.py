@@ -61,17 +61,17 @@ def time_proposer(
     proposer: NgramProposer,
     token_ids: torch.Tensor,  # [num_rows, T]
     num_tokens: torch.Tensor,  # [num_rows]
-    num_draft_tokens: torch.Tensor,  # [num_rows]
+    num_asked: torch.Tensor,  # [num_rows]
     num_candidates: int,
     num_repeats: int,
 ) -> tuple[float, float, float]:
     """Median ms of propose, propose_candidates and the dense torch baseline (checked to agree with propose)."""
     k, min_n, max_n = proposer.num_speculative_tokens, proposer.prompt_lookup_min, proposer.prompt_lookup_max
     dense = dense_torch_propose(token_ids, num_tokens, k, min_n, max_n)
-    assert torch.equal(dense, proposer.propose(token_ids, num_tokens, num_draft_tokens)), "baseline disagrees"
-    propose_ms = median_ms(lambda: proposer.propose(token_ids, num_tokens, num_draft_tokens), num_repeats)
+    assert torch.equal(dense, proposer.propose(token_ids, num_tokens, num_asked)), "baseline disagrees"
+    propose_ms = median_ms(lambda: proposer.propose(token_ids, num_tokens, num_asked), num_repeats)
     candidates_ms = median_ms(
-        lambda: proposer.propose_candidates(token_ids, num_tokens, num_draft_tokens, num_candidates), num_repeats
+        lambda: proposer.propose_candidates(token_ids, num_tokens, num_asked, num_candidates), num_repeats
     )
     dense_ms = median_ms(lambda: dense_torch_propose(token_ids, num_tokens, k, min_n, max_n), num_repeats)
     return propose_ms, candidates_ms, dense_ms
@@ -103,7 +103,7 @@ def main() -> None:
     proposer = NgramProposer(args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max)
     num_rows = args.num_rows
     next_ids = torch.randint(0, config.vocab_size, (num_rows, 1))
-    num_draft_tokens = torch.full((num_rows,), args.num_speculative_tokens, dtype=torch.int64)
+    num_asked = torch.full((num_rows,), args.num_speculative_tokens, dtype=torch.int64)
     distributions = {
         "uniform": torch.ones(config.vocab_size),
         "zipf": 1.0 / torch.arange(1, config.vocab_size + 1, dtype=torch.float64) ** 1.1,
@@ -138,7 +138,7 @@ def main() -> None:
             last_ids = token_ids.gather(1, num_tokens[:, None] - 1)
             hit_rate = (token_ids[:, : seq_len - 16] == last_ids).double().mean().item()
             propose_ms, cands_ms, dense_ms = time_proposer(
-                proposer, token_ids, num_tokens, num_draft_tokens, args.num_candidates, args.num_repeats
+                proposer, token_ids, num_tokens, num_asked, args.num_candidates, args.num_repeats
             )
             print(
                 f"{seq_len:>7} {name:>8} {hit_rate:>5.1%} {forward_ms:>10.2f} {propose_ms:>10.3f} "

@@ -65,7 +65,7 @@ def run(model, spec, prompt_ids, params, args) -> dict:
     steps, elapsed = [], 0.0
     for record in gen.last_trace:
         step = record.to_dict()
-        step["phase"] = labeler.label(step["phase"], step["batch_size"])
+        step["phase"] = labeler.label(step["kind"], step["batch_size"])
         elapsed += step["seconds"]
         step["elapsed"] = elapsed
         steps.append(step)

@@ -29,7 +29,7 @@ def run(model, prompts, batch_size, spec, params, max_seq_len):
     start = time.perf_counter()
     outs = gen.generate(prompts, params)
     seconds = time.perf_counter() - start
-    decode = [r for r in gen.last_trace if r.phase == "decode"]
+    decode = [r for r in gen.last_trace if r.kind == "decode"]
     tokens = sum(len(o.token_ids) for o in outs)
     row_steps = sum(r.batch_size for r in decode)
     drafted = sum(r.num_drafted for r in decode)

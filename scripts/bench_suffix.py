@@ -113,7 +113,7 @@ def run(model, config, k, prompt_ids, history, args) -> dict:
     steps = []
     for record in gen.last_trace:
         step = record.to_dict()
-        step["phase"] = labeler.label(step["phase"], step["batch_size"])
+        step["phase"] = labeler.label(step["kind"], step["batch_size"])
         steps.append(step)
     decode = [s for s in steps if s["phase"] != "prefill"]
     row_steps = sum(s["batch_size"] for s in decode)
@@ -208,7 +208,7 @@ def cost(args, model, tokenizer) -> list[dict]:
         bulk = [
             (p, r.seconds, r.batch_size, r.num_emitted)
             for p, r in zip(clock.per_step, gen.last_trace)
-            if r.phase == "decode" and 2 * r.batch_size >= batch_size
+            if r.kind == "decode" and 2 * r.batch_size >= batch_size
         ]
         proposer, step, rows_per_step, emitted = (sum(x[i] for x in bulk) for i in range(4))
         row = {

@@ -68,7 +68,7 @@ def profile(name: str, spec: SpecConfig | None, args, prompts: list[list[int]], 
         profiler.disable()
     for m in models:
         del m.forward  # back to the class's forward
-    steps = [(r, f, w) for r, f, w in zip(gen.last_trace, per_step, loop) if r.phase != "prefill"]
+    steps = [(r, f, w) for r, f, w in zip(gen.last_trace, per_step, loop) if r.kind != "prefill"]
     bulk = [(r, f, w) for r, f, w in steps if r.batch_size >= args.batch_size // 2]
     step_ms = 1e3 * sum(w for _, _, w in bulk) / len(bulk)
     forward_ms = 1e3 * sum(f for _, f, _ in bulk) / len(bulk)

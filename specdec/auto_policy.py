@@ -3,23 +3,18 @@
     rate(K) = sum over rows of E[emitted_i | min(K, cap_i)] / T(B, 1 + K, passes(K), context)
 
 `E` comes from per-position acceptance measured online for each route (`AcceptanceStats`): a proposer a request
-named, or the configured cascade of proposers as a whole (its mix of n-gram and draft-model rows is what it earns);
-`T` from a step-time
-model seeded by a warm-up profile and refitted from every measured step (`StepTimeModel`). K rises at most one position
-past those measured so far, so a high rate inherited by unmeasured positions is checked one step at a time, never
-bet on a whole K = 8 step at once (such climb steps, and exploration steps, are marked `measuring` in the trace: their
-own predicted gain may be below 1). K is one number per batch:
-the forward is padded to the widest row, so a row given fewer drafts saves no compute (per-request caps still apply).
-K = 0 unless some K beats plain decoding, and a new K must beat the current one by `hysteresis` to replace it.
-Acceptance evidence fades every step, also at K = 0, so a K of 0 chosen on early evidence is tested again later.
-Every `explore_every` steps one step drafts one token more than the chosen K, and as often (halfway between) one
-token fewer. Up, the acceptance of the position just beyond K stays measured (the early tokens of a completion accept
-differently from the later ones); positions further out inherit its rate, and if that predicts a gain the policy moves
-up and measures them. Both ways, the step-time model measures the widths next to the chosen one at the run's own
-batch size and context: the profile's straight line in the width misses what a width really costs (on this project's
-CPU a step fed an even number of tokens per row is ~10% cheaper than the line, an odd one dearer). One token more or
-less costs little next to the chosen K; drafting the largest K instead would cost a K = 8 step, 5.5 times a plain one
-at 1024 rows on this project's CPU.
+named, or the configured cascade of proposers as a whole (its mix of rows is what it earns); `T` from the step-time
+table the warm-up measured, corrected by every measured step (`StepTimeTable`). K rises at most one position past
+those measured so far, so a high rate inherited by unmeasured positions is checked one step at a time, never bet on a
+whole K = 8 step at once (such climb steps, and exploration steps, are marked `measuring` in the trace: their own
+predicted gain may be below 1). K is one number per batch: the forward is padded to the widest row, so a row given
+fewer drafts saves no compute (per-request caps still apply). K = 0 unless some K beats plain decoding, and a new K
+must beat the current one by `hysteresis` to replace it. Acceptance evidence fades every step, also at K = 0, so a
+K of 0 chosen on early evidence is tested again later. Every `explore_every` steps one step drafts one token more
+than the chosen K, and as often (halfway between) one token fewer: up, the acceptance of the position just beyond K
+stays measured (positions further out inherit its rate, and if that predicts a gain the policy moves up and measures
+them); both ways, the live correction of the step-time table measures the widths next to the chosen one at the
+run's own batch size and context. Why each of these exists, with the measurements: docs/dynamic-k.md.
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specdec.policies import Decision, StepTimerProtocol
-from specdec.step_time import StepTimeModel
+from specdec.step_time import StepTimeTable
 
 
 class AcceptanceStats:
@@ -37,15 +32,11 @@ class AcceptanceStats:
 
     Counts are of rows *asked* for a draft at that position, so a proposer that often has nothing to offer (an n-gram
     lookup without a match) shows it as a lower rate. The unit of evidence is a step, not a row: a step's rate at a
-    position weighs 1 once `rows_per_step` rows reached it (less with fewer), and weights decay so the estimate follows
-    the run. Rows of one step are not independent draws: a rollout starts every completion at once, so the first steps
-    see every row at the same token of the answer's template (measured here: position 3 accepted 0.51 in the second
-    step and ~0.92 from then on). Counted per row, that one step outweighed the next 40; per step, the positions the
-    policy drafts every step replace it at once, and one just beyond them (measured only by exploration) drifts back
-    toward the rate of the position before it. A position never reached yet inherits that rate (the first inherits
-    `prior_rate`). The prior is optimistic on purpose: a policy that believes drafts pay tries them in its first steps
-    and learns the real rate (one step weighs as much as the prior); a pessimistic one would keep K = 0 and never
-    measure.
+    position weighs 1 once `rows_per_step` rows reached it (less with fewer), and weights decay by `decay` per step so
+    the estimate follows the run (rows of one step are not independent draws: a rollout starts every completion at
+    once). A position never reached yet inherits the rate of the position before it (the first inherits
+    `prior_rate`, optimistic on purpose: a policy that believes drafts pay tries them and learns the real rate; one
+    step weighs as much as the prior).
     """
 
     def __init__(
@@ -93,8 +84,7 @@ class AcceptanceStats:
     def measured_depth(self, min_weight: float = 0.25) -> int:
         """Leading positions measured recently: decayed step weight >= `min_weight` (a full step within the last ~27,
         so the position one past K, measured by exploration every 20 steps, counts). The policy may then climb one
-        position past it: from K = 3 straight to 5, say, when K = 4 itself costs more than either (measured here:
-        a step fed an odd number of tokens per row costs ~10% more than the line through its neighbours)."""
+        position past it: from K = 3 straight to 5, say, when K = 4 itself costs more than either."""
         shallow = np.flatnonzero(self.reached < min_weight)
         return int(shallow[0]) if len(shallow) else self.max_k
 
@@ -131,7 +121,7 @@ class AutoPolicy:
         self,
         num_speculative_tokens: int,
         draft_passes: dict[str, bool],
-        time_model: StepTimeModel | None = None,
+        step_times: StepTimeTable | None = None,
         hysteresis: float = 0.03,
         explore_every: int = 20,
     ):
@@ -139,7 +129,7 @@ class AutoPolicy:
         self.num_steps = 0
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_passes = draft_passes
-        self.time_model = time_model if time_model is not None else StepTimeModel()
+        self.step_times = step_times if step_times is not None else StepTimeTable()
         self.hysteresis = hysteresis
         self.stats = {route: AcceptanceStats(num_speculative_tokens) for route in draft_passes}
         self.current = 0
@@ -161,15 +151,15 @@ class AutoPolicy:
             if self.draft_passes[route] and (caps[rows] > 0).any():
                 passes = np.maximum(passes, np.minimum(ks, caps[rows].max()))
         usable = int(caps.max(initial=0))
-        rate = emitted / np.maximum(self.time_model.predict(batch_size, ks + 1, passes, context), 1e-9)
+        rate = emitted / np.maximum(self.step_times.predict(batch_size, ks + 1, passes, context), 1e-9)
         best = int(np.argmax(rate[: usable + 1]))
         current = min(self.current, usable)
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
             best = current
         # climb one unmeasured position at a time: the positions beyond the measured ones only inherit a rate (the
-        # early tokens of a completion accept differently from later ones), and a K = 8 step costs 5.5x a plain one
-        # at 1024 rows on this project's CPU. A climb step may itself predict a loss (the first draft costs more than
-        # the next ones): it is how the positions of a better K get measured.
+        # early tokens of a completion accept differently from later ones), and a wide step is expensive where the
+        # batch is large. A climb step may itself predict a loss (the first draft costs more than the next ones): it
+        # is how the positions of a better K get measured.
         climb_to = 1 + max(self.stats[route].measured_depth() for route in set(routes))
         measuring = best > climb_to
         best = min(best, climb_to)
@@ -184,14 +174,18 @@ class AutoPolicy:
         return Decision(best, float(rate[best] / rate[0]), measuring)
 
     def calibrate(self, timer: StepTimerProtocol, short_context: int = 32) -> None:
-        """Seed the step-time model with timed steps: B over powers of four up to the slot count, K over 0, 1, K/2 and
+        """Fill the step-time table with timed steps: B over powers of four up to the slot count, K over 0, 1, K/2 and
         K (every K at the second largest B: a width's cost is not a straight line in the width), each at a short
-        context and at the longest one (rows attend over the longest row's cache, so a step's cost grows with it)."""
+        context and at the longest one (rows attend over the longest row's cache, so a step's cost grows with it).
+        A step timed slower than one that does more work (more rows, or more drafts at the largest B) is timed again:
+        the process may have paused inside it."""
         max_k = self.num_speculative_tokens
         largest = timer.max_batch_size
         sizes = sorted({min(4**i, largest) for i in range(largest.bit_length())})
         ks = sorted({0, 1, max_k // 2, max_k})
         contexts = sorted({min(short_context, timer.max_context), timer.max_context}, reverse=True)
+        every_k_at = sizes[-2] if len(sizes) > 1 else sizes[-1]
+        grid = [(b, k) for b in sizes for k in ks] + [(every_k_at, k) for k in range(max_k + 1) if k not in ks]
         for index, context in enumerate(contexts):
             timer.fill(context)
             if index == 0:
@@ -200,17 +194,23 @@ class AutoPolicy:
                 for k in ks:
                     timer.time_step(1, k)
                 timer.time_step(largest, max_k)
-            for batch_size in sizes:
-                for k in ks:
-                    self.observe(timer.time_step(batch_size, k), profiled=True)
-            for k in sorted(set(range(max_k + 1)) - set(ks)):
-                self.observe(timer.time_step(sizes[-2] if len(sizes) > 1 else sizes[-1], k), profiled=True)
+            seconds = {}
+            for batch_size, k in grid:
+                observation = timer.time_step(batch_size, k)
+                seconds[(batch_size, k)] = observation.seconds
+                self.observe(observation, profiled=True)
+            for batch_size, k in grid:
+                more_work = [seconds[(b, k)] for b in sizes if b > batch_size and (b, k) in seconds]
+                if batch_size == largest:
+                    more_work += [seconds[(batch_size, j)] for j in ks if j > k]
+                if more_work and seconds[(batch_size, k)] > min(more_work):
+                    self.observe(timer.time_step(batch_size, k), profiled=True)  # the table keeps the faster
 
     def observe(self, observation: StepObservation, profiled: bool = False) -> None:
         """Learn from a step; a `profiled` step (calibration, random prompts) informs the step times only, not
         acceptance."""
         o = observation
-        self.time_model.add(o.batch_size, o.width, o.num_draft_passes, o.seconds, profiled, o.context)
+        self.step_times.add(o.batch_size, o.width, o.num_draft_passes, o.seconds, profiled, o.context)
         if profiled:
             return
         for route, stats in self.stats.items():

@@ -165,7 +165,7 @@ class SuffixIndex:
         if shared.size:
             old_parents = parents[shared]
             old_children = self._children(old_parents, tokens[shared].astype(np.int64), record[shared, 3], delta > 0)
-            np.add.at(self.count, old_children, np.int32(delta))  # a scalar of the array's dtype: 18x faster
+            np.add.at(self.count, old_children, np.int32(delta))  # the array's dtype: no cast per element
             if delta > 0:
                 self._raise_best(old_parents, old_children, record[shared, 1])
             else:

@@ -105,10 +105,10 @@ class DraftLayout:
         return max(self.row_depths)
 
 
-def layout_drafts(num_draft_tokens: list[int], draft_parents: Tensor | None) -> DraftLayout:
+def layout_drafts(num_drafted: list[int], draft_parents: Tensor | None) -> DraftLayout:
     """Build the layout from per-row draft counts and draft-local parents `[rows, >= max count]` (-1 = child of the
     pending token); `draft_parents` None means every row is a chain."""
-    num_nodes = [1 + n for n in num_draft_tokens]
+    num_nodes = [1 + n for n in num_drafted]
     width = max(num_nodes)
     valid = torch.arange(width)[None, :] < torch.tensor(num_nodes)[:, None]
     chain = torch.where(valid, torch.arange(-1, width - 1)[None, :], -1)
@@ -118,4 +118,4 @@ def layout_drafts(num_draft_tokens: list[int], draft_parents: Tensor | None) -> 
             depths, ancestors = depths_and_ancestors(parents, num_nodes)
             row_depths = depths.max(dim=1).values.tolist()
             return DraftLayout(num_nodes, parents, row_depths, False, depths, ancestors)
-    return DraftLayout(num_nodes, chain, list(num_draft_tokens), True)
+    return DraftLayout(num_nodes, chain, list(num_drafted), True)

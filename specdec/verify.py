@@ -75,14 +75,14 @@ def verify(
 
 
 def verify_chain(
-    target_logits: Tensor,  # [num_draft_tokens + rows, V]
-    draft_token_ids: Tensor,  # [num_draft_tokens]
+    target_logits: Tensor,  # [total_drafts + rows, V]
+    draft_token_ids: Tensor,  # [total_drafts]
     cu_num_draft_tokens: Tensor,  # [rows]
-    draft_probs: Tensor | None,  # [num_draft_tokens, V], processed like the target; None for n-gram drafts
+    draft_probs: Tensor | None,  # [total_drafts, V], processed like the target; None for n-gram drafts
     sampling: RowSampling,  # per row
     num_target_rows_per_row: Tensor,  # [rows] K_i + 1
     max_num_draft_tokens: int,
-    accept_uniforms: Tensor,  # [num_draft_tokens] float64
+    accept_uniforms: Tensor,  # [total_drafts] float64
     sample_uniforms: Tensor,  # [rows] float64
 ) -> VerifyResult:
     """Accept or reject each row's drafts losslessly and emit one more token (recovered or bonus) per row."""

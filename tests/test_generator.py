@@ -202,7 +202,7 @@ def test_stop_token_ids_and_n_share_one_prefill():
     assert outs[0].token_ids == reference[0][: reference[0].index(stop) + 1]
     assert outs[0].finish_reason == "stop"
     assert outs[0].token_ids == outs[1].token_ids  # greedy samples of one prompt agree
-    prefill = [r for r in gen.last_trace if r.phase == "prefill"]
+    prefill = [r for r in gen.last_trace if r.kind == "prefill"]
     assert sum(r.batch_size for r in prefill) == len(prompts)  # 3 prefilled rows for 6 samples
 
 
@@ -214,7 +214,7 @@ def test_trace_counts_add_up():
     trace = gen.last_trace
     assert sum(r.num_emitted for r in trace) == sum(len(o.token_ids) for o in outs)
     assert all(r.batch_size <= 3 for r in trace)
-    assert {r.phase for r in trace} == {"prefill", "decode"}
+    assert {r.kind for r in trace} == {"prefill", "decode"}
     assert all(r.seconds > 0 for r in trace)
 
 

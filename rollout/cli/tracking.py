@@ -6,9 +6,10 @@ Output folder contract (external tools read these names):
 - `rollouts.jsonl`: one line per sample, appended group by group as groups finish: `prompt_index`, `prompt`,
   `completion`, `completion_ids`, `logprobs`, `finish_reason`, `reward` (and `rollout`, `sample_index`,
   `truncated`, `reward_<term>` per reward term).
-- `steps.jsonl`: one line per generator step: the step-trace fields (`phase` = prefill / bulk / tail,
-  `batch_size`, `num_draft_tokens`, `num_drafted`, `num_accepted`, `num_emitted`, `seconds`, ...) plus `elapsed`
-  (seconds since the tracker started, across rollouts) and `rollout` (which call of the rollout loop).
+- `steps.jsonl`: one line per generator step: the step-trace fields (`kind` = prefill / decode,
+  `phase` = prefill / bulk / tail, `batch_size`, `num_draft_tokens`, `num_drafted`, `num_accepted`, `num_emitted`,
+  `seconds`, ...) plus `elapsed` (seconds since the tracker started, across rollouts) and `rollout` (which call of
+  the rollout loop).
 - `summary.json`: `phases` = {prefill|bulk|tail: {seconds, tokens, tokens_per_s, mean_batch_size, mean_k,
   acceptance_rate, mean_accepted_length, num_steps}}, `total` with the same keys, `reward_mean` (see
   `rollout.phases.summarize`), plus `reward_terms`, `wall_seconds`, `num_samples`, `num_rollouts`, and

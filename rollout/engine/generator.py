@@ -340,7 +340,7 @@ class Generator:
         sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
         drafts, served = self._propose(num_rows, asked, sampling, uniforms)
         layout = layout_drafts(
-            drafts.num_draft_tokens if drafts is not None else [0] * num_rows,
+            drafts.num_drafted if drafts is not None else [0] * num_rows,
             drafts.parents if drafts is not None else None,
         )
         input_ids, logits = self._forward(num_rows, drafts, layout)
@@ -397,7 +397,7 @@ class Generator:
         batch = ProposalBatch(
             token_ids=self.slots.token_ids[:num_rows],
             num_tokens=num_tokens,
-            num_draft_tokens=asked.tolist(),
+            num_asked=asked.tolist(),
             sampling=sampling,
             draft_uniforms=uniforms[:, : int(asked.max())],
             states=[seq.proposer_state for seq in sequences],

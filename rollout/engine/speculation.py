@@ -29,12 +29,12 @@ class NgramAdapter(Proposer):
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         num_tokens = torch.tensor(batch.num_tokens)
-        asked = torch.tensor(batch.num_draft_tokens)
+        asked = torch.tensor(batch.num_asked)
         if self.num_candidates == 1:
             drafts = self.ngram.propose(batch.token_ids, num_tokens, asked)
             return Drafts(drafts, (drafts >= 0).sum(dim=1).tolist())
         candidates = self.ngram.propose_candidates(batch.token_ids, num_tokens, asked, self.num_candidates)
-        tokens, parents, counts = merge_candidates(candidates, batch.num_draft_tokens)
+        tokens, parents, counts = merge_candidates(candidates, batch.num_asked)
         return Drafts(tokens, counts, parents=parents)
 
 

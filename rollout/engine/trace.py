@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class StepRecord:
-    phase: str  # "prefill" | "decode" (the rollout loop later splits decode into bulk / tail)
+    kind: str  # "prefill" | "decode" (the rollout loop labels each step's phase: prefill, bulk or tail)
     batch_size: int  # rows in the forward pass (active rows for decode, prompts for prefill)
     num_draft_tokens: int  # K the policy chose for this step (rows are further capped by request and length)
     num_drafted: int  # draft tokens actually proposed, all rows

@@ -104,7 +104,7 @@ class TRLRolloutFunc:
 
         def record(record, num_finished: int, num_total: int) -> None:
             entry = record.to_dict()
-            entry["phase"] = labeler.label(entry["phase"], entry["batch_size"])
+            entry["phase"] = labeler.label(entry["kind"], entry["batch_size"])
             steps.append(entry)
 
         start = time.perf_counter()

@@ -16,7 +16,7 @@ class ProposalBatch:
 
     token_ids: Tensor  # [rows, T] int64 on the host: prompt + generated tokens, the pending token last
     num_tokens: list[int]  # valid tokens per row
-    num_draft_tokens: list[int]  # K asked of each row (0 = no drafts for that row)
+    num_asked: list[int]  # drafts asked of each row (0 = no drafts for that row)
     sampling: RowSampling  # per row, for proposers that sample (their q must be processed like the target's p)
     draft_uniforms: Tensor  # [rows, max K] float64: one uniform per draft position, from each row's own stream
     states: list[dict] = field(default_factory=list)  # per-row proposer state that travels with the sequence
@@ -25,8 +25,8 @@ class ProposalBatch:
 @dataclass
 class Drafts:
     token_ids: Tensor  # [rows, max K] int64, -1 after each row's drafts (host or device)
-    num_draft_tokens: list[int]  # drafts actually proposed per row (host)
-    probs: Tensor | None = None  # [sum(num_draft_tokens), V] draft distribution, rows back to back; None = n-gram
+    num_drafted: list[int]  # drafts actually proposed per row (host)
+    probs: Tensor | None = None  # [sum(num_drafted), V] draft distribution, rows back to back; None = n-gram
     # token tree: [rows, max K] draft-local parent of each node (-1 = child of the pending token); None = chain
     parents: Tensor | None = None
 

@@ -45,7 +45,7 @@ class DraftModelProposer(Proposer):
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         num_rows = len(batch.num_tokens)
-        max_k = max(batch.num_draft_tokens)
+        max_k = max(batch.num_asked)
         device = self.runner.device
         for row, (state, num_tokens) in enumerate(zip(batch.states, batch.num_tokens)):
             _reconcile(state, batch.token_ids[row], num_tokens)
@@ -66,23 +66,23 @@ class DraftModelProposer(Proposer):
         for j in range(max_k):
             probs = _draft_distribution(step_logits, batch.sampling)
             tokens = _sample(probs, uniforms[:, j], batch.sampling)
-            drafting = torch.tensor([k > j for k in batch.num_draft_tokens], device=device)
+            drafting = torch.tensor([k > j for k in batch.num_asked], device=device)
             draft_ids[:, j] = torch.where(drafting, tokens, -1)
             draft_probs.append(probs)
             if j + 1 < max_k:  # the last draft is never fed: verification decides whether it is kept
-                feeding = [int(k > j + 1) for k in batch.num_draft_tokens]
+                feeding = [int(k > j + 1) for k in batch.num_asked]
                 step_logits = self.runner.decode(0, tokens[:, None], feeding, cache_lens)[:, 0]
                 cache_lens = [c + f for c, f in zip(cache_lens, feeding)]
         host_drafts = draft_ids.cpu().tolist()  # one transfer: the next step reconciles against these on the host
         for row, state in enumerate(batch.states):
-            k = batch.num_draft_tokens[row]
+            k = batch.num_asked[row]
             state.update(cache_len=cache_lens[row], base=batch.num_tokens[row])
             state["cached_drafts"] = host_drafts[row][: k - 1] if k > 1 else []
         # rows back to back, each row's positions j < K_i, matching the verifier's flattened layout
         stacked = torch.stack(draft_probs, dim=1) if draft_probs else None  # [rows, max_k, V]
-        keep = torch.tensor([[j < k for j in range(max_k)] for k in batch.num_draft_tokens], device=device)
+        keep = torch.tensor([[j < k for j in range(max_k)] for k in batch.num_asked], device=device)
         flat_probs = stacked[keep] if stacked is not None else None
-        return Drafts(draft_ids, list(batch.num_draft_tokens), flat_probs)
+        return Drafts(draft_ids, list(batch.num_asked), flat_probs)
 
 
 def _reconcile(state: dict, token_ids: Tensor, num_tokens: int) -> None:

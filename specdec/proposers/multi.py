@@ -64,16 +64,15 @@ class ProposerSet(Proposer):
         results: dict[str, Drafts] = {}
         for name, proposer in self.proposers.items():
             asked = [
-                k if served[i] is None and requested[i] in (None, name) else 0
-                for i, k in enumerate(batch.num_draft_tokens)
+                k if served[i] is None and requested[i] in (None, name) else 0 for i, k in enumerate(batch.num_asked)
             ]
             if max(asked, default=0) == 0:
                 proposer.update(batch.token_ids, batch.num_tokens)  # it drafts for nobody, but may learn the text
                 continue
             states = [s.setdefault(name, {}) for s in batch.states]
-            drafts = proposer.propose(dataclasses.replace(batch, num_draft_tokens=asked, states=states))
+            drafts = proposer.propose(dataclasses.replace(batch, num_asked=asked, states=states))
             results[name] = drafts
-            for i, (k, n) in enumerate(zip(asked, drafts.num_draft_tokens)):
+            for i, (k, n) in enumerate(zip(asked, drafts.num_drafted)):
                 if k > 0:
                     tried[i] = name
                     if n > 0:
@@ -97,7 +96,7 @@ def _combine(results: dict[str, Drafts], served: list[str | None], num_rows: int
             part = drafts.token_ids.to(device)[index]
             token_ids[index, : part.shape[1]] = part
             for i in rows:
-                counts[i] = drafts.num_draft_tokens[i]
+                counts[i] = drafts.num_drafted[i]
     with_probs = [d for d in results.values() if d.probs is not None]
     if not with_probs:
         return Drafts(token_ids, counts)
@@ -106,7 +105,7 @@ def _combine(results: dict[str, Drafts], served: list[str | None], num_rows: int
     probs = torch.zeros(offsets[-1], vocab_size, dtype=with_probs[0].probs.dtype, device=device)
     one_hot_rows, one_hot_tokens = [], []
     for name, drafts in results.items():
-        own = [0] + list(drafts.num_draft_tokens)
+        own = [0] + list(drafts.num_drafted)
         own_offsets = torch.tensor(own).cumsum(0).tolist()  # the proposer's own layout: its asked rows back to back
         src, dst = [], []
         host_ids = drafts.token_ids.cpu() if drafts.probs is None else None  # n-gram drafts live on the host

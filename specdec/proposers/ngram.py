@@ -11,8 +11,7 @@ text with a period below K the most recent occurrence sits within K tokens of th
 exactly where drafting pays most. vLLM takes the earliest occurrence; we prefer the most recent that supplies K.
 
 The search runs on the host in numpy: one compare of every position against the row's last token, then only the
-positions that hit are extended, one token back at a time. Torch integer ops on CPU cost 3-6x numpy's here (one
-thread), and a dense torch search over every position costs 1.5-5.5x this one at batch 64 (`scripts/bench_ngram.py`).
+positions that hit are extended, one token back at a time (why numpy and not torch, measured: docs/dynamic-k.md).
 """
 
 from __future__ import annotations
@@ -46,20 +45,20 @@ class NgramProposer:
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
 
-    def propose(self, token_ids: Tensor, num_tokens: Tensor, num_draft_tokens: Tensor) -> Tensor:
+    def propose(self, token_ids: Tensor, num_tokens: Tensor, num_asked: Tensor) -> Tensor:
         """Draft a chain per row from its best occurrence: longest match, then most tokens supplied, then most recent.
 
         Args:
             token_ids: [num_rows, T] int64, each row's prompt + generated tokens, left-aligned; entries at and after
                 `num_tokens[i]` are ignored.
             num_tokens: [num_rows] int64, valid length of each row, in [0, T].
-            num_draft_tokens: [num_rows] int64, per-row K in [0, num_speculative_tokens].
+            num_asked: [num_rows] int64, the drafts asked of each row, in [0, num_speculative_tokens].
 
         Returns:
-            draft_token_ids: [num_rows, max(num_draft_tokens)] int64, -1 after each row's drafts; a row without a
+            draft_token_ids: [num_rows, max(num_asked)] int64, -1 after each row's drafts; a row without a
             match of at least `prompt_lookup_min` tokens is all -1.
         """
-        tokens, lengths, ks, width = self._host_inputs(token_ids, num_tokens, num_draft_tokens)
+        tokens, lengths, ks, width = self._host_inputs(token_ids, num_tokens, num_asked)
         drafts = np.full((tokens.shape[0], width), -1, dtype=np.int64)
         rows, ends, match_lens = _find_occurrences(tokens, lengths, ks, self.prompt_lookup_min, self.prompt_lookup_max)
         if rows.size:
@@ -75,7 +74,7 @@ class NgramProposer:
         return torch.from_numpy(drafts).to(token_ids.device)
 
     def propose_candidates(
-        self, token_ids: Tensor, num_tokens: Tensor, num_draft_tokens: Tensor, num_candidates: int
+        self, token_ids: Tensor, num_tokens: Tensor, num_asked: Tensor, num_candidates: int
     ) -> Tensor:
         """Draft up to `num_candidates` distinct continuations per row, best first (e.g. to build a token tree).
 
@@ -87,16 +86,16 @@ class NgramProposer:
         Args:
             token_ids: [num_rows, T] int64, as in `propose`.
             num_tokens: [num_rows] int64, as in `propose`.
-            num_draft_tokens: [num_rows] int64, as in `propose`.
+            num_asked: [num_rows] int64, as in `propose`.
             num_candidates: maximum number of candidates per row, >= 1.
 
         Returns:
-            candidate_token_ids: [num_rows, num_candidates, max(num_draft_tokens)] int64, -1 after each candidate's
+            candidate_token_ids: [num_rows, num_candidates, max(num_asked)] int64, -1 after each candidate's
             tokens; unused candidate slots are all -1.
         """
         if isinstance(num_candidates, bool) or not isinstance(num_candidates, int) or num_candidates < 1:
             raise ValueError(f"num_candidates ({num_candidates!r}) must be an integer >= 1")
-        tokens, lengths, ks, width = self._host_inputs(token_ids, num_tokens, num_draft_tokens)
+        tokens, lengths, ks, width = self._host_inputs(token_ids, num_tokens, num_asked)
         candidates = np.full((tokens.shape[0], num_candidates, width), -1, dtype=np.int64)
         rows, ends, match_lens = _find_occurrences(tokens, lengths, ks, self.prompt_lookup_min, self.prompt_lookup_max)
         if rows.size:
@@ -107,13 +106,13 @@ class NgramProposer:
         return torch.from_numpy(candidates).to(token_ids.device)
 
     def _host_inputs(
-        self, token_ids: Tensor, num_tokens: Tensor, num_draft_tokens: Tensor
+        self, token_ids: Tensor, num_tokens: Tensor, num_asked: Tensor
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-        """Check the inputs and return host arrays: tokens [num_rows, T], lengths, ks, and max(num_draft_tokens)."""
+        """Check the inputs and return host arrays: tokens [num_rows, T], lengths, ks, and max(num_asked)."""
         for name, tensor, ndim in (
             ("token_ids", token_ids, 2),
             ("num_tokens", num_tokens, 1),
-            ("num_draft_tokens", num_draft_tokens, 1),
+            ("num_asked", num_asked, 1),
         ):
             if not isinstance(tensor, Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -123,12 +122,12 @@ class NgramProposer:
                     f"pass {'[num_rows, T]' if ndim == 2 else '[num_rows]'} int64"
                 )
         num_rows, max_len = token_ids.shape
-        for name, tensor in (("num_tokens", num_tokens), ("num_draft_tokens", num_draft_tokens)):
+        for name, tensor in (("num_tokens", num_tokens), ("num_asked", num_asked)):
             if tensor.shape[0] != num_rows:
                 raise ValueError(f"{name} has {tensor.shape[0]} rows but token_ids has {num_rows}; pass one per row")
         tokens = token_ids.detach().cpu().numpy()
         lengths = num_tokens.detach().cpu().numpy()
-        ks = num_draft_tokens.detach().cpu().numpy()
+        ks = num_asked.detach().cpu().numpy()
         if num_rows == 0:
             return tokens, lengths, ks, 0
         if lengths.min() < 0 or lengths.max() > max_len:
@@ -138,7 +137,7 @@ class NgramProposer:
             )
         if ks.min() < 0 or ks.max() > self.num_speculative_tokens:
             raise ValueError(
-                f"num_draft_tokens must lie in [0, num_speculative_tokens={self.num_speculative_tokens}], "
+                f"num_asked must lie in [0, num_speculative_tokens={self.num_speculative_tokens}], "
                 f"got values in [{ks.min()}, {ks.max()}]; clamp the K policy's output"
             )
         return tokens, lengths, ks, int(ks.max())

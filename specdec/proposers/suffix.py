@@ -218,7 +218,7 @@ class SuffixProposer(Proposer):
         num_rows = len(batch.num_tokens)
         rows = np.arange(num_rows)
         self._sync(rows, batch.token_ids.numpy(), np.asarray(batch.num_tokens, dtype=np.int64))
-        asked = np.asarray(batch.num_draft_tokens, dtype=np.int64)
+        asked = np.asarray(batch.num_asked, dtype=np.int64)
         width = int(asked.max(initial=0))
         cand_rows, tokens, lengths, scores = self._candidates(asked)
         if self.num_candidates == 1:

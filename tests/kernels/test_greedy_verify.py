@@ -19,22 +19,20 @@ torch.set_num_threads(1)
 def make_case(counts: list[int], vocab_size: int, dtype: torch.dtype, mode: str, seed: int = 0):
     """Random logits and drafts that the target accepts at random ('random'), always or never."""
     generator = torch.Generator().manual_seed(seed)
-    num_rows, num_draft_tokens = len(counts), sum(counts)
+    num_rows, total_drafts = len(counts), sum(counts)
     cu_num_draft_tokens = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-    target_logits = torch.randn(num_draft_tokens + num_rows, vocab_size, generator=generator).to(dtype)
+    target_logits = torch.randn(total_drafts + num_rows, vocab_size, generator=generator).to(dtype)
     target_argmax = target_logits.argmax(dim=-1)
     # The target row that verifies each draft: draft d of row i is checked by target row d + i.
-    verifying_rows = torch.arange(num_draft_tokens) + torch.repeat_interleave(
-        torch.arange(num_rows), torch.tensor(counts)
-    )
+    verifying_rows = torch.arange(total_drafts) + torch.repeat_interleave(torch.arange(num_rows), torch.tensor(counts))
     matching = target_argmax[verifying_rows]
     if mode == "all_accept":
         draft_token_ids = matching
     elif mode == "all_reject":
         draft_token_ids = (matching + 1) % vocab_size  # argmax takes the lowest index, so never a tie winner
     else:
-        random_tokens = torch.randint(0, vocab_size, (num_draft_tokens,), generator=generator)
-        draft_token_ids = torch.where(torch.rand(num_draft_tokens, generator=generator) < 0.7, matching, random_tokens)
+        random_tokens = torch.randint(0, vocab_size, (total_drafts,), generator=generator)
+        draft_token_ids = torch.where(torch.rand(total_drafts, generator=generator) < 0.7, matching, random_tokens)
     return draft_token_ids.contiguous(), cu_num_draft_tokens, target_logits
 
 
@@ -133,7 +131,7 @@ def valid_args():
     [
         ("draft_token_ids", torch.tensor([1, 2, 3], dtype=torch.int32), "draft_token_ids has dtype torch.int32"),
         ("cu_num_draft_tokens", torch.tensor([1.0, 3.0]), "cu_num_draft_tokens has dtype torch.float32"),
-        ("target_logits", torch.randn(4, 11), "target_logits has 4 rows, expected num_draft_tokens + num_rows"),
+        ("target_logits", torch.randn(4, 11), "target_logits has 4 rows, expected total_drafts + num_rows"),
         ("target_logits", torch.randn(11, 5).t(), "target_logits (shape (5, 11)) must be contiguous"),
         ("target_logits", torch.zeros(5, 11, dtype=torch.int64), "target_logits has dtype torch.int64"),
         ("target_logits", torch.randn(5), "target_logits must have 2 dimension(s)"),

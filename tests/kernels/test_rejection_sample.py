@@ -25,17 +25,15 @@ torch.set_num_threads(1)
 def make_case(counts, vocab_size, dtype, with_draft_probs, mode, seed=0):
     """Inputs for rejection_sample. mode: 'random', 'all_accept' (accepted for any uniform) or 'all_reject'."""
     generator = torch.Generator().manual_seed(seed)
-    num_rows, num_draft_tokens = len(counts), sum(counts)
+    num_rows, total_drafts = len(counts), sum(counts)
     cu_num_draft_tokens = torch.tensor(counts, dtype=torch.int64).cumsum(0)
-    target_probs = sparse_distributions(num_draft_tokens + num_rows, vocab_size, generator)
-    draft_probs = sparse_distributions(num_draft_tokens, vocab_size, generator)
+    target_probs = sparse_distributions(total_drafts + num_rows, vocab_size, generator)
+    draft_probs = sparse_distributions(total_drafts, vocab_size, generator)
     if with_draft_probs:
         draft_token_ids = torch.multinomial(draft_probs, 1, generator=generator).view(-1)
     else:  # n-gram drafts can be any token, including ones the target gives probability 0
-        draft_token_ids = torch.randint(0, vocab_size, (num_draft_tokens,), generator=generator)
-    verifying_rows = torch.arange(num_draft_tokens) + torch.repeat_interleave(
-        torch.arange(num_rows), torch.tensor(counts)
-    )
+        draft_token_ids = torch.randint(0, vocab_size, (total_drafts,), generator=generator)
+    verifying_rows = torch.arange(total_drafts) + torch.repeat_interleave(torch.arange(num_rows), torch.tensor(counts))
     if mode == "all_accept":  # p == q, or p one-hot at the n-gram draft: u * q < p for every u < 1
         accepting = draft_probs if with_draft_probs else torch.eye(vocab_size, dtype=torch.float64)[draft_token_ids]
         target_probs[verifying_rows] = accepting
@@ -47,7 +45,7 @@ def make_case(counts, vocab_size, dtype, with_draft_probs, mode, seed=0):
         cu_num_draft_tokens=cu_num_draft_tokens,
         draft_probs=draft_probs.to(dtype) if with_draft_probs else None,
         target_probs=target_probs.to(dtype),
-        accept_uniforms=torch.rand(num_draft_tokens, generator=generator, dtype=torch.float64),
+        accept_uniforms=torch.rand(total_drafts, generator=generator, dtype=torch.float64),
         sample_uniforms=torch.rand(num_rows, generator=generator, dtype=torch.float64),
         max_num_draft_tokens=max(counts, default=0),
     )

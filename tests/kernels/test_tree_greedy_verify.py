@@ -99,13 +99,13 @@ def test_many_rows_small_vocab():
 def chain_case(counts: list[int], vocab_size: int, dtype: torch.dtype, seed: int = 0):
     """greedy_verify's inputs (drafts that often match) and the same inputs as chain-shaped trees."""
     generator = torch.Generator().manual_seed(seed)
-    num_rows, num_draft_tokens = len(counts), sum(counts)
-    target_logits = torch.randn(num_draft_tokens + num_rows, vocab_size, generator=generator).to(dtype)
+    num_rows, total_drafts = len(counts), sum(counts)
+    target_logits = torch.randn(total_drafts + num_rows, vocab_size, generator=generator).to(dtype)
     # draft d of row i is checked by target row d + i; the row's tree node k + 1 is its draft k
     row_of_draft = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(counts))
-    matching = target_logits.argmax(dim=-1)[torch.arange(num_draft_tokens) + row_of_draft]
-    random_tokens = torch.randint(0, vocab_size, (num_draft_tokens,), generator=generator)
-    drafts = torch.where(torch.rand(num_draft_tokens, generator=generator) < 0.8, matching, random_tokens)
+    matching = target_logits.argmax(dim=-1)[torch.arange(total_drafts) + row_of_draft]
+    random_tokens = torch.randint(0, vocab_size, (total_drafts,), generator=generator)
+    drafts = torch.where(torch.rand(total_drafts, generator=generator) < 0.8, matching, random_tokens)
     chain = dict(
         draft_token_ids=drafts,
         cu_num_draft_tokens=torch.tensor(counts, dtype=torch.int64).cumsum(0),

@@ -115,22 +115,20 @@ def test_kernel_matches_reference_real_vocab(shapes, dtype, mode):
 @pytest.mark.parametrize("counts", [[0, 4, 1, 3, 0, 2, 4], [8, 8, 8], [1]], ids=["mixed", "max_8", "one"])
 def test_chain_tree_equals_rejection_sample_without_draft_probs(counts, dtype):
     generator = torch.Generator().manual_seed(5)
-    num_rows, num_draft_tokens = len(counts), sum(counts)
-    target_probs = sparse_distributions(num_draft_tokens + num_rows, 1271, generator).to(dtype)
+    num_rows, total_drafts = len(counts), sum(counts)
+    target_probs = sparse_distributions(total_drafts + num_rows, 1271, generator).to(dtype)
     # n-gram drafts: mostly likely tokens of the verifying row (draft d of row i: target row d + i), else anything
     row_of_draft = torch.repeat_interleave(torch.arange(num_rows), torch.tensor(counts))
-    likely = torch.multinomial(
-        target_probs[torch.arange(num_draft_tokens) + row_of_draft].double(), 1, generator=generator
-    )
-    anything = torch.randint(0, 1271, (num_draft_tokens,), generator=generator)
-    drafts = torch.where(torch.rand(num_draft_tokens, generator=generator) < 0.7, likely.view(-1), anything)
-    accept_uniforms = torch.rand(num_draft_tokens, generator=generator, dtype=torch.float64)
+    likely = torch.multinomial(target_probs[torch.arange(total_drafts) + row_of_draft].double(), 1, generator=generator)
+    anything = torch.randint(0, 1271, (total_drafts,), generator=generator)
+    drafts = torch.where(torch.rand(total_drafts, generator=generator) < 0.7, likely.view(-1), anything)
+    accept_uniforms = torch.rand(total_drafts, generator=generator, dtype=torch.float64)
     sample_uniforms = torch.rand(num_rows, generator=generator, dtype=torch.float64)
     expected_out, expected_num_emitted = rejection_sample(
         drafts, torch.tensor(counts).cumsum(0), None, target_probs, accept_uniforms, sample_uniforms, max(counts)
     )
     # The same rows as trees: node k + 1 is draft k, its parent node k; the roots' uniforms are never read.
-    is_root = torch.zeros(num_draft_tokens + num_rows, dtype=torch.bool)
+    is_root = torch.zeros(total_drafts + num_rows, dtype=torch.bool)
     is_root[torch.tensor(counts).cumsum(0) + torch.arange(num_rows) - torch.tensor(counts)] = True
     tree_token_ids = torch.full_like(is_root, 3, dtype=torch.int64)
     tree_token_ids[~is_root] = drafts

@@ -67,7 +67,7 @@ def test_table_policy_in_the_generator_turns_drafts_off_for_large_batches():
     params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=0)
     for num_prompts, k in ((6, 0), (2, 3)):
         gen.generate([[5, 6, 7, 5, 6, 7, 5, 6]] * num_prompts, params)
-        decode = [r for r in gen.last_trace if r.phase == "decode"]
+        decode = [r for r in gen.last_trace if r.kind == "decode"]
         assert {r.batch_size for r in decode} == {num_prompts}
         # K comes from the table; near the length cap it is lowered further (no drafts past max_new_tokens)
         assert max(r.num_draft_tokens for r in decode) == k

@@ -38,7 +38,7 @@ def test_greedy_with_speculation_equals_plain_greedy(arch, method, k):
     gen = Generator(model, max_batch_size=4, max_seq_len=96, spec=spec_for(method, k, draft))
     outs = gen.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    decode = [r for r in gen.last_trace if r.phase == "decode"]
+    decode = [r for r in gen.last_trace if r.kind == "decode"]
     assert sum(r.num_drafted for r in decode) > 0
     assert sum(r.num_accepted for r in decode) > 0 or method == "draft_model"
     if method == "ngram":  # some steps had rows without a draft
@@ -53,7 +53,7 @@ def test_self_draft_accepts_everything_under_greedy():
     prompts = random_prompts(5, seed=5)
     gen = Generator(model, max_batch_size=8, max_seq_len=96, spec=spec_for("draft_model", 4, model))
     gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=20))
-    decode = [r for r in gen.last_trace if r.phase == "decode"]
+    decode = [r for r in gen.last_trace if r.kind == "decode"]
     assert sum(r.num_accepted for r in decode) == sum(r.num_drafted for r in decode) > 0
 
 

@@ -8,14 +8,14 @@ import torch
 from specdec.proposers import NgramProposer
 
 
-def _batch(rows: list[list[int]], num_draft_tokens: list[int], width: int | None = None, garbage: int = 7):
+def _batch(rows: list[list[int]], num_asked: list[int], width: int | None = None, garbage: int = 7):
     """Left-aligned [num_rows, width] token ids with `garbage` after each row, plus num_tokens and K tensors."""
     width = width or max(len(r) for r in rows) + 3
     token_ids = torch.full((len(rows), width), garbage, dtype=torch.int64)
     for i, r in enumerate(rows):
         token_ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
     num_tokens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-    return token_ids, num_tokens, torch.tensor(num_draft_tokens, dtype=torch.int64)
+    return token_ids, num_tokens, torch.tensor(num_asked, dtype=torch.int64)
 
 
 def _rows(drafts: torch.Tensor) -> list[list[int]]:
@@ -96,7 +96,7 @@ def test_chain_prefers_an_occurrence_that_supplies_k_tokens_in_periodic_text():
     assert drafts.tolist() == [[1, 2, 3, 1, 2]]
 
 
-def test_per_row_num_draft_tokens_including_zero():
+def test_per_row_num_asked_including_zero():
     seq = [1, 2, 3, 4, 5, 6, 1, 2]
     drafts = NgramProposer(4, 1, 2).propose(*_batch([seq, seq, seq], [0, 4, 2]))
     assert drafts.tolist() == [[-1, -1, -1, -1], [3, 4, 5, 6], [3, 4, -1, -1]]
@@ -238,13 +238,13 @@ def test_propose_validation():
         proposer.propose(token_ids[0], num_tokens, ks)
     with pytest.raises(ValueError, match="num_tokens must be a 1-D int64"):
         proposer.propose(token_ids, num_tokens.float(), ks)
-    with pytest.raises(ValueError, match="num_draft_tokens has 1 rows but token_ids has 2"):
+    with pytest.raises(ValueError, match="num_asked has 1 rows but token_ids has 2"):
         proposer.propose(token_ids, num_tokens, ks[:1])
     with pytest.raises(ValueError, match=r"num_tokens must lie in \[0, 6\]"):
         proposer.propose(token_ids, num_tokens + 4, ks)
-    with pytest.raises(ValueError, match=r"num_draft_tokens must lie in \[0, num_speculative_tokens=3\]"):
+    with pytest.raises(ValueError, match=r"num_asked must lie in \[0, num_speculative_tokens=3\]"):
         proposer.propose(token_ids, num_tokens, ks + 1)
-    with pytest.raises(ValueError, match="num_draft_tokens must lie"):
+    with pytest.raises(ValueError, match="num_asked must lie"):
         proposer.propose(token_ids, num_tokens, ks - 3)
     with pytest.raises(TypeError, match="token_ids must be a torch.Tensor"):
         proposer.propose(token_ids.tolist(), num_tokens, ks)

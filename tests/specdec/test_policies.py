@@ -1,4 +1,4 @@
-"""K policies: the auto policy's choices on synthetic step-time models, its acceptance estimate and step-time fit,
+"""K policies: the auto policy's choices on synthetic step times, its acceptance estimate and step-time table,
 and the one-hot q that lets n-gram rows share a rejection-sampling pass with draft-model rows."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import torch
 
 from kernels.rejection_sample import rejection_sample_ref
 from specdec.auto_policy import AcceptanceStats, AutoPolicy, StepObservation
-from specdec.step_time import StepTimeModel
+from specdec.step_time import StepTimeTable
 
 MAX_K = 8
 
 
-def profiled(step_seconds) -> StepTimeModel:
+def profiled(step_seconds) -> StepTimeTable:
     """A step-time model whose warm-up profile is `step_seconds(B, W, P)` on the usual grid."""
-    model = StepTimeModel()
+    model = StepTimeTable()
     for batch_size in (1, 4, 16, 64, 256):
         for k in (0, 1, 4, 8):
             model.add(batch_size, k + 1, k, step_seconds(batch_size, k + 1, k), profiled=True)
@@ -76,7 +76,7 @@ def test_measured_steps_refit_the_level_and_can_turn_speculation_off():
     # the profile says tokens are nearly free; the run then measures drafted steps costing far more than profiled
     policy = policy_with(lambda b, w, p: 1e-3 + 1e-6 * w, acceptance=0.5)
     assert policy.choose(16).num_draft_tokens > 0
-    no_profile = AutoPolicy(MAX_K, {"draft_model": True}, StepTimeModel(), hysteresis=0.0)
+    no_profile = AutoPolicy(MAX_K, {"draft_model": True}, StepTimeTable(), hysteresis=0.0)
     no_profile.stats = policy.stats
     for k in (0, 1, 2, 4, 8) * 20:  # measured only: each draft token costs a full step
         no_profile.observe(StepObservation(16, k + 1, k, 1e-3 * (1 + 2 * k), {}))
@@ -140,9 +140,9 @@ def kv_read_bound(batch_size, width, passes, context):
     return 1e-3 + batch_size * per_row + passes * (1e-4 + batch_size * (1e-7 + 1e-9 * context))
 
 
-def profiled_with_context(step_seconds) -> StepTimeModel:
+def profiled_with_context(step_seconds) -> StepTimeTable:
     """A step-time model profiled like the warm-up: the usual grid at a short and a long context."""
-    model = StepTimeModel()
+    model = StepTimeTable()
     for batch_size in (1, 4, 16, 64, 256, 1024):
         for k in (0, 1, 4, 8):
             for context in (32, 600):
@@ -152,7 +152,7 @@ def profiled_with_context(step_seconds) -> StepTimeModel:
     return model
 
 
-def test_step_time_fit_extrapolates_to_an_unprofiled_context_and_batch_size():
+def test_step_time_table_interpolates_to_an_untimed_context_width_and_batch_size():
     model = profiled_with_context(kv_read_bound)
     ks = np.arange(MAX_K + 1)
     for batch_size, context in ((200, 300), (700, 450), (3, 100)):
@@ -161,17 +161,47 @@ def test_step_time_fit_extrapolates_to_an_unprofiled_context_and_batch_size():
         np.testing.assert_allclose(predicted, truth, rtol=0.05)
 
 
-def test_one_paused_warm_up_step_does_not_bend_the_fit():
-    # one profiled plain step of 256 rows took 20x its time (a pause of the process, as measured once here)
-    def paused(batch_size, width, passes, context):
-        slow = batch_size == 256 and width == 1 and context == 32
-        return kv_read_bound(batch_size, width, passes, context) * (20 if slow else 1)
+class SyntheticTimer:
+    """A step timer whose steps take `step_seconds(B, W, P, context)`, the `stalls` listed (B, K, context) once
+    20 times as long; it records every step it was asked to time."""
 
-    model = profiled_with_context(paused)
-    ks = np.arange(MAX_K + 1)
-    for context in (32, 300):
-        truth = np.array([kv_read_bound(256, k + 1, k, context) for k in ks])
-        np.testing.assert_allclose(model.predict(256, ks + 1, ks, context), truth, rtol=0.05)
+    def __init__(self, step_seconds, max_batch_size=1024, max_context=600, stalls=()):
+        self.step_seconds, self.max_batch_size, self.max_context = step_seconds, max_batch_size, max_context
+        self.stalls = set(stalls)
+        self.context = 0
+        self.timed: list[tuple[int, int, int]] = []
+
+    def fill(self, context: int) -> None:
+        self.context = context
+
+    def time_step(self, num_rows: int, num_draft_tokens: int) -> StepObservation:
+        key = (num_rows, num_draft_tokens, self.context)
+        self.timed.append(key)
+        seconds = self.step_seconds(num_rows, num_draft_tokens + 1, num_draft_tokens, self.context)
+        if key in self.stalls:
+            self.stalls.discard(key)
+            seconds *= 20
+        return StepObservation(num_rows, num_draft_tokens + 1, num_draft_tokens, seconds, {}, self.context)
+
+
+def test_calibration_times_a_stalled_step_again():
+    # one warm-up step took 20x its time (a pause of the process): slower than the same K with more rows, or than
+    # more drafts at the largest batch size, so it is timed again and the table keeps the faster timing
+    for stall in ((256, 0, 32), (1024, 4, 600), (16, 8, 600)):
+        timer = SyntheticTimer(kv_read_bound, stalls=[stall])
+        policy = AutoPolicy(MAX_K, {"draft_model": True})
+        policy.calibrate(timer)
+        assert timer.timed.count(stall) == 2, stall  # the stalled step and its second timing
+        ks = np.arange(MAX_K + 1)
+        for batch_size, context in ((stall[0], 32), (stall[0], 300), (stall[0], 600)):
+            truth = np.array([kv_read_bound(batch_size, k + 1, k, context) for k in ks])
+            predicted = policy.step_times.predict(batch_size, ks + 1, ks, context)
+            np.testing.assert_allclose(predicted, truth, rtol=0.05)
+    # without a stall nothing is timed twice (but the untimed first pass)
+    timer = SyntheticTimer(kv_read_bound)
+    AutoPolicy(MAX_K, {"draft_model": True}).calibrate(timer)
+    kept = timer.timed[5:]
+    assert len(kept) == len(set(kept)) == 2 * (6 * 4 + 5)
 
 
 def test_one_stalled_step_does_not_reprice_its_width():

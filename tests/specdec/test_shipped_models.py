@@ -30,7 +30,7 @@ def test_shipped_models_greedy_speculation_is_exact(shipped, method, k):
     gen = Generator(target, max_batch_size=4, max_seq_len=512, spec=SpecConfig(method, k, **extra))
     outs = gen.generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
-    decode = [r for r in gen.last_trace if r.phase == "decode"]
+    decode = [r for r in gen.last_trace if r.kind == "decode"]
     drafted = sum(r.num_drafted for r in decode)
     accepted = sum(r.num_accepted for r in decode)
     assert drafted > 0 and accepted > 0

@@ -104,7 +104,7 @@ def test_draft_follows_the_most_frequent_continuation_and_its_probabilities():
     rows = [prompt + [1, 2, 3, 4], prompt + [1, 2, 3, 9], prompt + [1]]
     drafts = proposer.propose(proposal(rows, [0, 0, 4]))
     # after "1" (match length 1) at most 1 token: 2 (seen twice of 2 other occurrences); after SEP 1 (m = 2): 2 3
-    assert drafts.num_draft_tokens == [0, 0, 2]
+    assert drafts.num_drafted == [0, 0, 2]
     assert drafts.token_ids[2, :2].tolist() == [2, 3]
     # a path probability below min_token_prob stops the draft: 4 and 9 each follow "1 2 3" half of the time
     strict = SuffixProposer(4, SEP, 4, 64, max_tree_depth=8, max_spec_factor=4.0, min_token_prob=0.6)

@@ -56,7 +56,7 @@ def test_greedy_tree_speculation_equals_plain_greedy(arch, num_candidates, k):
     gen = Generator(model, max_batch_size=4, max_seq_len=128, spec=spec)
     outs = gen.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    decode = [r for r in gen.last_trace if r.phase == "decode"]
+    decode = [r for r in gen.last_trace if r.kind == "decode"]
     assert sum(r.num_accepted for r in decode) > 0
     assert any(r.num_drafted < r.batch_size * r.num_draft_tokens for r in decode)  # rows with small or empty trees
 
