@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "suffix", "draft_model")
+VERIFICATIONS = ("exact", "rejection")
 
 
 @dataclass
@@ -31,6 +32,11 @@ class SpecConfig:
     # K per step: None = always num_speculative_tokens; vLLM's [[start_bs, end_bs, K], ...] table (rows in decode);
     # or "auto": the K that maximises predicted tokens/s from measured acceptance and step times (specdec/auto_policy)
     num_speculative_tokens_per_batch_size: Any = None
+    # "exact": every token is the exponential race's at its position (kernels/race_sample.py), a draft is accepted
+    # when it equals that token, and a draft model draws its drafts by the same race over q: the same seed gives the
+    # same tokens with or without speculation, whatever K and proposer. "rejection": rejection sampling with fresh
+    # uniforms (Leviathan et al.): the same distribution, other tokens; a draft model's drafts are accepted more often
+    verification: str = "exact"
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -72,6 +78,8 @@ class SpecConfig:
                 raise ValueError(f"method ({method!r}) must be one of {', '.join(METHODS)}")
         if not isinstance(self.method, str):
             self.method = list(self.method)
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(f"verification ({self.verification!r}) must be one of {', '.join(VERIFICATIONS)}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens ({k!r}) must be an integer >= 1 (use spec=None for no drafts)")

@@ -1,7 +1,11 @@
 """Verification: target logits + drafts -> emitted tokens and their log-probabilities.
 
-`verify` is the decode step's entry point: it takes every row's drafts as a tree rooted at the pending token and runs
-the chain kernels when every row is a chain (they also take a draft model's q), the tree kernels otherwise.
+`verify` is the decode step's entry point: it takes every row's drafts as a tree rooted at the pending token. Given
+race keys (`RaceKeys`: each sample's seed and the completion position of the token its root draws), sampled rows are
+verified exactly (`verify_exact`): every node draws the race's token at its position, and a draft is accepted when it
+equals the token drawn at its parent. Otherwise the chain kernels run when every row is a chain (they also take a
+draft model's q, rejection sampling), the tree kernels when not; greedy batches always take the greedy kernels (the
+race over a one-hot distribution is its argmax).
 
 Rows are flattened the way the kernels take them (see `kernels/rejection_sample.py`): row i feeds its pending token
 plus K_i drafts, so it owns K_i + 1 target rows starting at `cu_num_draft_tokens[i - 1] + i`.
@@ -15,6 +19,7 @@ import torch
 from torch import Tensor
 
 from kernels.greedy_verify import greedy_verify, greedy_verify_ref
+from kernels.race_sample import race_sample, race_sample_ref
 from kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from kernels.tree_greedy_verify import tree_greedy_verify, tree_greedy_verify_ref
 from kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
@@ -30,6 +35,14 @@ class VerifyResult:
     accepted_nodes: Tensor | None = None  # [rows, max_depth] tree-local accepted path (trees only), -1 padded
 
 
+@dataclass
+class RaceKeys:
+    """What keys a row's race noise: its sample's seed and the completion position of the token its root draws."""
+
+    seeds: Tensor  # [rows] int64
+    positions: Tensor  # [rows] int64
+
+
 def verify(
     target_logits: Tensor,  # [num_nodes, V]: one target row per node, each row's root (pending token) first
     node_token_ids: Tensor,  # [num_nodes] (the root's entry is unused)
@@ -38,8 +51,12 @@ def verify(
     sampling: RowSampling,  # per row
     node_uniforms: Tensor,  # [num_nodes] float64 acceptance uniform of each node (the root's is unused)
     sample_uniforms: Tensor,  # [rows] float64
+    race: RaceKeys | None = None,  # given: exact verification of one-hot drafts (draft_probs must be None)
 ) -> VerifyResult:
     """Verify each row's drafts against the target and emit the accepted ones plus one more token per row."""
+    if race is not None and not sampling.all_greedy:
+        assert draft_probs is None, "expected one-hot drafts: exact verification takes no draft probabilities"
+        return verify_exact(target_logits, node_token_ids, layout, sampling, race)
     device = target_logits.device
     num_nodes = torch.tensor(layout.num_nodes, device=device)
     if layout.is_chain:
@@ -136,6 +153,47 @@ def verify_tree(
     # emitted token j was drawn at the path's node j - 1 (the root for j = 0)
     path = torch.cat([torch.zeros(rows, 1, dtype=accepted.dtype, device=out.device), accepted.clamp(min=0)], dim=1)
     return VerifyResult(out, num_emitted, _emitted_logprobs(logprobs, starts[:, None] + path, out), accepted)
+
+
+def verify_exact(
+    target_logits: Tensor,  # [num_nodes, V]: one target row per node, the root (pending token) first in each row
+    node_token_ids: Tensor,  # [num_nodes] (the root's entry is unused)
+    layout: DraftLayout,
+    sampling: RowSampling,  # per row
+    race: RaceKeys,
+) -> VerifyResult:
+    """Every node draws the race's token at its position (root position + depth); a node is accepted when its parent
+    was and its token equals the token drawn at its parent. The row emits the tokens drawn along the accepted path
+    (the accepted drafts, then the token drawn at the path's last node): the tokens plain decoding draws."""
+    device = target_logits.device
+    num_nodes = torch.tensor(layout.num_nodes)
+    rows, width = len(layout.num_nodes), layout.width
+    token_sampling, logprobs, use_triton = _process(target_logits, sampling, num_nodes.to(device))
+    probs = target_probs(target_logits, logprobs, token_sampling)
+    fed = torch.arange(width)[None, :] < num_nodes[:, None]  # [rows, width]
+    depths = layout.depths if layout.depths is not None else torch.arange(width).expand(rows, width)
+    node_row = torch.repeat_interleave(torch.arange(rows), num_nodes).to(device)
+    positions = race.positions.to(device)[node_row] + depths[fed].to(device)
+    op = race_sample if use_triton else race_sample_ref
+    drawn = torch.full((rows, width), -1, dtype=torch.long, device=device)
+    drawn[fed.to(device)] = op(probs, race.seeds.to(device)[node_row].contiguous(), positions.contiguous())
+    tokens = torch.full((rows, width), -1, dtype=torch.long, device=device)
+    tokens[fed.to(device)] = node_token_ids
+    parents = layout.parents.to(device)  # [rows, width] row-local, -1 for the root and padding
+    matches = (parents >= 0) & (tokens == drawn.gather(1, parents.clamp(min=0)))
+    current = torch.zeros(rows, dtype=torch.long, device=device)
+    accepted = torch.full((rows, layout.max_depth), -1, dtype=torch.long, device=device)
+    for depth in range(layout.max_depth):  # siblings hold distinct tokens: at most one child matches
+        child = matches & (parents == current[:, None])
+        found = child.any(dim=1)
+        current = torch.where(found, child.long().argmax(dim=1), current)
+        accepted[:, depth] = torch.where(found, current, -1)
+    num_accepted = (accepted >= 0).sum(dim=1)
+    path = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), accepted.clamp(min=0)], dim=1)
+    emitted = torch.arange(layout.max_depth + 1, device=device)[None, :] <= num_accepted[:, None]
+    out = torch.where(emitted, drawn.gather(1, path), -1)
+    starts = (torch.cumsum(num_nodes, 0) - num_nodes).to(device)
+    return VerifyResult(out, num_accepted + 1, _emitted_logprobs(logprobs, starts[:, None] + path, out), accepted)
 
 
 def _process(target_logits: Tensor, sampling: RowSampling, target_rows_per_row: Tensor):

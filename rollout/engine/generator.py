@@ -39,7 +39,7 @@ from specdec.policies import Decision
 from specdec.proposers.base import Drafts, ProposalBatch
 from specdec.proposers.suffix import SuffixProposer
 from specdec.tree import DraftLayout, layout_drafts
-from specdec.verify import VerifyResult, verify
+from specdec.verify import RaceKeys, VerifyResult, verify
 
 
 @dataclass
@@ -117,6 +117,8 @@ class Generator:
         self._methods = spec.methods if spec else ()
         self._default_route = default_route(spec) if spec else ""
         self.policy = build_policy(spec, max_batch_size, self.proposers) if spec else None
+        # every sampled token is the exponential race's at its position, unless rejection sampling was asked for
+        self.exact = spec is None or spec.verification == "exact"
         # every row's tokens, lengths, settings and random stream; proposers read the tokens without a transfer
         self.slots = SlotState(max_batch_size, num_positions)
         self.eos_token_ids = eos_token_ids(model)
@@ -323,6 +325,7 @@ class Generator:
             self.slots.row_sampling(rows, self.device),
             uniforms[:, 0].to(self.device),
             uniforms[:, -1].contiguous().to(self.device),
+            self._race_keys(rows),
         )
         kept, _ = self._commit(rows, result, in_cache=False)
         return kept
@@ -400,6 +403,7 @@ class Generator:
             num_asked=asked.tolist(),
             sampling=sampling,
             draft_uniforms=uniforms[:, : int(asked.max())],
+            race=self._race_keys(slice(0, num_rows)),
             states=[seq.proposer_state for seq in sequences],
         )
         return self.proposers.propose(batch, [seq.params.spec.method for seq in sequences])
@@ -429,7 +433,15 @@ class Generator:
             sampling,
             node_uniforms[:, : layout.width][fed].to(self.device),
             uniforms[:, -1].contiguous().to(self.device),
+            self._race_keys(slice(0, num_rows)),
         )
+
+    def _race_keys(self, rows: slice) -> RaceKeys | None:
+        """Each row's sample seed and the completion position of the token its root draws (None: rejection)."""
+        if not self.exact:
+            return None
+        s = self.slots
+        return RaceKeys(s.seed[rows, 0], s.num_tokens[rows] - s.prompt_len[rows])
 
     def _commit(self, rows: slice, result: VerifyResult, in_cache: bool) -> tuple[int, list[int]]:
         """Bring the step's result to the host in ONE transfer and append it to the rows.

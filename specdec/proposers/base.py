@@ -8,6 +8,7 @@ from typing import Protocol
 from torch import Tensor
 
 from specdec.processing import RowSampling
+from specdec.verify import RaceKeys
 
 
 @dataclass
@@ -20,6 +21,9 @@ class ProposalBatch:
     sampling: RowSampling  # per row, for proposers that sample (their q must be processed like the target's p)
     draft_uniforms: Tensor  # [rows, max K] float64: one uniform per draft position, from each row's own stream
     states: list[dict] = field(default_factory=list)  # per-row proposer state that travels with the sequence
+    # exact verification: each row's race keys (seed, completion position of the first draft); a proposer that
+    # samples draws by the race with these keys, and returns no probabilities. None: rejection sampling
+    race: RaceKeys | None = None
 
 
 @dataclass

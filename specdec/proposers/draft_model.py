@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kernels.race_sample import race_sample, race_sample_ref
 from specdec.processing import RowSampling, processed_logprobs, target_probs
 from specdec.proposers.base import Drafts, ModelRunnerProtocol, ProposalBatch, Proposer
 
@@ -65,7 +66,12 @@ class DraftModelProposer(Proposer):
         uniforms = batch.draft_uniforms.to(device)
         for j in range(max_k):
             probs = _draft_distribution(step_logits, batch.sampling)
-            tokens = _sample(probs, uniforms[:, j], batch.sampling)
+            if batch.race is not None and not batch.sampling.all_greedy:  # the race the target draws with, over q
+                op = race_sample if probs.is_cuda else race_sample_ref
+                positions = (batch.race.positions + j).to(device)
+                tokens = op(probs.contiguous(), batch.race.seeds.to(device).contiguous(), positions)
+            else:
+                tokens = _sample(probs, uniforms[:, j], batch.sampling)
             drafting = torch.tensor([k > j for k in batch.num_asked], device=device)
             draft_ids[:, j] = torch.where(drafting, tokens, -1)
             draft_probs.append(probs)
@@ -82,6 +88,8 @@ class DraftModelProposer(Proposer):
         stacked = torch.stack(draft_probs, dim=1) if draft_probs else None  # [rows, max_k, V]
         keep = torch.tensor([[j < k for j in range(max_k)] for k in batch.num_asked], device=device)
         flat_probs = stacked[keep] if stacked is not None else None
+        if batch.race is not None:  # exact verification: a draft is checked against the target's race, as one-hot
+            return Drafts(draft_ids, list(batch.num_asked))
         return Drafts(draft_ids, list(batch.num_asked), flat_probs)
 
 

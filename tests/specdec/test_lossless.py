@@ -11,18 +11,20 @@ from scipy.stats import chisquare
 from test_generator import teacher_forced_logprobs
 
 import specdec.verify
+from kernels.race_sample import race_sample_ref
 from kernels.rejection_sample import rejection_sample_ref
 from rollout import Generator, SamplingParams
 from specdec.config import SpecConfig
 from specdec.processing import RowSampling, processed_logprobs
 
 
-def spec_for(method: str, k: int, draft=None) -> SpecConfig:
+def spec_for(method: str, k: int, draft=None, verification: str = "exact") -> SpecConfig:
+    common = dict(num_speculative_tokens=k, verification=verification)
     if method == "ngram":
-        return SpecConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=3)
+        return SpecConfig(method="ngram", prompt_lookup_min=1, prompt_lookup_max=3, **common)
     if method == "suffix":
-        return SpecConfig(method="suffix", num_speculative_tokens=k)
-    return SpecConfig(method="draft_model", num_speculative_tokens=k, model=draft)
+        return SpecConfig(method="suffix", **common)
+    return SpecConfig(method="draft_model", model=draft, **common)
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -138,22 +140,32 @@ def chi_square_p(observed, expected_probs):
     return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
+def race_without_positions(probs, seeds, positions):
+    """The negative control of exact verification: every position of a sample races with the same noise."""
+    return race_sample_ref(probs, seeds, torch.zeros_like(positions))
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("verification", ["exact", "rejection"])
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 6, 0.95)])
-def test_sampling_with_speculation_follows_the_target_distribution(method, temperature, top_k, top_p, monkeypatch):
+def test_sampling_with_speculation_follows_the_target_distribution(
+    method, temperature, top_k, top_p, verification, monkeypatch
+):
     model = make_model("llama", vocab_size=VOCAB, seed=7)
     draft = make_model("llama", vocab_size=VOCAB, seed=8)
     prompt = [1, 2, 3, 1, 2, 3, 4, 5, 6, 7, 0, 4, 5]  # every token appears: the n-gram proposer always has a match
     params = SamplingParams(n=NUM_SAMPLES, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=3, seed=9)
-    spec = spec_for(method, 1, draft)
+    spec = spec_for(method, 1, draft, verification)
     expected = pair_distribution(model, prompt, params)
 
     observed, drafted, rejected = sampled_pairs(model, prompt, params, spec)
     assert drafted > NUM_SAMPLES // 2 and rejected > NUM_SAMPLES // 10, "the test needs drafts and rejections"
     assert chi_square_p(observed, expected) > 1e-3
 
-    # the same test catches a verifier that samples a rejected position from p instead of the residual
-    monkeypatch.setattr(specdec.verify, "rejection_sample_ref", wrong_residual_rejection_sample)
+    if verification == "exact":  # the same test catches noise that is not keyed by the token's position
+        monkeypatch.setattr(specdec.verify, "race_sample_ref", race_without_positions)
+    else:  # and a verifier that samples a rejected position from p instead of the residual
+        monkeypatch.setattr(specdec.verify, "rejection_sample_ref", wrong_residual_rejection_sample)
     observed, _, _ = sampled_pairs(model, prompt, params, spec)
     assert chi_square_p(observed, expected) < 1e-6

@@ -1,0 +1,207 @@
+"""The exponential race (Gumbel-max trick): one token per row, `argmax_t p_t / E_t` with `E_t ~ Exp(1)`.
+
+The noise is a pure function of (the row's seed, the row's position, the token id): the kernel derives each `E_t` from
+that counter where it uses it (no `[rows, vocab]` noise in memory), and `race_sample_ref` computes the same numbers
+bit for bit on a CPU. Keyed by a sample's seed and the position of the token in its completion, the noise makes a
+sampled token a function of the distribution at that position and nothing else: not the batch, the slot, K or the
+proposer. A draft equal to the race's token at its position is exactly the token plain decoding would emit.
+
+The uniform `u_t` takes 53 bits from an integer hash (int64 arithmetic masked to 32 bits: the same in Triton and
+torch); `E_t = -ln(u_t)` uses a logarithm written with IEEE basic operations only (exponent from the bits, then a
+series for the mantissa), so the interpreter's numpy and torch's CPU kernels round it identically (their own `log`
+differ in the last bit for ~0.1% of inputs).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels._layout import PROB_DTYPES, block_size_for, check_kernel_device, check_tensor
+
+_MASK32 = 0xFFFFFFFF
+_LN2 = 0.6931471805599453
+_SQRT2 = 1.4142135623730951
+# 1 / (2k + 1), k = 10..1: ln(m) = 2 s (1 + s^2 / 3 + s^4 / 5 + ...), s = (m - 1) / (m + 1), |s| < 0.172
+_SERIES = tuple(1.0 / (2 * k + 1) for k in range(10, 0, -1))
+_ROWS_PER_CHUNK = 64  # the reference's rows per pass: bounds its [rows, vocab] temporaries
+
+
+# ---- Triton ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _hash32(x):
+    # a 32-bit integer finaliser on int64 values (masked: products stay below 2^63)
+    x = x & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _neg_log(u):
+    # -ln(u) for float64 u in (0, 1): u = m 2^e with m in [sqrt(1/2), sqrt(2)), ln u = e ln 2 + ln m
+    bits = u.to(tl.int64, bitcast=True)
+    exponent = ((bits >> 52) & 0x7FF) - 1023
+    mantissa = ((bits & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000).to(tl.float64, bitcast=True)  # in [1, 2)
+    high = mantissa >= tl.full((), 1.4142135623730951, tl.float64)
+    mantissa = tl.where(high, mantissa * tl.full((), 0.5, tl.float64), mantissa)
+    exponent = tl.where(high, exponent + 1, exponent)
+    one = tl.full((), 1.0, tl.float64)
+    s = (mantissa - one) / (mantissa + one)
+    s2 = s * s
+    series = tl.full((), 1.0 / 21.0, tl.float64)
+    series = series * s2 + tl.full((), 1.0 / 19.0, tl.float64)
+    series = series * s2 + tl.full((), 1.0 / 17.0, tl.float64)
+    series = series * s2 + tl.full((), 1.0 / 15.0, tl.float64)
+    series = series * s2 + tl.full((), 1.0 / 13.0, tl.float64)
+    series = series * s2 + tl.full((), 1.0 / 11.0, tl.float64)
+    series = series * s2 + tl.full((), 1.0 / 9.0, tl.float64)
+    series = series * s2 + tl.full((), 1.0 / 7.0, tl.float64)
+    series = series * s2 + tl.full((), 1.0 / 5.0, tl.float64)
+    series = series * s2 + tl.full((), 1.0 / 3.0, tl.float64)
+    series = series * s2 + one
+    log_m = tl.full((), 2.0, tl.float64) * s * series
+    return -(exponent.to(tl.float64) * tl.full((), 0.6931471805599453, tl.float64) + log_m)
+
+
+# Row r: keys from (seed_r, position_r); token t's uniform from (keys, t); score p_t / E_t; the blocked argmax keeps
+# the lowest index among equal scores (as torch.argmax does). A token with p_t = 0 scores 0 and never beats one with
+# p_t > 0.
+@triton.jit
+def _race_sample_kernel(
+    probs_ptr,  # [num_rows, vocab_size] float32/float64
+    seeds_ptr,  # [num_rows] int64
+    positions_ptr,  # [num_rows] int64
+    token_ids_ptr,  # [num_rows] int64, out
+    vocab_size,
+    BLOCK_SIZE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    seed = tl.load(seeds_ptr + row)
+    position = tl.load(positions_ptr + row)
+    key = _hash32(_hash32(position ^ _hash32(seed >> 31)) ^ (seed & 0x7FFFFFFF))
+    key_high = _hash32(key ^ 0x9E3779B9)
+    key_low = _hash32(key ^ 0x85EBCA6B)
+    row_ptr = probs_ptr + row.to(tl.int64) * vocab_size
+    best_score = tl.full((), -1.0, tl.float64)
+    best_index = tl.full((), 0, tl.int64)
+    for block_start in range(0, vocab_size, BLOCK_SIZE):
+        cols = block_start + tl.arange(0, BLOCK_SIZE)
+        in_vocab = cols < vocab_size
+        p = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float64)
+        mixed = _hash32(key + cols.to(tl.int64))
+        high = _hash32(mixed ^ key_high) >> 5  # 27 bits
+        low = _hash32(mixed ^ key_low) >> 6  # 26 bits
+        u = (((high << 26) + low).to(tl.float64) + tl.full((), 0.5, tl.float64)) * tl.full((), 2.0**-53, tl.float64)
+        score = tl.where(in_vocab, p / _neg_log(u), -1.0)
+        block_max = tl.max(score, axis=0)
+        block_index = tl.min(tl.where(score == block_max, cols, vocab_size), axis=0)
+        better = block_max > best_score
+        best_score = tl.where(better, block_max, best_score)
+        best_index = tl.where(better, block_index.to(tl.int64), best_index)
+    tl.store(token_ids_ptr + row, best_index)
+
+
+def race_sample(
+    probs: Tensor,  # [num_rows, vocab_size] float32/float64
+    seeds: Tensor,  # [num_rows] int64
+    positions: Tensor,  # [num_rows] int64
+) -> Tensor:
+    """Draw one token per row by the exponential race over `probs`, with noise keyed by (seed, position, token).
+
+    Args:
+        probs: `[num_rows, vocab_size]` float32/float64, each row a distribution (processed: temperature, top-k,
+            top-p; zeros are never drawn).
+        seeds: `[num_rows]` int64, 62-bit: the sample's seed.
+        positions: `[num_rows]` int64 in [0, 2^32): the position of the drawn token in its completion.
+
+    Returns:
+        `[num_rows]` int64 token ids.
+    """
+    num_rows, vocab_size = _check_inputs(probs, seeds, positions)
+    check_kernel_device(_race_sample_kernel, probs.device, "race_sample")
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
+    if num_rows:
+        _race_sample_kernel[(num_rows,)](
+            probs, seeds, positions, token_ids, vocab_size, BLOCK_SIZE=block_size_for(vocab_size)
+        )
+    return token_ids
+
+
+# ---- pure torch --------------------------------------------------------------------------------------------------
+
+
+def _hash32_ref(x: Tensor) -> Tensor:
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _neg_log_ref(u: Tensor) -> Tensor:
+    """-ln(u), float64, with the kernel's operations in the kernel's order."""
+    bits = u.view(torch.int64)
+    exponent = ((bits >> 52) & 0x7FF) - 1023
+    mantissa = ((bits & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000).view(torch.float64)
+    high = mantissa >= _SQRT2
+    mantissa = torch.where(high, mantissa * 0.5, mantissa)
+    exponent = torch.where(high, exponent + 1, exponent)
+    s = (mantissa - 1.0) / (mantissa + 1.0)
+    s2 = s * s
+    series = torch.full_like(s, _SERIES[0])
+    for coefficient in _SERIES[1:]:
+        series = series * s2 + coefficient
+    series = series * s2 + 1.0
+    log_m = 2.0 * s * series
+    return -(exponent.to(torch.float64) * _LN2 + log_m)
+
+
+def race_exponentials_ref(
+    seeds: Tensor,  # [num_rows] int64
+    positions: Tensor,  # [num_rows] int64
+    token_ids: Tensor,  # [num_tokens] int64
+) -> Tensor:
+    """`[num_rows, num_tokens]` float64: the race's Exp(1) noise of each row at each of `token_ids`."""
+    key = _hash32_ref(_hash32_ref(positions ^ _hash32_ref(seeds >> 31)) ^ (seeds & 0x7FFFFFFF))[:, None]
+    key_high, key_low = _hash32_ref(key ^ 0x9E3779B9), _hash32_ref(key ^ 0x85EBCA6B)
+    mixed = _hash32_ref(key + token_ids[None, :])
+    high = _hash32_ref(mixed ^ key_high) >> 5
+    low = _hash32_ref(mixed ^ key_low) >> 6
+    u = (((high << 26) + low).to(torch.float64) + 0.5) * 2.0**-53
+    return _neg_log_ref(u)
+
+
+def race_sample_ref(
+    probs: Tensor,  # [num_rows, vocab_size] float32/float64
+    seeds: Tensor,  # [num_rows] int64
+    positions: Tensor,  # [num_rows] int64
+) -> Tensor:
+    """Pure-torch `race_sample`: same arguments and output, runs on any device (rows in chunks, so its temporaries
+    stay `[64, vocab_size]`)."""
+    num_rows, vocab_size = _check_inputs(probs, seeds, positions)
+    cols = torch.arange(vocab_size, device=probs.device)
+    out = []
+    for start in range(0, num_rows, _ROWS_PER_CHUNK):
+        rows = slice(start, start + _ROWS_PER_CHUNK)
+        scores = probs[rows].to(torch.float64) / race_exponentials_ref(seeds[rows], positions[rows], cols)
+        out.append(scores.argmax(dim=1))  # the first maximum: the kernel's tie rule
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.int64, device=probs.device)
+
+
+def _check_inputs(probs: Tensor, seeds: Tensor, positions: Tensor) -> tuple[int, int]:
+    """Host-side checks (no device sync); return (num_rows, vocab_size)."""
+    if not isinstance(probs, Tensor):
+        raise TypeError(f"probs must be a torch.Tensor, got {type(probs).__name__}")
+    check_tensor(probs, "probs", 2, PROB_DTYPES, probs.device, "probs")
+    num_rows = probs.shape[0]
+    for name, tensor in (("seeds", seeds), ("positions", positions)):
+        check_tensor(tensor, name, 1, (torch.int64,), probs.device, "probs")
+        if tensor.shape[0] != num_rows:
+            raise ValueError(f"{name} has {tensor.shape[0]} entries, expected one per row of probs ({num_rows})")
+    return num_rows, probs.shape[1]

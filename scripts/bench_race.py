@@ -1,0 +1,158 @@
+"""Exact (exponential race) vs rejection verification, side by side in one process, one torch thread.
+
+    .venv/bin/python scripts/bench_race.py                       # all three parts
+    .venv/bin/python scripts/bench_race.py --parts sampler       # only the sampler cost at vocab 151936
+
+Parts:
+- `sampler`: the cost of drawing one token per row from random logits at vocab 151936 (a Qwen2-sized head), float32:
+  today's inverse-CDF draw (`rejection_sample` with no drafts) vs the race (`race_sample`), each after the same
+  processing (temperature, softmax); the torch references on a CPU, the Triton kernels on a GPU.
+- `rollout`: the shipped tiny target on the arithmetic task (prompts x n samples, T = 1.0): acceptance and rollout
+  tokens/s of n-gram and draft-model drafting at K = 4 under `verification="exact"` and `"rejection"`, and no
+  speculation.
+- `float32`: the fraction of samples that differ between speculation off and on with exact verification, float32
+  (a batch shape changes the rounding of the logits, and a near-tie in the race can flip) vs float64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kernels.race_sample import race_sample, race_sample_ref
+from kernels.rejection_sample import rejection_sample, rejection_sample_ref
+from rollout import Generator, SamplingParams
+from rollout.models import zoo
+from rollout.tasks import arithmetic_dataset
+from specdec.config import SpecConfig
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def sampler_seconds(rows: int, vocab_size: int, device: str, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of the softmax, the inverse-CDF draw and the race for `rows` random rows."""
+    generator = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, vocab_size, generator=generator).to(device)
+    probs = torch.softmax(logits, dim=-1)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    cu = torch.zeros(rows, dtype=torch.int64, device=device)
+    uniforms = torch.rand(rows, dtype=torch.float64, generator=generator).to(device)
+    seeds = torch.randint(0, 2**62, (rows,), generator=generator).to(device)
+    positions = torch.randint(0, 1000, (rows,), generator=generator).to(device)
+    inverse_cdf = rejection_sample if device == "cuda" else rejection_sample_ref
+    race = race_sample if device == "cuda" else race_sample_ref
+    return (
+        median_seconds(lambda: torch.softmax(logits, dim=-1), repeats),
+        median_seconds(lambda: inverse_cdf(empty, cu, None, probs, empty.double(), uniforms, 0), repeats),
+        median_seconds(lambda: race(probs, seeds, positions), repeats),
+    )
+
+
+def bench_sampler(args) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab_size = 151936
+    print(f"sampler at vocab {vocab_size}, float32 probabilities, {device} (ms per call; median of {args.repeats})")
+    print(f"{'rows':>6s}{'softmax':>10s}{'inverse CDF':>13s}{'race':>10s}{'race / inverse CDF':>20s}")
+    for rows in args.sampler_rows:
+        softmax_s, cdf_s, race_s = sampler_seconds(rows, vocab_size, device, args.repeats)
+        print(f"{rows:6d}{1e3 * softmax_s:10.1f}{1e3 * cdf_s:13.1f}{1e3 * race_s:10.1f}{race_s / cdf_s:20.2f}")
+
+
+def shipped_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
+    data = arithmetic_dataset(num_prompts, split="eval", seed=0)
+    return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in data["prompt"]]
+
+
+def rollout(model, spec, prompts, params, batch_size) -> dict:
+    gen = Generator(model, max_batch_size=batch_size, max_seq_len=512, spec=spec)
+    gen.generate(prompts[:2], SamplingParams(max_new_tokens=2, seed=0))  # allocate the caches: not timed
+    start = time.perf_counter()
+    outs = gen.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    decode = [r for r in gen.last_trace if r.kind == "decode"]
+    drafted = sum(r.num_drafted for r in decode)
+    accepted = sum(r.num_accepted for r in decode)
+    return {
+        "outs": outs,
+        "tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "emitted_per_row_step": sum(r.num_emitted for r in decode) / max(1, sum(r.batch_size for r in decode)),
+    }
+
+
+def bench_rollout(args) -> None:
+    model, tokenizer = zoo.load_model("tiny-target")
+    draft, _ = zoo.load_model("tiny-draft")
+    prompts = shipped_prompts(tokenizer, args.num_prompts)
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
+    batch_size = args.num_prompts * args.n
+    configs = {"none": None}
+    for method, extra in (("ngram", {}), ("draft_model", {"model": draft})):
+        for verification in ("exact", "rejection"):
+            configs[f"{method} K=4 {verification}"] = SpecConfig(
+                method=method, num_speculative_tokens=4, verification=verification, **extra
+            )
+    results = {name: [] for name in configs}
+    for repeat in range(args.rollout_repeats):  # round-robin: drift on the machine hits every config alike
+        for name, spec in configs.items():
+            results[name].append(rollout(model, spec, prompts, params, batch_size))
+            print(f"repeat {repeat + 1} {name}: {results[name][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    base = sorted(r["tokens_per_s"] for r in results["none"])[args.rollout_repeats // 2]
+    print(f"\n{args.num_prompts} prompts x {args.n}, T=1.0, {args.max_new_tokens} new tokens, {batch_size} slots")
+    print(f"{'config':28s}{'tokens/s':>10s}{'x none':>8s}{'acceptance':>12s}{'tokens/row-step':>17s}")
+    for name, runs in results.items():
+        middle = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+        print(
+            f"{name:28s}{middle['tokens_per_s']:10.0f}{middle['tokens_per_s'] / base:8.2f}"
+            f"{middle['acceptance']:12.3f}{middle['emitted_per_row_step']:17.3f}"
+        )
+
+
+def bench_float32(args) -> None:
+    print("samples that differ from speculation off, exact verification (T=1.0)")
+    for dtype in (torch.float32, torch.float64):
+        model, tokenizer = zoo.load_model("tiny-target", dtype=dtype)
+        draft, _ = zoo.load_model("tiny-draft", dtype=dtype)
+        prompts = shipped_prompts(tokenizer, args.num_prompts)
+        params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
+        batch_size = args.num_prompts * args.n
+        plain = rollout(model, None, prompts, params, batch_size)["outs"]
+        for name, spec in (
+            ("ngram K=4", SpecConfig(method="ngram", num_speculative_tokens=4)),
+            ("draft_model K=4", SpecConfig(method="draft_model", num_speculative_tokens=4, model=draft)),
+        ):
+            outs = rollout(model, spec, prompts, params, batch_size)["outs"]
+            differ = sum(a.token_ids != b.token_ids for a, b in zip(plain, outs))
+            print(f"  {str(dtype):15s} {name:16s} {differ}/{len(outs)} samples differ ({differ / len(outs):.1%})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=["sampler", "rollout", "float32"])
+    parser.add_argument("--sampler-rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--rollout-repeats", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for part in args.parts:
+        {"sampler": bench_sampler, "rollout": bench_rollout, "float32": bench_float32}[part](args)
+        print()
+
+
+if __name__ == "__main__":
+    main()
