@@ -6,10 +6,14 @@ bit for bit on a CPU. Keyed by a sample's seed and the position of the token in 
 sampled token a function of the distribution at that position and nothing else: not the batch, the slot, K or the
 proposer. A draft equal to the race's token at its position is exactly the token plain decoding would emit.
 
-The uniform `u_t` takes 53 bits from an integer hash (int64 arithmetic masked to 32 bits: the same in Triton and
-torch); `E_t = -ln(u_t)` uses a logarithm written with IEEE basic operations only (exponent from the bits, then a
-series for the mantissa), so the interpreter's numpy and torch's CPU kernels round it identically (their own `log`
-differ in the last bit for ~0.1% of inputs).
+The uniform `u_t` takes 53 bits of a SplitMix64-style hash (int64 arithmetic, wrapping multiplies and masked
+shifts: the same bits in Triton, numpy and torch); `E_t = -ln(u_t)` uses a logarithm written with IEEE basic
+operations only (exponent from the bits, then a series for the mantissa), so the interpreter's numpy and torch's CPU
+kernels round it identically (their own `log` differ in the last bit for ~0.1% of inputs).
+
+The reference avoids most logarithms: `-ln(u) >= 1 - u`, so `p / (1 - u)` (slightly enlarged against rounding)
+bounds a token's score from above. It scores exactly only the tokens of the largest bounds, and a row whose winner
+beats every other bound is done; any other row is scored in full. The winner is the kernel's, always.
 """
 
 import torch
@@ -19,26 +23,28 @@ from torch import Tensor
 
 from kernels._layout import PROB_DTYPES, block_size_for, check_kernel_device, check_tensor
 
-_MASK32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # as int64: multiplies wrap
+_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+_MIX2 = 0x94D049BB133111EB - 2**64
+_BITS53 = (1 << 53) - 1
+_BOUND_SLACK = 1.0 + 2.0**-40  # p / (1 - u) times this is above the score p / E whatever the rounding
+_CANDIDATES = 16  # tokens per row the reference scores exactly before checking the bounds
 _LN2 = 0.6931471805599453
 _SQRT2 = 1.4142135623730951
 # 1 / (2k + 1), k = 10..1: ln(m) = 2 s (1 + s^2 / 3 + s^4 / 5 + ...), s = (m - 1) / (m + 1), |s| < 0.172
 _SERIES = tuple(1.0 / (2 * k + 1) for k in range(10, 0, -1))
-_ROWS_PER_CHUNK = 64  # the reference's rows per pass: bounds its [rows, vocab] temporaries
+_ELEMENTS_PER_CHUNK = 1 << 18  # the reference's rows x vocab per pass: its temporaries stay in cache
 
 
 # ---- Triton ----------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _hash32(x):
-    # a 32-bit integer finaliser on int64 values (masked: products stay below 2^63)
-    x = x & 0xFFFFFFFF
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
-    return x ^ (x >> 16)
+def _mix64(z):
+    # SplitMix64's finaliser on int64: multiplies wrap, right shifts are masked to act as logical ones
+    z = (z ^ ((z >> 30) & 0x3FFFFFFFF)) * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    z = (z ^ ((z >> 27) & 0x1FFFFFFFFF)) * -7723592293110705685  # 0x94D049BB133111EB
+    return z ^ ((z >> 31) & 0x1FFFFFFFF)
 
 
 @triton.jit
@@ -83,9 +89,7 @@ def _race_sample_kernel(
     row = tl.program_id(0)
     seed = tl.load(seeds_ptr + row)
     position = tl.load(positions_ptr + row)
-    key = _hash32(_hash32(position ^ _hash32(seed >> 31)) ^ (seed & 0x7FFFFFFF))
-    key_high = _hash32(key ^ 0x9E3779B9)
-    key_low = _hash32(key ^ 0x85EBCA6B)
+    key = _mix64(seed ^ _mix64(position + -7046029254386353131))  # + 0x9E3779B97F4A7C15
     row_ptr = probs_ptr + row.to(tl.int64) * vocab_size
     best_score = tl.full((), -1.0, tl.float64)
     best_index = tl.full((), 0, tl.int64)
@@ -93,10 +97,8 @@ def _race_sample_kernel(
         cols = block_start + tl.arange(0, BLOCK_SIZE)
         in_vocab = cols < vocab_size
         p = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float64)
-        mixed = _hash32(key + cols.to(tl.int64))
-        high = _hash32(mixed ^ key_high) >> 5  # 27 bits
-        low = _hash32(mixed ^ key_low) >> 6  # 26 bits
-        u = (((high << 26) + low).to(tl.float64) + tl.full((), 0.5, tl.float64)) * tl.full((), 2.0**-53, tl.float64)
+        bits = (_mix64(key + cols.to(tl.int64) * -7046029254386353131) >> 11) & 0x1FFFFFFFFFFFFF  # 53 bits
+        u = (bits.to(tl.float64) + tl.full((), 0.5, tl.float64)) * tl.full((), 2.0**-53, tl.float64)
         score = tl.where(in_vocab, p / _neg_log(u), -1.0)
         block_max = tl.max(score, axis=0)
         block_index = tl.min(tl.where(score == block_max, cols, vocab_size), axis=0)
@@ -135,13 +137,25 @@ def race_sample(
 # ---- pure torch --------------------------------------------------------------------------------------------------
 
 
-def _hash32_ref(x: Tensor) -> Tensor:
-    x = x & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+def _mix64_ref(z: Tensor) -> Tensor:
+    """The kernel's `_mix64`, in place on a copy (the reference's time is mostly these passes over memory)."""
+    z = z.clone()
+    z ^= (z >> 30).bitwise_and_(0x3FFFFFFFF)
+    z *= _MIX1
+    z ^= (z >> 27).bitwise_and_(0x1FFFFFFFFF)
+    z *= _MIX2
+    z ^= (z >> 31).bitwise_and_(0x1FFFFFFFF)
+    return z
+
+
+def _row_keys(seeds: Tensor, positions: Tensor) -> Tensor:
+    return _mix64_ref(seeds ^ _mix64_ref(positions + _GOLDEN))
+
+
+def _uniforms(keys: Tensor, token_ids: Tensor) -> Tensor:
+    """`[rows, tokens]` float64 in (0, 1): the race's uniform of each (row key, token)."""
+    bits = _mix64_ref(keys[:, None] + token_ids * _GOLDEN).bitwise_right_shift_(11).bitwise_and_(_BITS53)
+    return bits.to(torch.float64).add_(0.5).mul_(2.0**-53)
 
 
 def _neg_log_ref(u: Tensor) -> Tensor:
@@ -168,13 +182,7 @@ def race_exponentials_ref(
     token_ids: Tensor,  # [num_tokens] int64
 ) -> Tensor:
     """`[num_rows, num_tokens]` float64: the race's Exp(1) noise of each row at each of `token_ids`."""
-    key = _hash32_ref(_hash32_ref(positions ^ _hash32_ref(seeds >> 31)) ^ (seeds & 0x7FFFFFFF))[:, None]
-    key_high, key_low = _hash32_ref(key ^ 0x9E3779B9), _hash32_ref(key ^ 0x85EBCA6B)
-    mixed = _hash32_ref(key + token_ids[None, :])
-    high = _hash32_ref(mixed ^ key_high) >> 5
-    low = _hash32_ref(mixed ^ key_low) >> 6
-    u = (((high << 26) + low).to(torch.float64) + 0.5) * 2.0**-53
-    return _neg_log_ref(u)
+    return _neg_log_ref(_uniforms(_row_keys(seeds, positions), token_ids))
 
 
 def race_sample_ref(
@@ -182,16 +190,31 @@ def race_sample_ref(
     seeds: Tensor,  # [num_rows] int64
     positions: Tensor,  # [num_rows] int64
 ) -> Tensor:
-    """Pure-torch `race_sample`: same arguments and output, runs on any device (rows in chunks, so its temporaries
-    stay `[64, vocab_size]`)."""
+    """Pure-torch `race_sample`: same arguments and output, runs on any device (rows in chunks of about 2^18
+    elements, exact scores only where the bound of the module docstring cannot rule a token out)."""
     num_rows, vocab_size = _check_inputs(probs, seeds, positions)
     cols = torch.arange(vocab_size, device=probs.device)
-    out = []
-    for start in range(0, num_rows, _ROWS_PER_CHUNK):
-        rows = slice(start, start + _ROWS_PER_CHUNK)
-        scores = probs[rows].to(torch.float64) / race_exponentials_ref(seeds[rows], positions[rows], cols)
-        out.append(scores.argmax(dim=1))  # the first maximum: the kernel's tie rule
-    return torch.cat(out) if out else torch.empty(0, dtype=torch.int64, device=probs.device)
+    keys = _row_keys(seeds, positions)
+    out = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
+    rows_per_chunk = max(1, _ELEMENTS_PER_CHUNK // max(vocab_size, 1))
+    num_candidates = min(_CANDIDATES, vocab_size)
+    for start in range(0, num_rows, rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        p = probs[rows].to(torch.float64)
+        u = _uniforms(keys[rows], cols)
+        bound = p / (1.0 - u) * _BOUND_SLACK  # >= p / E: -ln(u) >= 1 - u
+        top_bounds, candidates = bound.topk(num_candidates, dim=1)
+        scores = p.gather(1, candidates) / _neg_log_ref(u.gather(1, candidates))
+        best = scores.max(dim=1, keepdim=True).values
+        # the lowest token id among the candidates scoring the best (the kernel's tie rule)
+        winner = torch.where(scores == best, candidates, vocab_size).min(dim=1).values
+        settled = (top_bounds[:, -1] < best[:, 0]) | (num_candidates == vocab_size)
+        unsettled = torch.nonzero(~settled)[:, 0]
+        if len(unsettled):  # some token outside the candidates may still win: score those rows in full
+            full = p[unsettled] / _neg_log_ref(u[unsettled])
+            winner[unsettled] = full.argmax(dim=1)  # the first maximum
+        out[rows] = winner
+    return out
 
 
 def _check_inputs(probs: Tensor, seeds: Tensor, positions: Tensor) -> tuple[int, int]:

@@ -23,7 +23,7 @@ SAMPLINGS = {
 
 def specs(draft) -> dict[str, SpecConfig | None]:
     out: dict[str, SpecConfig | None] = {"off": None}
-    for k in (1, 2, 3, 5, 8):
+    for k in range(1, 9):
         out[f"ngram K={k}"] = SpecConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=1)
     out["suffix K=4"] = SpecConfig(method="suffix", num_speculative_tokens=4)
     out["draft K=3"] = SpecConfig(method="draft_model", num_speculative_tokens=3, model=draft)
