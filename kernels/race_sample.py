@@ -179,9 +179,10 @@ def _neg_log_ref(u: Tensor) -> Tensor:
 def race_exponentials_ref(
     seeds: Tensor,  # [num_rows] int64
     positions: Tensor,  # [num_rows] int64
-    token_ids: Tensor,  # [num_tokens] int64
+    token_ids: Tensor,  # [num_tokens] or [num_rows, num_tokens] int64
 ) -> Tensor:
-    """`[num_rows, num_tokens]` float64: the race's Exp(1) noise of each row at each of `token_ids`."""
+    """`[num_rows, num_tokens]` float64: the race's Exp(1) noise of each row at each of `token_ids` (the same tokens
+    for every row, or each row's own)."""
     return _neg_log_ref(_uniforms(_row_keys(seeds, positions), token_ids))
 
 

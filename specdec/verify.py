@@ -162,37 +162,43 @@ def verify_exact(
     sampling: RowSampling,  # per row
     race: RaceKeys,
 ) -> VerifyResult:
-    """Every node draws the race's token at its position (root position + depth); a node is accepted when its parent
-    was and its token equals the token drawn at its parent. The row emits the tokens drawn along the accepted path
-    (the accepted drafts, then the token drawn at the path's last node): the tokens plain decoding draws."""
+    """Walk each row's tree from the root: draw the race's token at the current node (position: root position +
+    depth); a child holding that token is accepted and the walk moves to it, else the row stops. The row emits the
+    tokens drawn along its path (the accepted drafts, then the token drawn at the last node): the tokens plain
+    decoding draws. Only the nodes on the path are raced, one batched draw per depth."""
     device = target_logits.device
     num_nodes = torch.tensor(layout.num_nodes)
-    rows, width = len(layout.num_nodes), layout.width
+    rows, width, max_depth = len(layout.num_nodes), layout.width, layout.max_depth
     token_sampling, logprobs, use_triton = _process(target_logits, sampling, num_nodes.to(device))
     probs = target_probs(target_logits, logprobs, token_sampling)
-    fed = torch.arange(width)[None, :] < num_nodes[:, None]  # [rows, width]
-    depths = layout.depths if layout.depths is not None else torch.arange(width).expand(rows, width)
-    node_row = torch.repeat_interleave(torch.arange(rows), num_nodes).to(device)
-    positions = race.positions.to(device)[node_row] + depths[fed].to(device)
     op = race_sample if use_triton else race_sample_ref
-    drawn = torch.full((rows, width), -1, dtype=torch.long, device=device)
-    drawn[fed.to(device)] = op(probs, race.seeds.to(device)[node_row].contiguous(), positions.contiguous())
+    fed = (torch.arange(width)[None, :] < num_nodes[:, None]).to(device)  # [rows, width]
     tokens = torch.full((rows, width), -1, dtype=torch.long, device=device)
-    tokens[fed.to(device)] = node_token_ids
+    tokens[fed] = node_token_ids
     parents = layout.parents.to(device)  # [rows, width] row-local, -1 for the root and padding
-    matches = (parents >= 0) & (tokens == drawn.gather(1, parents.clamp(min=0)))
-    current = torch.zeros(rows, dtype=torch.long, device=device)
-    accepted = torch.full((rows, layout.max_depth), -1, dtype=torch.long, device=device)
-    for depth in range(layout.max_depth):  # siblings hold distinct tokens: at most one child matches
-        child = matches & (parents == current[:, None])
-        found = child.any(dim=1)
-        current = torch.where(found, child.long().argmax(dim=1), current)
-        accepted[:, depth] = torch.where(found, current, -1)
-    num_accepted = (accepted >= 0).sum(dim=1)
-    path = torch.cat([torch.zeros(rows, 1, dtype=torch.long, device=device), accepted.clamp(min=0)], dim=1)
-    emitted = torch.arange(layout.max_depth + 1, device=device)[None, :] <= num_accepted[:, None]
-    out = torch.where(emitted, drawn.gather(1, path), -1)
     starts = (torch.cumsum(num_nodes, 0) - num_nodes).to(device)
+    seeds, positions = race.seeds.to(device), race.positions.to(device)
+    out = torch.full((rows, max_depth + 1), -1, dtype=torch.long, device=device)
+    path = torch.zeros(rows, max_depth + 1, dtype=torch.long, device=device)  # the node each emitted token came from
+    accepted = torch.full((rows, max_depth), -1, dtype=torch.long, device=device)
+    current = torch.zeros(rows, dtype=torch.long, device=device)
+    walking = torch.arange(rows, device=device)  # rows whose every draft so far was accepted
+    for depth in range(max_depth + 1):
+        node = current[walking]
+        drawn = op(probs[starts[walking] + node], seeds[walking].contiguous(), positions[walking] + depth)
+        out[walking, depth] = drawn
+        path[walking, depth] = node
+        if depth == max_depth:
+            break
+        # siblings hold distinct tokens: at most one child of the node holds the drawn token
+        child = (parents[walking] == node[:, None]) & (tokens[walking] == drawn[:, None])
+        found = child.any(dim=1)
+        walking, child_node = walking[found], child[found].long().argmax(dim=1)
+        accepted[walking, depth] = child_node
+        current[walking] = child_node
+        if not len(walking):
+            break
+    num_accepted = (accepted >= 0).sum(dim=1)
     return VerifyResult(out, num_accepted + 1, _emitted_logprobs(logprobs, starts[:, None] + path, out), accepted)
 
 
