@@ -24,7 +24,13 @@ def arithmetic(completions, answer, **kwargs):
     return arithmetic_reward(completions, answer)
 
 
-def make_trainer(tmp_path, rollout_func, dataset=None, tokenizer=None, **config):
+def length(completions, **kwargs):
+    """A reward that differs between the samples of a group (arithmetic alone may not: then every advantage is 0, the
+    loss has no gradient and the weights never change)."""
+    return [len(c) / 100 for c in completions]
+
+
+def make_trainer(tmp_path, rollout_func, dataset=None, tokenizer=None, reward_funcs=(arithmetic,), **config):
     model, tok = load_model("tiny-target")
     settings = dict(
         output_dir=str(tmp_path),
@@ -44,7 +50,7 @@ def make_trainer(tmp_path, rollout_func, dataset=None, tokenizer=None, **config)
     dataset = dataset if dataset is not None else arithmetic_dataset(16, split="train", seed=0)
     return GRPOTrainer(
         model=model,
-        reward_funcs=[arithmetic],
+        reward_funcs=list(reward_funcs),
         args=GRPOConfig(**settings),
         train_dataset=dataset,
         processing_class=tokenizer or tok,
@@ -80,7 +86,7 @@ class Recorder:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     func = trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=3))
-    trainer = make_trainer(tmp_path_factory.mktemp("grpo"), func)
+    trainer = make_trainer(tmp_path_factory.mktemp("grpo"), func, reward_funcs=(arithmetic, length))
     recorder = Recorder(trainer)
     trainer.train()
     return trainer, func, recorder
