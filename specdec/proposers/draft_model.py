@@ -73,7 +73,8 @@ class DraftModelProposer(Proposer):
                 tokens = _sample(probs, uniforms[:, j], batch.sampling)
             drafting = torch.tensor([k > j for k in batch.num_asked], device=device)
             draft_ids[:, j] = torch.where(drafting, tokens, -1)
-            draft_probs.append(probs)
+            if batch.race is None:  # rejection sampling needs q at every draft
+                draft_probs.append(probs)
             if j + 1 < max_k:  # the last draft is never fed: verification decides whether it is kept
                 feeding = [int(k > j + 1) for k in batch.num_asked]
                 step_logits = self.runner.decode(0, tokens[:, None], feeding, cache_lens)[:, 0]
@@ -83,12 +84,12 @@ class DraftModelProposer(Proposer):
             k = batch.num_asked[row]
             state.update(cache_len=cache_lens[row], base=batch.num_tokens[row])
             state["cached_drafts"] = host_drafts[row][: k - 1] if k > 1 else []
+        if batch.race is not None:  # exact verification: a draft is checked against the target's race, as one-hot
+            return Drafts(draft_ids, list(batch.num_asked))
         # rows back to back, each row's positions j < K_i, matching the verifier's flattened layout
         stacked = torch.stack(draft_probs, dim=1) if draft_probs else None  # [rows, max_k, V]
         keep = torch.tensor([[j < k for j in range(max_k)] for k in batch.num_asked], device=device)
         flat_probs = stacked[keep] if stacked is not None else None
-        if batch.race is not None:  # exact verification: a draft is checked against the target's race, as one-hot
-            return Drafts(draft_ids, list(batch.num_asked))
         return Drafts(draft_ids, list(batch.num_asked), flat_probs)
 
 
