@@ -341,13 +341,14 @@ class Generator:
         decision, asked = self._schedule(num_rows, num_draft_tokens, context)
         uniforms = self.slots.uniforms(slice(0, num_rows), asked)
         sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
-        drafts, served = self._propose(num_rows, asked, sampling, uniforms)
+        race = self._race_keys(slice(0, num_rows))  # shared by the draft model and the verifier
+        drafts, served = self._propose(num_rows, asked, sampling, uniforms, race)
         layout = layout_drafts(
             drafts.num_drafted if drafts is not None else [0] * num_rows,
             drafts.parents if drafts is not None else None,
         )
         input_ids, logits = self._forward(num_rows, drafts, layout)
-        result = self._verify(num_rows, input_ids, logits, layout, drafts, sampling, uniforms)
+        result = self._verify(num_rows, input_ids, logits, layout, drafts, sampling, uniforms, race)
         if not layout.is_chain:  # move accepted paths next to their roots (a chain's path is in place already)
             rows = torch.arange(num_rows, device=self.device)
             lens = self.slots.cache_len[:num_rows].to(self.device)
@@ -388,7 +389,9 @@ class Generator:
             decision = self.policy.choose(num_rows, caps.tolist(), routes, context)
         return decision, caps.clamp(0, decision.num_draft_tokens)
 
-    def _propose(self, num_rows: int, asked: Tensor, sampling, uniforms: Tensor) -> tuple[Drafts | None, list]:
+    def _propose(
+        self, num_rows: int, asked: Tensor, sampling, uniforms: Tensor, race: RaceKeys | None
+    ) -> tuple[Drafts | None, list]:
         """The proposers' drafts for rows asked for some (None if none were); what each row was served by."""
         if self.proposers is None:
             return None, [None] * num_rows
@@ -403,7 +406,7 @@ class Generator:
             num_asked=asked.tolist(),
             sampling=sampling,
             draft_uniforms=uniforms[:, : int(asked.max())],
-            race=self._race_keys(slice(0, num_rows)),
+            race=race,
             states=[seq.proposer_state for seq in sequences],
         )
         return self.proposers.propose(batch, [seq.params.spec.method for seq in sequences])
@@ -418,7 +421,9 @@ class Generator:
         logits = self.runner.decode(0, input_ids, layout.num_nodes, cache_lens, layout.depths, layout.ancestors)
         return input_ids, logits
 
-    def _verify(self, num_rows, input_ids, logits, layout: DraftLayout, drafts, sampling, uniforms) -> VerifyResult:
+    def _verify(
+        self, num_rows, input_ids, logits, layout: DraftLayout, drafts, sampling, uniforms, race: RaceKeys | None
+    ) -> VerifyResult:
         """Flatten to the verifier's layout (row i's nodes, pending token first, rows back to back) and verify."""
         fed = torch.arange(layout.width)[None, :] < torch.tensor(layout.num_nodes)[:, None]
         flat_index = (torch.arange(num_rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
@@ -433,7 +438,7 @@ class Generator:
             sampling,
             node_uniforms[:, : layout.width][fed].to(self.device),
             uniforms[:, -1].contiguous().to(self.device),
-            self._race_keys(slice(0, num_rows)),
+            race,
         )
 
     def _race_keys(self, rows: slice) -> RaceKeys | None:
