@@ -69,6 +69,37 @@ def summarize(steps: Iterable[dict]) -> dict:
     return {"phases": phases, "total": _stats(steps)}
 
 
+def summarize_ranks(steps: Iterable[dict], wall_seconds: list[list[float]]) -> dict:
+    """`summarize` for a data-parallel run: steps carry their `rank`, `wall_seconds[r]` lists rank r's wall time of
+    each rollout.
+
+    Per phase and in total, `tokens`, `num_steps` and the means are over every rank's steps, `tokens_per_s` is the
+    sum of the ranks' own tokens/s and `seconds` the slowest rank's. Adds `ranks` (each rank's own `phases`, `total`
+    and `wall_seconds`), `num_ranks` and `straggler_ratio` (see `straggler_ratio`).
+    """
+    steps = list(steps)
+    num_ranks = len(wall_seconds)
+    own = [summarize([s for s in steps if s["rank"] == rank]) for rank in range(num_ranks)]
+    combined = summarize(steps)
+    for phase in (*PHASES, None):
+        parts = [s["total"] if phase is None else s["phases"][phase] for s in own]
+        target = combined["total"] if phase is None else combined["phases"][phase]
+        target["seconds"] = max(p["seconds"] for p in parts)
+        target["tokens_per_s"] = sum(p["tokens_per_s"] for p in parts)
+    combined["ranks"] = [{"rank": r, **own[r], "wall_seconds": sum(wall_seconds[r])} for r in range(num_ranks)]
+    combined["num_ranks"] = num_ranks
+    combined["straggler_ratio"] = straggler_ratio([list(x) for x in zip(*wall_seconds)])
+    return combined
+
+
+def straggler_ratio(rank_seconds: list[list[float]]) -> float:
+    """How long a data-parallel run waits on its slowest rank: the sum over rollouts of the slowest rank's wall time
+    over the sum of the ranks' mean (1.0: perfectly balanced). `rank_seconds[i][r]` is rank r's time on rollout i."""
+    slowest = sum(max(seconds) for seconds in rank_seconds if seconds)
+    mean = sum(sum(seconds) / len(seconds) for seconds in rank_seconds if seconds)
+    return slowest / mean if mean > 0 else 1.0
+
+
 def _stats(steps: list[dict]) -> dict:
     seconds = sum(s["seconds"] for s in steps)
     tokens = sum(s["num_emitted"] for s in steps)

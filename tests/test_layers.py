@@ -17,7 +17,7 @@ LAYERS = [
     ("models", ("rollout.models",)),
     ("engine", ("rollout.engine",)),
     ("rollout loop", ("rollout",)),
-    ("command line", ("rollout.cli",)),
+    ("command line", ("rollout.cli", "rollout.__main__")),
 ]
 
 

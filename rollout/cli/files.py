@@ -20,7 +20,7 @@ RUN_FILES = (
     "train.png",
     "bench.json",
 )
-RUN_FOLDERS = ("wandb", "trainer", "model")
+RUN_FOLDERS = ("wandb", "trainer", "model", "ranks")
 
 
 def write_atomic(path: str | pathlib.Path, text: str) -> None:

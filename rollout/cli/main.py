@@ -17,6 +17,8 @@ import pathlib
 import signal
 import sys
 
+from rollout.distributed import VANISHED, Ranks, RankStopped, start_ranks
+
 
 def _setup(recipe_path: str, overrides: list[str]):
     """Load the recipe, then set torch threads and quiet the model loaders' progress bars."""
@@ -45,12 +47,22 @@ def _run(args: argparse.Namespace) -> None:
         table = spec.num_speculative_tokens_per_batch_size
         how = "static" if table is None else ("auto" if table == "auto" else "table")
         policy += f" ({how}, K<={spec.num_speculative_tokens})"
-    print(
-        f"model {recipe.model.name} | data {recipe.data.dataset} | n {recipe.sampling.n} | "
-        f"max_new_tokens {recipe.sampling.max_new_tokens} | speculation {policy}",
-        flush=True,
-    )
-    summary, tracker = run_recipe(recipe)
+    ranks = args.ranks
+    if ranks.is_main:
+        print(
+            f"model {recipe.model.name} | data {recipe.data.dataset} | n {recipe.sampling.n} | "
+            f"max_new_tokens {recipe.sampling.max_new_tokens} | speculation {policy}"
+            + (f" | {ranks.world_size} processes, balance {recipe.distributed.balance}" if ranks.distributed else ""),
+            flush=True,
+        )
+    if args.ranks.distributed:
+        from rollout.cli.ranked import run_recipe_ranked
+
+        summary, tracker = run_recipe_ranked(recipe, args.ranks)
+        if not args.ranks.is_main:
+            return
+    else:
+        summary, tracker = run_recipe(recipe)
     if summary["num_rollouts"] > 1:
         for index in range(summary["num_rollouts"]):
             total = summarize([s for s in tracker.steps if s["rollout"] == index])["total"]
@@ -59,6 +71,14 @@ def _run(args: argparse.Namespace) -> None:
                 f"{total['tokens_per_s']:.0f} tokens/s, K {total['mean_k']:.2f}, accept {total['acceptance_rate']:.2f}"
             )
     print(format_table(summary))
+    if "ranks" in summary:
+        for rank in summary["ranks"]:
+            total = rank["total"]
+            print(
+                f"rank {rank['rank']}: {total['tokens']} tokens in {rank['wall_seconds']:.2f} s, "
+                f"{total['tokens_per_s']:.0f} tokens/s, accept {total['acceptance_rate']:.2f}"
+            )
+        print(f"straggler ratio (slowest rank / mean) {summary['straggler_ratio']:.3f}")
     print(
         f"{summary['num_samples']} samples, reward mean {summary['reward_mean']:.3f}, {summary['wall_seconds']:.2f} s"
         + (
@@ -157,23 +177,66 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status. Under `accelerate launch` (WORLD_SIZE above 1) every process
+    runs it as one rank: the first rank to fail prints the one error line, naming itself; the others stop quietly."""
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    args.ranks = Ranks()
     try:
+        if args.command in ("run", "bench"):
+            args.ranks = start_ranks()
         args.func(args)
+    except RankStopped:
+        return 1  # another rank failed and said so
     except (ValueError, TypeError, OSError) as err:  # OSError: missing files, unreachable hub ids
-        message = " ".join(str(err).split())  # one line, whatever the message held
-        print(f"rollout {args.command}: error: {message}", file=sys.stderr)
-        return 2
+        return _fail(args, err, 2, with_type=False)
     except KeyboardInterrupt as err:
         terminated = isinstance(err, Terminated)
-        what = "terminated (SIGTERM)" if terminated else "interrupted"
-        kept = ": what finished is in the output folder; resume=true continues the run" if args.command == "run" else ""
-        print(f"rollout {args.command}: {what}{kept}", file=sys.stderr)
+        if _stopped_by_another(args):
+            return 1
+        if args.ranks.is_main:  # a signal reaches every rank: one of them speaks
+            what = "terminated (SIGTERM)" if terminated else "interrupted"
+            kept = ": what finished is in the output folder; resume=true continues the run"
+            kept = kept if args.command == "run" else ""
+            print(f"rollout {args.command}: {what}{kept}", file=sys.stderr)
         return 143 if terminated else 130
+    except Exception as err:  # a rank's unexpected failure: one line naming the rank (one process: the traceback)
+        if not args.ranks.distributed:
+            raise
+        if _stopped_by_another(args):  # e.g. gloo's "connection closed" when a peer died
+            return 1
+        return _fail(args, err, 1, with_type=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        args.ranks.mark_exit()
     return 0
+
+
+def _fail(args: argparse.Namespace, err: BaseException, status: int, with_type: bool) -> int:
+    """Print the one error line (under several ranks: only the first rank to fail, naming itself)."""
+    message = " ".join(str(err).split())  # one line, whatever the message held
+    if with_type:
+        message = f"{type(err).__name__}: {message}"
+    ranks = args.ranks
+    if ranks.distributed:
+        if _stopped_by_another(args) or not ranks.claim_failure(message):
+            return 1
+        message = f"rank {ranks.rank} of {ranks.world_size}: {message}"
+    print(f"rollout {args.command}: error: {message}", file=sys.stderr)
+    return status
+
+
+def _stopped_by_another(args: argparse.Namespace) -> bool:
+    """Whether this rank stopped because another rank failed. A rank that recorded its failure printed it; one whose
+    process vanished (killed) is named here, by the first rank to notice."""
+    ranks = args.ranks
+    cause = ranks.stop_cause() if ranks.distributed else None
+    if cause is None:
+        return False
+    rank, _, what = cause.partition(": ")
+    if what == VANISHED and ranks.claim_failure(what, rank=int(rank.split()[1])):
+        print(f"rollout {args.command}: error: {rank} of {ranks.world_size}: {what}", file=sys.stderr)
+    return True
 
 
 if __name__ == "__main__":

@@ -130,6 +130,18 @@ class BenchRecipe:
 
 
 @dataclass
+class DistributedRecipe:
+    """Under `accelerate launch --num_processes N`: how the ranks split and share the work (one process: unused)."""
+
+    balance: str = "work"  # work: shards of equal expected tokens (prompt + predicted completion); count: equal counts
+    share_history: bool = True  # all-gather finished responses once per rollout into every rank's suffix history
+
+    def __post_init__(self) -> None:
+        balances = ("work", "count")
+        _require(self.balance in balances, f"distributed.balance ({self.balance!r}) must be one of work, count")
+
+
+@dataclass
 class Recipe:
     model: ModelRecipe = field(default_factory=ModelRecipe)
     data: DataRecipe = field(default_factory=DataRecipe)
@@ -142,6 +154,7 @@ class Recipe:
     logging: LoggingRecipe = field(default_factory=LoggingRecipe)
     bench: BenchRecipe = field(default_factory=BenchRecipe)
     train: TrainRecipe = field(default_factory=TrainRecipe)
+    distributed: DistributedRecipe = field(default_factory=DistributedRecipe)
     output_dir: str = "outputs/rollout"  # where the run writes rollouts.jsonl, steps.jsonl, summary.json, ...
     overwrite: bool = False  # replace a run already in output_dir (its files removed first); false: refuse it
     resume: bool = False  # continue the interrupted run in output_dir (same recipe): finished groups are kept

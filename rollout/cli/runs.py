@@ -59,17 +59,18 @@ def recipe_spec(recipe: Recipe, **changes) -> SpecConfig | None:
     return spec_config(recipe, draft_model=draft if not isinstance(draft, str) else None, **changes)
 
 
-def batch_size(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) -> int:
-    """rollout.max_batch_size; for auto, every sequence of one rollout (prompts per rollout x n) at once, lowered to
-    the largest size whose KV caches fit the device's free memory."""
+def batch_size(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None, num_ranks: int = 1) -> int:
+    """rollout.max_batch_size; for auto, every sequence of one rollout (prompts per rollout x n, split over
+    `num_ranks` processes) at once, lowered to the largest size whose KV caches fit the device's free memory."""
     size = recipe.rollout.max_batch_size
     if size != "auto":
         return size
     num_prompts = min(recipe.rollout.prompts_per_rollout or len(inputs.prompt_ids), len(inputs.prompt_ids))
+    num_prompts = -(-num_prompts // num_ranks)
     return fitting_batch_size(inputs.model, spec, inputs.max_seq_len, num_prompts * recipe.sampling.n)
 
 
-def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) -> Rollout:
+def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None, num_ranks: int = 1) -> Rollout:
     """The rollout loop over the loaded model, with `spec` for speculation (None: plain decoding)."""
     d = recipe.data
     return Rollout(
@@ -78,7 +79,7 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None) 
         rewards=[(r.name, r.weight) for r in recipe.rewards],
         sampling=recipe.sampling,
         spec=spec,
-        max_batch_size=batch_size(recipe, inputs, spec),
+        max_batch_size=batch_size(recipe, inputs, spec, num_ranks),
         max_seq_len=inputs.max_seq_len,
         prompt_column=d.prompt_column,
         template=d.template,

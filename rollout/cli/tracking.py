@@ -28,7 +28,7 @@ import sys
 from rollout.batch import RolloutBatch
 from rollout.cli.files import append_lines, prepare_output_dir, read_jsonl, write_atomic
 from rollout.cli.plots import plot_steps
-from rollout.phases import PHASES, SUMMARY_KEYS, summarize
+from rollout.phases import PHASES, SUMMARY_KEYS, straggler_ratio, summarize, summarize_ranks
 from rollout.rewards import mean_reward
 
 WANDB_MODES = ("offline", "online", "disabled")
@@ -90,6 +90,7 @@ class RunTracker:
         self.wall_seconds = 0.0
         self._streamed: set[int] = set()  # rollouts whose samples went out group by group
         self._streamed_steps: set[int] = set()
+        self.rank_seconds: list[list[float]] = []  # a data-parallel run: each rollout's wall seconds per rank
         if resume:
             self._load_finished(group_size)
         self.wandb_run = self._start_wandb(os.environ.get("WANDB_MODE") or wandb_mode, project, run_name)
@@ -103,7 +104,7 @@ class RunTracker:
         from omegaconf import OmegaConf
 
         saved = OmegaConf.to_container(OmegaConf.load(saved_path))
-        ignored = {"resume", "overwrite", "logging"}
+        ignored = {"resume", "overwrite", "logging", "distributed"}  # none of these changes a sample
         for key in sorted(set(saved) | set(config)):
             if key not in ignored and saved.get(key) != config.get(key):
                 raise ValueError(
@@ -124,11 +125,7 @@ class RunTracker:
         for rollout, prompt_index in complete:
             self.done.setdefault(rollout, set()).add(prompt_index)
         self.kept_records = kept
-        for r in kept:
-            if r.get("reward") is not None or any(k.startswith("reward_") for k in r):  # scored (null: non-finite)
-                self.rewards.append(r.get("reward"))
-            for name in [k[len("reward_") :] for k in r if k.startswith("reward_")]:
-                self.reward_terms.setdefault(name, []).append(r[f"reward_{name}"])
+        self._count_rewards(kept)
         self.num_samples = len(kept)
         self.steps = read_jsonl(self.output_dir / "steps.jsonl")
         write_atomic(
@@ -153,12 +150,24 @@ class RunTracker:
     def log_group(self, group: RolloutBatch, rollout: int | None = None) -> None:
         """Append one finished group's samples to rollouts.jsonl now, in one write (whole lines only), as
         `Rollout(on_group=...)` hands them over; `rollout` defaults to the rollout in progress."""
+        self.log_records(group.records(), rollout)
+
+    def log_records(self, records: list[dict], rollout: int | None = None) -> None:
+        """Append samples given as `rollouts.jsonl` records (`RolloutBatch.records()`) in one write."""
         index = self.num_rollouts if rollout is None else rollout
-        lines = [json.dumps({"rollout": index, **record}, allow_nan=False) + "\n" for record in group.records()]
+        lines = [json.dumps({"rollout": index, **record}, allow_nan=False) + "\n" for record in records]
         append_lines(self.output_dir / "rollouts.jsonl", "".join(lines))
         self._streamed.add(index)
-        self._add_rewards(group)
-        self.num_samples += len(group)
+        self._count_rewards(records)
+        self.num_samples += len(records)
+
+    def _count_rewards(self, records: list[dict]) -> None:
+        for r in records:
+            terms = [k[len("reward_") :] for k in r if k.startswith("reward_")]
+            if r.get("reward") is not None or terms:  # scored (None: a non-finite reward recorded as null)
+                self.rewards.append(r.get("reward"))
+            for name in terms:
+                self.reward_terms.setdefault(name, []).append(r[f"reward_{name}"])
 
     def log_step(self, step: dict, rollout: int | None = None) -> None:
         """Append one generator step (a step dict of the rollout loop) to steps.jsonl now."""
@@ -182,15 +191,42 @@ class RunTracker:
             steps = self.steps[len(self.steps) - len(batch.steps) :]
         self.wall_seconds += batch.summary.get("wall_seconds", 0.0)
         if self.wandb_run is not None:
-            self._log_wandb(batch, steps, len(self.steps) - len(steps), index)
+            self._log_wandb(batch.summary, batch.records(), steps, len(self.steps) - len(steps), index)
         self.num_rollouts = max(self.num_rollouts, index + 1)
 
-    def _add_rewards(self, group: RolloutBatch) -> None:
-        self.rewards.extend(group.reward or ())
-        for name, values in group.reward_terms.items():
-            self.reward_terms.setdefault(name, []).extend(values)
+    def log_ranked_rollout(
+        self, records: list[dict], steps: list[list[dict]], summaries: list[dict], rollout: int, resumed: bool = False
+    ) -> None:
+        """Close one rollout of a data-parallel run (rank 0 writes for every rank): append its samples in prompt
+        order and every rank's steps (each with its `rank`), move the run clock on by the slowest rank's wall time,
+        and log W&B metrics per rank. `steps[r]` and `summaries[r]` are rank r's (its `Rollout` summary). `resumed`:
+        the file already held some of this rollout's groups, so it is rewritten in order."""
+        order = lambda r: (r["rollout"], r["prompt_index"], r["sample_index"])  # noqa: E731
+        records = sorted(({"rollout": rollout, **r} for r in records), key=order)
+        self.log_records(records, rollout)
+        if resumed:
+            ordered = sorted(read_jsonl(self.output_dir / "rollouts.jsonl"), key=order)
+            lines = "".join(json.dumps(r, allow_nan=False) + "\n" for r in ordered)
+            write_atomic(self.output_dir / "rollouts.jsonl", lines)
+        first = len(self.steps)
+        for rank, rank_steps in enumerate(steps):
+            for step in rank_steps:
+                self.log_step({**step, "rank": rank}, rollout)
+        seconds = [s.get("wall_seconds", 0.0) for s in summaries]
+        self.rank_seconds.append(seconds)
+        self.wall_seconds += max(seconds)
+        if self.wandb_run is not None:
+            extra = {"rollout/straggler_ratio": straggler_ratio([seconds])}
+            for rank, s in enumerate(summaries):
+                extra[f"rollout/rank{rank}/seconds"] = seconds[rank]
+                extra[f"rollout/rank{rank}/tokens_per_s"] = s["total"]["tokens_per_s"]
+                extra[f"rollout/rank{rank}/acceptance_rate"] = s["total"]["acceptance_rate"]
+            summary = summarize_ranks(self.steps[first:], [[x] for x in seconds])
+            summary["reward_mean"] = mean_reward([r["reward"] for r in records if "reward" in r])
+            self._log_wandb(summary, records, self.steps[first:], first, rollout, extra)
+        self.num_rollouts = max(self.num_rollouts, rollout + 1)
 
-    def _log_wandb(self, batch: RolloutBatch, steps: list[dict], first_index: int, rollout: int) -> None:
+    def _log_wandb(self, summary, records, steps, first_index: int, rollout: int, extra: dict | None = None) -> None:
         import wandb
 
         for index, step in enumerate(steps, start=first_index):
@@ -199,16 +235,16 @@ class RunTracker:
             metrics["step/phase_id"] = PHASES.index(step["phase"])  # 0 prefill, 1 bulk, 2 tail: charts need numbers
             metrics["step/tokens_per_s"] = step["num_emitted"] / step["seconds"] if step["seconds"] > 0 else 0.0
             self.wandb_run.log(metrics)
-        total = batch.summary["total"]
-        metrics = {"rollout/index": rollout}
-        if batch.summary.get("reward_mean") is not None:
-            metrics["rollout/reward_mean"] = batch.summary["reward_mean"]
+        total = summary["total"]
+        metrics = {"rollout/index": rollout, **(extra or {})}
+        if summary.get("reward_mean") is not None:
+            metrics["rollout/reward_mean"] = summary["reward_mean"]
         metrics.update({f"rollout/{key}": total[key] for key in SUMMARY_KEYS})
-        metrics.update({f"rollout/{p}_tokens_per_s": batch.summary["phases"][p]["tokens_per_s"] for p in PHASES})
+        metrics.update({f"rollout/{p}_tokens_per_s": summary["phases"][p]["tokens_per_s"] for p in PHASES})
         if self.num_table_rows > 0:
             columns = ["rollout", "prompt_index", "sample_index", "prompt", "completion", "finish_reason", "reward"]
             table = wandb.Table(columns=columns)
-            for row in batch.records()[: self.num_table_rows]:
+            for row in records[: self.num_table_rows]:
                 table.add_data(rollout, *(row[c] for c in columns[1:]))
             metrics["samples"] = table
         self.wandb_run.log(metrics)
@@ -221,7 +257,10 @@ class RunTracker:
 
     def summary(self) -> dict:
         """The run's summary.json: per-phase and total stats over every step so far, and reward means."""
-        summary = summarize(self.steps)
+        if self.rank_seconds:  # a data-parallel run: totals over the ranks, and each rank's own table
+            summary = summarize_ranks(self.steps, [list(r) for r in zip(*self.rank_seconds)])
+        else:
+            summary = summarize(self.steps)
         summary["reward_mean"] = mean_reward(self.rewards) or 0.0
         summary["reward_terms"] = {name: mean_reward(v) for name, v in self.reward_terms.items()}
         summary["num_null_rewards"] = sum(r is None for r in self.rewards)

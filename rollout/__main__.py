@@ -1,0 +1,7 @@
+"""`python -m rollout`: the `rollout` command (what `accelerate launch -m rollout run RECIPE` starts on each rank)."""
+
+import sys
+
+from rollout.cli.main import main
+
+sys.exit(main())

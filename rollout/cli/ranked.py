@@ -1,0 +1,147 @@
+"""Running a recipe on the ranks of a data-parallel run: `accelerate launch --num_processes N -m rollout run RECIPE`.
+
+Each rollout's prompt groups are sharded over the ranks (`rollout.distributed.shard_groups`); each rank generates its
+share with its own generator on its own device and streams what finishes to `output_dir/ranks/rank-R/` (its own
+`rollouts.jsonl` and `steps.jsonl`, on its own machine). When every rank has finished the rollout, rank 0 writes the
+rollout into the run's files (samples in prompt order, steps with their `rank`), the ranks all-gather the finished
+responses into each other's suffix history, and the part files are emptied. The run's own files therefore only ever
+hold whole rollouts; a run stopped by any rank keeps them, its part files, and a summary marked incomplete that
+names the rank and the cause.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from rollout.cli.files import append_lines
+from rollout.cli.progress import Progress
+from rollout.cli.recipe import Recipe, recipe_dict
+from rollout.cli.runs import load_inputs, make_rollout, recipe_spec, stop_reason
+from rollout.cli.tracking import RunTracker
+from rollout.distributed import OutputLengths, Ranks, RankStopped, group_costs, shard_groups, share_responses
+
+
+class RankFiles:
+    """One rank's stream of what it finished in the rollout in progress: whole lines, emptied once rank 0 holds them."""
+
+    def __init__(self, folder: pathlib.Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.clear()
+
+    def log_group(self, group, rollout: int) -> None:
+        lines = [json.dumps({"rollout": rollout, **r}, allow_nan=False) + "\n" for r in group.records()]
+        append_lines(self.folder / "rollouts.jsonl", "".join(lines))
+
+    def log_step(self, step: dict, rollout: int, rank: int) -> None:
+        append_lines(self.folder / "steps.jsonl", json.dumps({**step, "rollout": rollout, "rank": rank}) + "\n")
+
+    def clear(self) -> None:
+        for name in ("rollouts.jsonl", "steps.jsonl"):
+            (self.folder / name).write_text("")
+
+
+def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTracker | None]:
+    """Run the recipe's rollouts as rank `ranks.rank` of `ranks.world_size`; returns (summary, tracker) on rank 0 and
+    (None, None) on the others. Every rank must call it. A failure on any rank stops every rank; rank 0 then writes
+    the summary, marked incomplete with the failing rank and its cause, and every rank raises."""
+    device = ranks.device(recipe.model.device)
+    local = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, device=device))
+    inputs = load_inputs(local)
+    rollout = make_rollout(local, inputs, recipe_spec(local), ranks.world_size)
+    tracker, error = None, None
+    if ranks.is_main:
+        try:
+            tracker = _tracker(recipe)
+        except (ValueError, OSError) as err:  # an output folder that holds a run: every rank stops, rank 0 says why
+            error = err
+    if ranks.broadcast(None if error is None else str(error)) is not None:
+        if error is not None:
+            raise error
+        raise RankStopped()
+    done = ranks.broadcast(tracker.done if tracker is not None else None)
+    kept = ranks.broadcast(_kept(tracker, recipe, inputs) if tracker is not None else None)
+    files = RankFiles(pathlib.Path(recipe.output_dir) / "ranks" / f"rank-{ranks.rank}")
+    history = rollout.generator.draft_history
+    share = recipe.distributed.share_history
+    lengths = OutputLengths()
+    if kept[0]:
+        lengths.add(kept[0], [len(c) for c in kept[1]])
+        if history is not None:
+            history.add_responses(*kept)
+    rows = list(inputs.data)
+    per_rollout = recipe.rollout.prompts_per_rollout or len(rows)
+    progress = Progress(enabled=None if (recipe.logging.progress and ranks.is_main) else False)
+    try:
+        for index in range(recipe.rollout.num_rollouts):
+            row_of = [(index * per_rollout + j) % len(rows) for j in range(per_rollout)]
+            costs = group_costs([inputs.prompt_ids[i] for i in row_of], recipe.sampling.n, lengths)
+            shard = shard_groups(costs, ranks.world_size, recipe.distributed.balance)[ranks.rank]
+            todo = [j for j in shard if j not in done.get(index, set())]
+            records, steps, summary = [], [], {"wall_seconds": 0.0, "total": {"tokens_per_s": 0.0}}
+            if todo:
+
+                def on_step(step, finished, total, index=index):
+                    files.log_step(step, index, ranks.rank)
+                    progress(step, finished, total)
+
+                batch = rollout(
+                    [rows[row_of[j]] for j in todo],
+                    recipe.sampling.seed + index,
+                    on_step,
+                    on_group=lambda group, index=index: files.log_group(group, index),
+                    group_indices=todo,
+                )
+                records, steps = batch.records(), batch.steps
+                summary = {"wall_seconds": batch.summary["wall_seconds"], "total": batch.summary["total"]}
+            gathered = ranks.gather((records, steps, summary))
+            prompts = [inputs.prompt_ids[row_of[r["prompt_index"]]] for r in records]
+            completions = [r["completion_ids"] for r in records]
+            everyone = share_responses(ranks, prompts, completions, history if share else None)
+            lengths.add(everyone[0], [len(c) for c in everyone[1]])
+            if tracker is not None:
+                tracker.log_ranked_rollout(
+                    [r for rank_records, _, _ in gathered for r in rank_records],
+                    [rank_steps for _, rank_steps, _ in gathered],
+                    [rank_summary for _, _, rank_summary in gathered],
+                    index,
+                    resumed=bool(done.get(index)),
+                )
+            ranks.barrier()  # rank 0 holds the rollout: the part files can go
+            files.clear()
+    except BaseException as err:
+        progress.close()
+        cause = ranks.stop_cause()
+        if tracker is not None:
+            tracker.finish(complete=False, reason=cause or f"rank {ranks.rank}: {stop_reason(err)}")
+        raise
+    progress.close()
+    if tracker is None:
+        return None, None
+    return tracker.finish(), tracker
+
+
+def _tracker(recipe: Recipe) -> RunTracker:
+    log = recipe.logging
+    return RunTracker(
+        recipe.output_dir,
+        recipe_dict(recipe),
+        wandb_mode=log.wandb_mode,
+        project=log.project,
+        run_name=log.run_name,
+        num_table_rows=log.num_table_rows,
+        plot=log.plot,
+        overwrite=recipe.overwrite,
+        resume=recipe.resume,
+        group_size=recipe.sampling.n,
+    )
+
+
+def _kept(tracker: RunTracker, recipe: Recipe, inputs) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, completion ids) of the samples a resumed run keeps: every rank's drafting history starts there."""
+    records = getattr(tracker, "kept_records", [])
+    per_rollout = recipe.rollout.prompts_per_rollout or len(inputs.prompt_ids)
+    rows_of = [(r["rollout"] * per_rollout + r["prompt_index"]) % len(inputs.prompt_ids) for r in records]
+    return [inputs.prompt_ids[i] for i in rows_of], [r["completion_ids"] for r in records]

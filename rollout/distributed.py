@@ -1,0 +1,300 @@
+"""Data-parallel rollouts: the processes `accelerate launch` (torch.distributed) starts, each with its own generator.
+
+A run of N processes ("ranks") splits each rollout's prompt groups between them (a group never split), balanced by
+expected work (`shard_groups`); each rank generates its share on its own device; the finished responses are
+all-gathered once per rollout so that every rank's suffix drafter learns from the whole run (`share_responses`).
+One process (no `WORLD_SIZE` above 1 in the environment) is `Ranks()`: rank 0 of 1, every collective a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+
+import numpy as np
+
+FAILURE_KEY = "rollout/failure"  # the first rank to fail writes "rank R: cause" here; the other ranks read it
+BALANCES = ("work", "count")
+VANISHED = "its process ended without a word (killed: SIGKILL, or out of memory?)"
+
+
+class RankStopped(Exception):
+    """This rank stops because another rank failed; that rank reports the cause (`Ranks.failure()`)."""
+
+
+class Ranks:
+    """This process's place in a data-parallel run and the few collectives the run uses (over torch.distributed:
+    gloo on CPU, NCCL on GPUs). With `world_size` 1 every collective returns at once."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def device(self, requested: str) -> str:
+        """The device this rank runs on: "cuda" (or "auto" on a GPU machine) becomes this rank's own GPU."""
+        if not self.distributed or requested.startswith("cuda:") or requested == "cpu":
+            return requested
+        if requested in ("cuda", "auto") and _torch().cuda.is_available():
+            return f"cuda:{self.local_rank}"
+        return requested
+
+    def all_gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        _torch().distributed.all_gather_object(out, obj)
+        return out
+
+    def gather(self, obj) -> list | None:
+        """Every rank's `obj`, in rank order, on rank 0 (None on the others)."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size if self.is_main else None
+        _torch().distributed.gather_object(obj, out, dst=0)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        _torch().distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            _torch().distributed.barrier()
+
+    def claim_failure(self, cause: str, rank: int | None = None) -> bool:
+        """Record "rank R: cause" (R: this rank, or `rank`) as the run's failure unless a failure was recorded first;
+        True when this one is recorded (so this process is the one that reports it)."""
+        store = self._store()
+        if store is None:
+            return True
+        mine = f"rank {self.rank if rank is None else rank}: {cause}"
+        try:
+            return store.compare_set(FAILURE_KEY, "", mine).decode() == mine
+        except Exception:  # the store went away with the launcher: report it here
+            return True
+
+    def failure(self) -> str | None:
+        """The failure another rank recorded ("rank R: cause"), or None."""
+        store = self._store()
+        try:
+            if store is not None and store.check([FAILURE_KEY]):
+                return store.get(FAILURE_KEY).decode()
+        except Exception:
+            return None
+        return None
+
+    def stop_cause(self) -> str | None:
+        """Why another rank stopped the run ("rank R: cause"): the failure it recorded, or its process gone without
+        a word; None when no other rank is known to have failed."""
+        failure = self.failure()
+        if failure is not None and not failure.startswith(f"rank {self.rank}:"):
+            return failure
+        gone = self.vanished()
+        if gone:
+            return f"rank {gone[0]}: {VANISHED}"
+        return None
+
+    def register(self) -> None:
+        """Record this rank's host and process id, so that a rank whose process vanishes can be named."""
+        store = self._store()
+        if store is not None:
+            store.set(f"rollout/pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+
+    def mark_exit(self) -> None:
+        """Record that this rank's process ends on its own (an error or a signal it handled), not killed."""
+        store = self._store()
+        try:
+            if store is not None:
+                store.set(f"rollout/exit/{self.rank}", "1")
+        except Exception:  # the launcher's store is gone: nothing to tell
+            pass
+
+    def vanished(self) -> list[int]:
+        """Ranks on this machine whose process is gone without `mark_exit`: killed (SIGKILL, out of memory)."""
+        store, host, gone = self._store(), socket.gethostname(), []
+        if store is None:
+            return gone
+        for rank in range(self.world_size):
+            try:
+                if rank == self.rank or store.check([f"rollout/exit/{rank}"]):
+                    continue
+                if not store.check([f"rollout/pid/{rank}"]):
+                    continue
+                where, pid = store.get(f"rollout/pid/{rank}").decode().split()
+            except Exception:
+                continue
+            if where == host and not _alive(int(pid)):
+                gone.append(rank)
+        return gone
+
+    def _store(self):
+        if not (self.distributed and _torch().distributed.is_initialized()):
+            return None
+        return _torch().distributed.distributed_c10d._get_default_store()
+
+
+def start_ranks() -> Ranks:
+    """The run's ranks from the environment `accelerate launch` (or torchrun) sets: one process without it. Starts
+    torch.distributed through accelerate: NCCL where there is a GPU, gloo on a CPU machine."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return Ranks()
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not _torch().cuda.is_available())
+    ranks = Ranks(state.process_index, state.num_processes, state.local_process_index)
+    ranks.register()
+    return ranks
+
+
+def ranks_of(accelerator) -> Ranks:
+    """The ranks of an `accelerate.Accelerator` (or `PartialState`) that a trainer already started."""
+    return Ranks(accelerator.process_index, accelerator.num_processes, accelerator.local_process_index)
+
+
+def shard_groups(costs: Sequence[float], num_ranks: int, balance: str = "work") -> list[list[int]]:
+    """Which prompt groups each rank generates: `balance="work"` hands the costliest group still unplaced to the
+    least loaded rank (longest-processing-time first); "count" cuts the groups into contiguous blocks of equal count
+    (what a split by count alone gives). Each rank's groups come back in ascending order; every group exactly once.
+
+    Args:
+        costs: `[num_groups]` the expected work of each group (`group_costs`).
+        num_ranks: the number of ranks.
+    """
+    if balance not in BALANCES:
+        raise ValueError(f"distributed.balance ({balance!r}) must be one of {', '.join(BALANCES)}")
+    num_groups = len(costs)
+    if balance == "count":
+        return [block.tolist() for block in np.array_split(np.arange(num_groups), num_ranks)]
+    load = [0.0] * num_ranks
+    shards: list[list[int]] = [[] for _ in range(num_ranks)]
+    for group in sorted(range(num_groups), key=lambda g: (-costs[g], g)):
+        rank = min(range(num_ranks), key=lambda r: (load[r], len(shards[r]), r))
+        shards[rank].append(group)
+        load[rank] += costs[group]
+    return [sorted(s) for s in shards]
+
+
+class OutputLengths:
+    """Completion lengths seen so far per prompt (by its token ids): the cheap predictor of a group's work."""
+
+    def __init__(self):
+        self._sum: dict[bytes, float] = {}
+        self._count: dict[bytes, int] = {}
+
+    def add(self, prompt_ids: Sequence[Sequence[int]], lengths: Sequence[int]) -> None:
+        for ids, length in zip(prompt_ids, lengths):
+            key = _key(ids)
+            self._sum[key] = self._sum.get(key, 0.0) + float(length)
+            self._count[key] = self._count.get(key, 0) + 1
+
+    def expected(self, prompt_ids: Sequence[int]) -> float | None:
+        key = _key(prompt_ids)
+        return self._sum[key] / self._count[key] if key in self._count else None
+
+    def mean(self) -> float:
+        total = sum(self._count.values())
+        return sum(self._sum.values()) / total if total else 0.0
+
+
+def group_costs(prompt_ids: Sequence[Sequence[int]], n: int, lengths: OutputLengths | None = None) -> list[float]:
+    """Each group's expected work in tokens: `n * (prompt length + expected completion length)`. A prompt seen in an
+    earlier rollout expects the mean length of its earlier completions, an unseen one the mean over all seen (0
+    before any: the first rollout balances prompt tokens alone). A prompt token and a completion token count alike:
+    each is one position of a forward at full batch."""
+    mean = lengths.mean() if lengths is not None else 0.0
+    costs = []
+    for ids in prompt_ids:
+        expected = lengths.expected(ids) if lengths is not None else None
+        costs.append(float(n) * (len(ids) + (mean if expected is None else expected)))
+    return costs
+
+
+def pack_responses(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> dict:
+    """Finished responses as a few int32 arrays (each distinct prompt once): what `share_responses` sends."""
+    keys: dict[bytes, int] = {}
+    prompts = []
+    which = np.empty(len(completion_ids), dtype=np.int32)
+    for i, ids in enumerate(prompt_ids):
+        key = _key(ids)
+        if key not in keys:
+            keys[key] = len(prompts)
+            prompts.append(ids)
+        which[i] = keys[key]
+    return {
+        "prompt_lengths": np.array([len(p) for p in prompts], dtype=np.int32),
+        "prompt_tokens": np.array([t for p in prompts for t in p], dtype=np.int32),
+        "prompt_of": which,
+        "lengths": np.array([len(c) for c in completion_ids], dtype=np.int32),
+        "tokens": np.array([t for c in completion_ids for t in c], dtype=np.int32),
+    }
+
+
+def unpack_responses(packed: dict) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, completion ids) of each response `pack_responses` packed."""
+    prompts = np.split(packed["prompt_tokens"], np.cumsum(packed["prompt_lengths"])[:-1])
+    prompts = [p.tolist() for p in prompts] if len(packed["prompt_lengths"]) else []
+    completions = np.split(packed["tokens"], np.cumsum(packed["lengths"])[:-1]) if len(packed["lengths"]) else []
+    return [prompts[i] for i in packed["prompt_of"].tolist()], [c.tolist() for c in completions]
+
+
+def share_responses(
+    ranks: Ranks, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], history=None
+) -> tuple[list[list[int]], list[list[int]], int]:
+    """All-gather every rank's finished responses of one rollout; add the other ranks' to `history` (the suffix
+    drafter's, `Generator.draft_history`; its own responses are there already). Every rank must call it.
+
+    Returns:
+        (prompt ids, completion ids) of every rank's responses, rank by rank, and the bytes this rank sent.
+    """
+    packed = pack_responses(prompt_ids, completion_ids)
+    sent = int(sum(a.nbytes for a in packed.values()))
+    every = ranks.all_gather(packed)
+    all_prompts: list[list[int]] = []
+    all_completions: list[list[int]] = []
+    for rank, item in enumerate(every):
+        prompts, completions = unpack_responses(item)
+        if history is not None and rank != ranks.rank and completions:
+            history.add_responses(prompts, completions)
+        all_prompts += prompts
+        all_completions += completions
+    return all_prompts, all_completions, sent
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs: a killed one is gone, or a zombie until its launcher reaps it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: the signal test is all there is
+    return state not in ("Z", "X")
+
+
+def _torch():
+    import torch  # imported on first use: `rollout --help` and a bad recipe answer before torch loads
+
+    return torch
+
+
+def _key(ids: Sequence[int]) -> bytes:
+    return np.asarray(ids, dtype=np.int32).tobytes()
