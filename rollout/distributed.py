@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -96,16 +97,21 @@ class Ranks:
             return None
         return None
 
-    def stop_cause(self) -> str | None:
+    def stop_cause(self, wait: float = 1.0) -> str | None:
         """Why another rank stopped the run ("rank R: cause"): the failure it recorded, or its process gone without
-        a word; None when no other rank is known to have failed."""
-        failure = self.failure()
-        if failure is not None and not failure.startswith(f"rank {self.rank}:"):
-            return failure
-        gone = self.vanished()
-        if gone:
-            return f"rank {gone[0]}: {VANISHED}"
-        return None
+        a word; None when no other rank is known to have failed. Looks again for up to `wait` seconds: a peer's
+        socket closes a moment before its process is seen dead."""
+        deadline = time.monotonic() + wait
+        while True:
+            failure = self.failure()
+            if failure is not None:
+                return None if failure.startswith(f"rank {self.rank}:") else failure
+            gone = self.vanished()
+            if gone:
+                return f"rank {gone[0]}: {VANISHED}"
+            if time.monotonic() >= deadline or not self.distributed:
+                return None
+            time.sleep(0.05)
 
     def register(self) -> None:
         """Record this rank's host and process id, so that a rank whose process vanishes can be named."""

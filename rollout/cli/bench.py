@@ -9,6 +9,7 @@ first. Time with one torch thread and read the ratios: absolute times move with 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import time
@@ -19,6 +20,7 @@ import torch
 from rollout.cli.files import write_atomic
 from rollout.cli.recipe import Recipe, method_name
 from rollout.cli.runs import RecipeInputs, batch_size, load_inputs, make_rollout, recipe_spec
+from rollout.distributed import Ranks, group_costs, shard_groups
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES
 from rollout.rewards import build_rewards, score
@@ -26,17 +28,30 @@ from rollout.rewards import build_rewards, score
 BASELINE = "model.generate (padded)"
 
 
-def run_bench(recipe: Recipe, log=None) -> list[dict]:
+def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict]:
     """Run every row of the benchmark on the recipe's prompts; write bench.json; return the rows. `log(line)` hears
-    of each configuration as it starts and ends (the command line prints them)."""
-    log = log or (lambda line: None)
+    of each configuration as it starts and ends (the command line prints them).
+
+    Under `accelerate launch` (`ranks` of several processes) each rank runs every row on its shard of the prompt
+    groups (`distributed.balance`), the ranks start each row together, and rank 0 combines them: tokens summed,
+    seconds of the slowest rank, tokens/s = tokens / those seconds. Rank 0 writes bench.json; the others return []."""
+    ranks = ranks or Ranks()
+    log = log if log is not None and ranks.is_main else (lambda line: None)
+    device = ranks.device(recipe.model.device)
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, device=device))
     inputs = load_inputs(recipe)
+    if ranks.distributed:
+        costs = group_costs(inputs.prompt_ids, recipe.sampling.n)
+        shard = shard_groups(costs, ranks.world_size, recipe.distributed.balance)[ranks.rank]
+        inputs = shard_inputs(inputs, shard)
     params = recipe.sampling
     rows = []
     if recipe.bench.baseline:
         log(f"[1] {BASELINE} ...")
-        rows.append(_baseline_row(recipe, inputs, params))
-        log(f"    {rows[-1]['seconds']:.1f} s, {rows[-1]['tokens_per_s']:.0f} tokens/s")
+        ranks.barrier()
+        rows.append(combine_rows(ranks.gather(_baseline_row(recipe, inputs, params) if inputs.prompt_ids else None)))
+        if ranks.is_main:
+            log(f"    {rows[-1]['seconds']:.1f} s, {rows[-1]['tokens_per_s']:.0f} tokens/s")
     method = recipe.spec.method if recipe.spec.method not in (None, "none") else "ngram"
     configured = None if recipe.spec.method in (None, "none") else recipe.spec
     plain_recipe_k = configured is not None and configured.num_speculative_tokens_per_batch_size is None
@@ -50,13 +65,16 @@ def run_bench(recipe: Recipe, log=None) -> list[dict]:
     for name, changes in runs:
         log(f"[{len(rows) + 1}] {name} ...")
         spec = recipe_spec(recipe, **changes) if changes is not None else None
-        rollout = make_rollout(recipe, inputs, spec)
-        rollout.generator.generate(inputs.prompt_ids[:2], replace(params, n=1, max_new_tokens=8))  # warm-up
-        batch = rollout(inputs.data)
-        seconds = batch.summary["wall_seconds"]
-        phases = batch.summary["phases"]
-        rows.append(
-            {
+        row = None
+        if inputs.prompt_ids:  # a rank with no prompts (more ranks than groups) sits the rows out
+            rollout = make_rollout(recipe, inputs, spec, ranks.world_size)
+            rollout.generator.generate(inputs.prompt_ids[:2], replace(params, n=1, max_new_tokens=8))  # warm-up
+        ranks.barrier()
+        if inputs.prompt_ids:
+            batch = rollout(inputs.data, group_indices=inputs.group_indices)
+            seconds = batch.summary["wall_seconds"]
+            phases = batch.summary["phases"]
+            row = {
                 "name": name,
                 "seconds": seconds,
                 "tokens": batch.num_tokens,
@@ -65,15 +83,23 @@ def run_bench(recipe: Recipe, log=None) -> list[dict]:
                 "mean_k": batch.summary["total"]["mean_k"],
                 "acceptance_rate": batch.summary["total"]["acceptance_rate"],
                 "reward_mean": batch.summary["reward_mean"],
+                "num_drafted": sum(s["num_drafted"] for s in batch.steps),
+                "num_accepted": sum(s["num_accepted"] for s in batch.steps),
+                "num_samples": len(batch),
             }
-        )
-        log(f"    {seconds:.1f} s, {rows[-1]['tokens_per_s']:.0f} tokens/s, K {rows[-1]['mean_k']:.2f}")
+        rows.append(combine_rows(ranks.gather(row)))
+        if ranks.is_main:
+            row = rows[-1]
+            log(f"    {row['seconds']:.1f} s, {row['tokens_per_s']:.0f} tokens/s, K {row['mean_k']:.2f}")
+    if not ranks.is_main:
+        return []
     out = pathlib.Path(recipe.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     workload = {
         "model": recipe.model.name,
         "dataset": recipe.data.dataset,
-        "num_prompts": len(inputs.prompt_ids),
+        "num_prompts": len(inputs.prompt_ids) if not ranks.distributed else recipe.data.num_prompts,
+        "num_processes": ranks.world_size,
         "n": recipe.sampling.n,
         "max_new_tokens": recipe.sampling.max_new_tokens,
         "temperature": recipe.sampling.temperature,
@@ -82,6 +108,47 @@ def run_bench(recipe: Recipe, log=None) -> list[dict]:
     }
     write_atomic(out / "bench.json", json.dumps({"workload": workload, "rows": rows}, indent=2) + "\n")
     return rows
+
+
+def shard_inputs(inputs: RecipeInputs, shard: list[int]) -> RecipeInputs:
+    """The recipe's inputs cut to the prompt groups `shard` (their indices in the data); `group_indices` keeps each
+    group's index, which seeds its samples."""
+    return dataclasses.replace(
+        inputs,
+        data=inputs.data.select(shard),
+        prompts=[inputs.prompts[i] for i in shard],
+        prompt_ids=[inputs.prompt_ids[i] for i in shard],
+        group_indices=list(shard),
+    )
+
+
+def combine_rows(rows: list[dict | None] | None) -> dict | None:
+    """One benchmark row from every rank's (None on all but rank 0; a rank without prompts gives None): tokens
+    summed, the slowest rank's seconds, tokens/s of the whole, per-phase tokens/s summed, acceptance over every
+    draft, K and reward averaged over the ranks' samples."""
+    if rows is None:
+        return None
+    rows = [r for r in rows if r is not None]
+    if len(rows) == 1:
+        return {k: v for k, v in rows[0].items() if k not in ("num_drafted", "num_accepted", "num_samples")}
+    seconds = max(r["seconds"] for r in rows)
+    tokens = sum(r["tokens"] for r in rows)
+    weights = [r.get("num_samples", 1) for r in rows]
+    drafted = sum(r.get("num_drafted", 0) for r in rows)
+    phases = None
+    if rows[0]["tokens_per_s_per_phase"] is not None:
+        phases = {p: sum(r["tokens_per_s_per_phase"][p] for r in rows) for p in PHASES}
+    return {
+        "name": rows[0]["name"],
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "tokens_per_s_per_phase": phases,
+        "mean_k": sum(r["mean_k"] * w for r, w in zip(rows, weights)) / sum(weights),
+        "acceptance_rate": sum(r.get("num_accepted", 0) for r in rows) / drafted if drafted else 0.0,
+        "reward_mean": sum(r["reward_mean"] * w for r, w in zip(rows, weights)) / sum(weights),
+        "rank_seconds": [r["seconds"] for r in rows],
+    }
 
 
 def _policy_name(spec) -> str:
@@ -129,6 +196,7 @@ def _baseline_row(recipe: Recipe, inputs: RecipeInputs, params: SamplingParams) 
         "mean_k": 0.0,
         "acceptance_rate": 0.0,
         "reward_mean": reward,
+        "num_samples": len(completions),
     }
 
 

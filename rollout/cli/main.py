@@ -119,7 +119,9 @@ def _bench(args: argparse.Namespace) -> None:
     recipe = _setup(args.recipe, args.overrides)
     from rollout.cli.bench import format_bench, run_bench
 
-    rows = run_bench(recipe, log=lambda line: print(line, file=sys.stderr, flush=True))
+    rows = run_bench(recipe, log=lambda line: print(line, file=sys.stderr, flush=True), ranks=args.ranks)
+    if not args.ranks.is_main:
+        return
     print(format_bench(rows))
     print(f"rows written to {pathlib.Path(recipe.output_dir) / 'bench.json'}")
 

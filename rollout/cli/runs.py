@@ -27,6 +27,7 @@ class RecipeInputs:
     prompts: list[str]  # the formatted prompts
     prompt_ids: list[list[int]]  # their token ids
     max_seq_len: int
+    group_indices: list[int] | None = None  # each prompt's index in the whole data when these are a rank's share
 
 
 def load_inputs(recipe: Recipe) -> RecipeInputs:

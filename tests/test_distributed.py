@@ -1,0 +1,208 @@
+"""Data-parallel rollouts under `accelerate launch`: real processes over gloo on this CPU. Two ranks give exactly the
+samples of one process, each once, in prompt order, in one output folder; a rank that fails or is killed stops the
+run with one line naming it and a summary marked incomplete. Also the parts: sharding, costs, packing, summaries."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from rollout.distributed import (
+    OutputLengths,
+    Ranks,
+    group_costs,
+    pack_responses,
+    shard_groups,
+    share_responses,
+    unpack_responses,
+)
+from rollout.phases import straggler_ratio, summarize_ranks
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+QUICKSTART = str(ROOT / "recipes" / "quickstart_suffix.yaml")
+SMALL = [
+    "data.num_prompts=5",
+    "sampling.n=2",
+    "sampling.max_new_tokens=24",
+    "rollout.max_batch_size=8",
+    "logging.plot=false",
+    "logging.wandb_mode=disabled",
+]
+
+
+# ---- the parts ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 3, 7])
+@pytest.mark.parametrize("balance", ["work", "count"])
+def test_every_group_goes_to_exactly_one_rank_in_order(num_ranks, balance):
+    costs = [5.0, 1.0, 9.0, 3.0, 3.0]
+    shards = shard_groups(costs, num_ranks, balance)
+    assert len(shards) == num_ranks
+    assert sorted(g for s in shards for g in s) == list(range(len(costs)))
+    assert all(s == sorted(s) for s in shards)
+
+
+def test_work_balance_evens_out_expected_tokens_where_counting_does_not():
+    costs = [100.0, 100.0, 10.0, 10.0]  # two long groups first: a split by count puts both on rank 0
+    by_count = shard_groups(costs, 2, "count")
+    by_work = shard_groups(costs, 2, "work")
+    load = lambda shards: [sum(costs[g] for g in s) for s in shards]  # noqa: E731
+    assert load(by_count) == [200.0, 20.0]
+    assert load(by_work) == [110.0, 110.0]
+    with pytest.raises(ValueError, match="distributed.balance"):
+        shard_groups(costs, 2, "size")
+
+
+def test_costs_count_prompt_tokens_and_predicted_completions():
+    prompts = [[1, 2, 3], [4], [5, 6]]
+    assert group_costs(prompts, 4) == [12.0, 4.0, 8.0]  # nothing seen yet: prompt tokens alone
+    lengths = OutputLengths()
+    lengths.add([[1, 2, 3], [1, 2, 3], [4]], [10, 20, 2])
+    # seen prompts expect their own mean, an unseen one the mean over all seen completions (32 / 3)
+    assert group_costs(prompts, 2, lengths) == pytest.approx([2 * (3 + 15), 2 * (1 + 2), 2 * (2 + 32 / 3)])
+
+
+def test_responses_pack_and_unpack_unchanged():
+    prompts = [[1, 2], [1, 2], [7], [3, 4, 5]]
+    completions = [[9, 9, 9], [], [8], [1, 2]]
+    packed = pack_responses(prompts, completions)
+    assert len(packed["prompt_lengths"]) == 3  # each distinct prompt sent once
+    assert unpack_responses(packed) == (prompts, completions)
+    assert unpack_responses(pack_responses([], [])) == ([], [])
+
+
+def test_one_process_shares_nothing_and_returns_its_own():
+    class History:
+        def __init__(self):
+            self.added = []
+
+        def add_responses(self, prompts, responses):
+            self.added.append((prompts, responses))
+
+    history = History()
+    prompts, completions, sent = share_responses(Ranks(), [[1, 2]], [[3, 4, 5]], history)
+    assert (prompts, completions) == ([[1, 2]], [[3, 4, 5]])
+    assert history.added == []  # its own responses are in its history already
+    assert sent > 0
+
+
+def test_rank_summary_sums_throughput_and_takes_the_slowest_time():
+    step = lambda rank, phase, tokens, seconds: {  # noqa: E731
+        "rank": rank,
+        "phase": phase,
+        "kind": "decode",
+        "batch_size": 4,
+        "num_draft_tokens": 0,
+        "num_drafted": 0,
+        "num_accepted": 0,
+        "num_emitted": tokens,
+        "seconds": seconds,
+    }
+    steps = [step(0, "bulk", 100, 1.0), step(1, "bulk", 100, 2.0), step(1, "tail", 10, 1.0)]
+    summary = summarize_ranks(steps, [[1.0], [3.0]])
+    assert summary["phases"]["bulk"]["tokens_per_s"] == pytest.approx(100 + 50)
+    assert summary["phases"]["bulk"]["seconds"] == 2.0
+    assert summary["total"]["tokens"] == 210
+    assert [r["wall_seconds"] for r in summary["ranks"]] == [1.0, 3.0]
+    assert summary["straggler_ratio"] == pytest.approx(3.0 / 2.0)
+    assert straggler_ratio([[1.0, 1.0], [2.0, 4.0]]) == pytest.approx((1 + 4) / (1 + 3))
+
+
+# ---- real processes ----------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(num_processes: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """`accelerate launch` of `python -m rollout` on this CPU (gloo), from the repository root."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "WANDB_MODE": "disabled"}
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch"),
+        *("--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1"),
+        *("--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())),
+        *("-m", "rollout", *args),
+    ]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def records(folder: pathlib.Path) -> list[dict]:
+    lines = (folder / "rollouts.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]  # every line whole: json.loads raises on a cut one
+
+
+@pytest.fixture(scope="module")
+def one_and_two(tmp_path_factory):
+    """The same greedy two-rollout suffix run (history carried into the second rollout) on 1 and on 2 processes."""
+    out = tmp_path_factory.mktemp("dp")
+    args = ["run", QUICKSTART, *SMALL, "sampling.temperature=0", "rollout.num_rollouts=2"]
+    one = subprocess.run(
+        [sys.executable, "-m", "rollout", *args, f"output_dir={out / 'one'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = launch(2, [*args, f"output_dir={out / 'two'}"])
+    assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
+    return out / "one", out / "two", two
+
+
+def test_two_ranks_give_the_one_process_samples_each_once_in_prompt_order(one_and_two):
+    one, two, _ = one_and_two
+    key = lambda r: (r["rollout"], r["prompt_index"], r["sample_index"])  # noqa: E731
+    ones, twos = records(one), records(two)
+    assert [key(r) for r in twos] == sorted({key(r) for r in ones})  # prompt order, each sample exactly once
+    assert {key(r): r["completion_ids"] for r in twos} == {key(r): r["completion_ids"] for r in ones}
+    assert {key(r): r["reward"] for r in twos} == {key(r): r["reward"] for r in ones}
+
+
+def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(one_and_two):
+    _, two, result = one_and_two
+    steps = [json.loads(line) for line in (two / "steps.jsonl").read_text().splitlines()]
+    assert {s["rank"] for s in steps} == {0, 1}
+    assert {s["rollout"] for s in steps} == {0, 1}
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["complete"] is True and summary["num_ranks"] == 2 and summary["num_samples"] == 20
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert (
+        summary["total"]["tokens"]
+        == sum(r["total"]["tokens"] for r in summary["ranks"])
+        == sum(s["num_emitted"] for s in steps)
+    )
+    assert summary["total"]["tokens_per_s"] == pytest.approx(sum(r["total"]["tokens_per_s"] for r in summary["ranks"]))
+    assert summary["straggler_ratio"] >= 1.0
+    assert all(path.read_text() == "" for path in (two / "ranks").rglob("*.jsonl"))  # all merged into the run's files
+    assert "straggler ratio" in result.stdout and result.stdout.count("samples, reward mean") == 1  # rank 0 prints
+
+
+@pytest.mark.parametrize(
+    "reward, cause",
+    [
+        ("rank_rewards:fails_on_rank_one", "rank 1 of 2: prompt .*raised RuntimeError: rank one's reward breaks"),
+        ("rank_rewards:killed_on_rank_one", "rank 1 of 2: its process ended without a word"),
+    ],
+)
+def test_a_failing_rank_stops_the_run_with_one_line_and_an_incomplete_summary(tmp_path, reward, cause):
+    out = tmp_path / "run"
+    result = launch(2, ["run", QUICKSTART, *SMALL, f"rewards=[{{name: '{reward}'}}]", f"output_dir={out}"])
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("rollout run:")]
+    assert len(ours) == 1, result.stderr[-3000:]
+    assert ours[0].startswith("rollout run: error: rank 1 of 2: ")
+    assert __import__("re").search(cause, ours[0]), ours[0]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is False and summary["incomplete_reason"].startswith("rank 1: ")
+    assert records(out) == []  # no rollout finished on every rank: the run's file claims nothing
+    for path in (out / "ranks").rglob("*.jsonl"):  # what a rank finished stays, in whole lines
+        [json.loads(line) for line in path.read_text().splitlines()]
