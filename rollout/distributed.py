@@ -152,15 +152,15 @@ class Ranks:
         return _torch().distributed.distributed_c10d._get_default_store()
 
 
-def start_ranks() -> Ranks:
+def start_ranks(cpu: bool | None = None) -> Ranks:
     """The run's ranks from the environment `accelerate launch` (or torchrun) sets: one process without it. Starts
-    torch.distributed through accelerate: NCCL where there is a GPU, gloo on a CPU machine."""
+    torch.distributed through accelerate: NCCL where there is a GPU, gloo on a CPU machine or with `cpu`."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return Ranks()
     from accelerate import PartialState
 
-    state = PartialState(cpu=not _torch().cuda.is_available())
+    state = PartialState(cpu=not _torch().cuda.is_available() if cpu is None else cpu)
     ranks = Ranks(state.process_index, state.num_processes, state.local_process_index)
     ranks.register()
     return ranks

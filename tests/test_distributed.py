@@ -206,3 +206,23 @@ def test_a_failing_rank_stops_the_run_with_one_line_and_an_incomplete_summary(tm
     assert records(out) == []  # no rollout finished on every rank: the run's file claims nothing
     for path in (out / "ranks").rglob("*.jsonl"):  # what a rank finished stays, in whole lines
         [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share):
+    """`rollout train` under accelerate: TRL's GRPOTrainer on 2 processes, each generating its own 2 prompts x 2
+    samples per step; with sharing each drafter holds both ranks' responses after every step."""
+    out = tmp_path / "train"
+    args = [
+        *("train", str(ROOT / "recipes" / "grpo_quickstart.yaml"), "data.num_prompts=8", "sampling.n=2"),
+        *("sampling.max_new_tokens=16", "train.steps=2", "train.prompts_per_step=4", "logging.plot=false"),
+        *(f"distributed.share_history={str(share).lower()}", f"output_dir={out}"),
+    ]
+    result = launch(2, args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    steps = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]  # rank 0 alone writes
+    own = 2 * 2  # this rank's responses per step
+    assert [s["rollout/history_responses"] for s in steps] == ([2 * own, 4 * own] if share else [own, 2 * own])
+    assert json.loads((out / "summary.json").read_text())["complete"] is True
+    assert result.stdout.count("steps in") == 1

@@ -97,14 +97,19 @@ def _train(args: argparse.Namespace) -> None:
     from rollout.cli.recipe import method_name
     from rollout.cli.train import run_training
 
+    args.ranks = start_ranks(cpu=recipe.model.device == "cpu")  # before TRL's accelerator, which reuses it
     t = recipe.train
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs:g} epochs"
-    print(
-        f"GRPO | model {recipe.model.name} | data {recipe.data.dataset} | {length} x {t.prompts_per_step} prompts x "
-        f"n {recipe.sampling.n} | lr {t.learning_rate:g} | speculation {method_name(recipe.spec.method)}",
-        flush=True,
-    )
-    summary = run_training(recipe)
+    if args.ranks.is_main:
+        print(
+            f"GRPO | model {recipe.model.name} | data {recipe.data.dataset} | {length} x {t.prompts_per_step} "
+            f"prompts x n {recipe.sampling.n} | lr {t.learning_rate:g} | speculation {method_name(recipe.spec.method)}"
+            + (f" | {args.ranks.world_size} processes" if args.ranks.distributed else ""),
+            flush=True,
+        )
+    summary = run_training(recipe, args.ranks)
+    if not args.ranks.is_main:
+        return
     print(
         f"{summary['num_steps']} steps in {summary['wall_seconds']:.1f} s | reward first 10% "
         f"{summary['reward_first_10pct']:.3f} -> last 10% {summary['reward_last_10pct']:.3f} "

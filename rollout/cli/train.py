@@ -14,6 +14,7 @@ The recipe's model, data, sampling, spec, rollout and rewards sections mean what
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -27,14 +28,26 @@ from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.cli.recipe import Recipe, recipe_dict
 from rollout.cli.runs import load_inputs, recipe_spec, stop_reason
 from rollout.cli.tracking import start_wandb_run
+from rollout.distributed import Ranks, RankStopped
 from rollout.rewards import WeightedReward, build_rewards, score
 
 # the per-step keys copied from the trainer's logs to train.jsonl (besides every rollout/ key)
 TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "learning_rate", "step_time", "completions/mean_length")
 
 
-def run_training(recipe: Recipe) -> dict:
-    """Train the recipe's model with GRPO; write the output folder; return the summary."""
+def run_training(recipe: Recipe, ranks: Ranks | None = None) -> dict | None:
+    """Train the recipe's model with GRPO; write the output folder; return the summary.
+
+    Under `accelerate launch` (`ranks` of several processes) TRL runs data-parallel: each process generates the
+    completions of its own prompts (whole groups: `train.prompts_per_step` must divide by the processes) with its own
+    generator, the suffix drafting history is shared between them every step, and rank 0 writes the output folder
+    and returns the summary (the others return None)."""
+    ranks = ranks or Ranks()
+    if recipe.train.prompts_per_step % ranks.world_size:
+        raise ValueError(
+            f"train.prompts_per_step ({recipe.train.prompts_per_step}) must be divisible by the number of processes "
+            f"({ranks.world_size}), so that each process generates whole groups: change one of them"
+        )
     if recipe.resume:
         raise ValueError(
             "resume=true continues a `rollout run`; `rollout train` does not resume a stopped training (it keeps no "
@@ -50,25 +63,38 @@ def run_training(recipe: Recipe) -> dict:
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
-    inputs = load_inputs(recipe)
-    output_dir = prepare_output_dir(recipe.output_dir, recipe.overwrite, resumable=False)
+    device = ranks.device(recipe.model.device)
+    inputs = load_inputs(dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, device=device)))
+    output_dir = pathlib.Path(recipe.output_dir)
+    error = None
+    if ranks.is_main:
+        try:
+            output_dir = prepare_output_dir(recipe.output_dir, recipe.overwrite, resumable=False)
+        except (ValueError, OSError) as err:
+            error = err
+    if ranks.broadcast(None if error is None else str(error)) is not None:  # every rank stops; rank 0 says why
+        raise error if error is not None else RankStopped()
     from omegaconf import OmegaConf
 
-    write_atomic(output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(recipe_dict(recipe))))
+    if ranks.is_main:
+        write_atomic(output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(recipe_dict(recipe))))
     dataset = trl_dataset(recipe, inputs)
     func = trl_rollout_func(
         spec=recipe_spec(recipe),
         max_batch_size=None if recipe.rollout.max_batch_size == "auto" else recipe.rollout.max_batch_size,
         max_seq_len=inputs.max_seq_len,
         tail_fraction=recipe.rollout.tail_fraction,
+        share_history=recipe.distributed.share_history,
     )
     log = recipe.logging
     wandb_mode = os.environ.get("WANDB_MODE") or log.wandb_mode
-    record = StepLog(output_dir / "train.jsonl")
+    record = StepLog(output_dir / "train.jsonl" if ranks.is_main else None)
     trainer = trl.GRPOTrainer(
         model=inputs.model,
         reward_funcs=[_trl_reward(term, recipe.rollout.non_finite_rewards_as_null) for term in terms],
-        args=grpo_config(recipe, report_to="none" if wandb_mode == "disabled" else "wandb"),
+        args=grpo_config(
+            recipe, report_to="none" if wandb_mode == "disabled" else "wandb", num_processes=ranks.world_size
+        ),
         train_dataset=dataset,
         processing_class=inputs.tokenizer,
         rollout_func=func,
@@ -76,18 +102,26 @@ def run_training(recipe: Recipe) -> dict:
     )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; StepLog prints one line per step instead
     # the trainer's W&B callback logs into the run already started (here: its folder and mode are ours to choose)
-    run = start_wandb_run(wandb_mode, log.project, log.run_name, output_dir, recipe_dict(recipe))
+    run = None
+    if ranks.is_main:
+        run = start_wandb_run(wandb_mode, log.project, log.run_name, output_dir, recipe_dict(recipe))
     start = time.perf_counter()
     try:
         trainer.train()
     except BaseException as err:  # an error, Ctrl-C, SIGTERM: the steps so far are in train.jsonl; say so
-        _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot, stop_reason(err))
+        if ranks.is_main:
+            reason = stop_reason(err)
+            if ranks.distributed:
+                reason = ranks.stop_cause() or f"rank {ranks.rank}: {reason}"
+            _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot, reason)
         raise
     finally:
         if run is not None:
             run.finish()  # the trainer would leave it open until the process exits
     if recipe.train.save_model:
-        trainer.save_model(str(output_dir / "model"))
+        trainer.save_model(str(output_dir / "model"))  # every process calls it; the main one writes
+    if not ranks.is_main:
+        return None
     return _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot)
 
 
@@ -119,8 +153,9 @@ def trl_dataset(recipe: Recipe, inputs):
     return Dataset.from_dict({"prompt": prompts, **columns})
 
 
-def grpo_config(recipe: Recipe, report_to: str):
-    """TRL's GRPOConfig from the recipe. TRL counts completions per device batch: prompts_per_step x n."""
+def grpo_config(recipe: Recipe, report_to: str, num_processes: int = 1):
+    """TRL's GRPOConfig from the recipe. TRL counts completions per device batch: prompts_per_step x n, split over
+    `num_processes`."""
     from trl import GRPOConfig
 
     t, s = recipe.train, recipe.sampling
@@ -128,7 +163,7 @@ def grpo_config(recipe: Recipe, report_to: str):
         output_dir=str(pathlib.Path(recipe.output_dir) / "trainer"),
         use_cpu=recipe.model.device == "cpu",
         bf16=False,  # the model computes in the recipe's model.dtype; no autocast on top
-        per_device_train_batch_size=t.prompts_per_step * recipe.sampling.n,
+        per_device_train_batch_size=t.prompts_per_step * recipe.sampling.n // num_processes,
         num_generations=recipe.sampling.n,
         max_completion_length=s.max_new_tokens,
         temperature=s.temperature,
@@ -180,13 +215,14 @@ def _trl_reward(term: WeightedReward, as_null: bool):
 class StepLog(TrainerCallback):
     """A trainer callback: each optimiser step's logged metrics to train.jsonl and one line on stdout."""
 
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        self.path.write_text("")
+    def __init__(self, path: pathlib.Path | None):
+        self.path = path  # None: record nothing (a rank other than 0)
+        if path is not None:
+            path.write_text("")
         self.steps: list[dict] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "loss" not in logs:  # the end-of-training summary log has no loss
+        if self.path is None or not logs or "loss" not in logs:  # no file: not rank 0; no loss: the final summary
             return
         entry = {"step": state.global_step, "epoch": logs.get("epoch")}
         entry.update({k: logs[k] for k in TRAIN_KEYS if k in logs})

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from rollout.distributed import ranks_of, share_responses
 from rollout.engine.generator import Generator
 from rollout.engine.memory_plan import fitting_batch_size
 from rollout.engine.sampling import SamplingParams
@@ -47,6 +48,7 @@ def trl_rollout_func(
     max_seq_len: int | None = None,
     tail_fraction: float = 0.25,
     log_metrics: bool = True,
+    share_history: bool = True,
 ) -> TRLRolloutFunc:
     """A `rollout_func` for TRL's `GRPOTrainer` that generates with this library's speculative generator.
 
@@ -58,8 +60,10 @@ def trl_rollout_func(
             prompt plus `max_completion_length` (rounded up to a power of two) and grows it if a longer prompt comes.
         tail_fraction: decode steps below this fraction of the peak batch are the `tail` phase in the metrics.
         log_metrics: add the per-phase metrics (`rollout/<phase>/tokens_per_s`, ...) to the trainer's logs.
+        share_history: with several processes (TRL under `accelerate launch`), all-gather each rollout's finished
+            responses into every process's suffix drafting history, so each drafts from the whole run's responses.
     """
-    return TRLRolloutFunc(spec, max_batch_size, max_seq_len, tail_fraction, log_metrics)
+    return TRLRolloutFunc(spec, max_batch_size, max_seq_len, tail_fraction, log_metrics, share_history)
 
 
 class TRLRolloutFunc:
@@ -70,7 +74,7 @@ class TRLRolloutFunc:
     last rollout's per-phase summary).
     """
 
-    def __init__(self, spec, max_batch_size, max_seq_len, tail_fraction, log_metrics):
+    def __init__(self, spec, max_batch_size, max_seq_len, tail_fraction, log_metrics, share_history=True):
         if spec is not None and not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a specdec.config.SpecConfig or None, got {type(spec).__name__}")
         for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
@@ -82,6 +86,7 @@ class TRLRolloutFunc:
         self.max_seq_len = max_seq_len
         self.tail_fraction = tail_fraction
         self.log_metrics = log_metrics
+        self.share_history = bool(share_history)
         self.generator: Generator | None = None
         self.dtype: torch.dtype | None = None
         self.last_summary: dict = {}
@@ -111,6 +116,10 @@ class TRLRolloutFunc:
         outs = gen.generate([ids for ids, _ in groups], params, on_step=record)
         seconds = time.perf_counter() - start
         assert len(outs) == len(prompt_ids), f"expected one completion per prompt ({len(prompt_ids)}), got {len(outs)}"
+        ranks = ranks_of(trainer.accelerator)
+        if ranks.distributed and gen.draft_history is not None and self.share_history:  # every process calls this
+            prompts = [ids for ids, n in groups for _ in range(n)]
+            share_responses(ranks, prompts, [o.token_ids for o in outs], gen.draft_history)
         self.last_summary = summarize(steps)
         if self.log_metrics:
             self._log(trainer, self.last_summary, seconds)
@@ -167,6 +176,9 @@ class TRLRolloutFunc:
         metrics["rollout/tokens_per_s"].append(total["tokens"] / seconds if seconds > 0 else 0.0)
         metrics["rollout/mean_k"].append(total["mean_k"])
         metrics["rollout/acceptance_rate"].append(total["acceptance_rate"])
+        history = self.generator.draft_history if self.generator is not None else None
+        if history is not None:  # responses the drafter holds (under several processes: every process's, shared)
+            metrics["rollout/history_responses"].append(len(history.history))
         for phase in PHASES:
             stats = summary["phases"][phase]
             if stats["num_steps"] == 0:  # a rollout with no tail leaves the tail's averages alone
