@@ -75,7 +75,8 @@ def summarize_ranks(steps: Iterable[dict], wall_seconds: list[list[float]]) -> d
 
     Per phase and in total, `tokens`, `num_steps` and the means are over every rank's steps, `tokens_per_s` is the
     sum of the ranks' own tokens/s and `seconds` the slowest rank's. Adds `ranks` (each rank's own `phases`, `total`
-    and `wall_seconds`), `num_ranks` and `straggler_ratio` (see `straggler_ratio`).
+    and `wall_seconds`), `num_ranks`, `rank_seconds_per_rollout` (`[rollout][rank]` wall seconds) and
+    `straggler_ratio` (see `straggler_ratio`).
     """
     steps = list(steps)
     num_ranks = len(wall_seconds)
@@ -88,7 +89,8 @@ def summarize_ranks(steps: Iterable[dict], wall_seconds: list[list[float]]) -> d
         target["tokens_per_s"] = sum(p["tokens_per_s"] for p in parts)
     combined["ranks"] = [{"rank": r, **own[r], "wall_seconds": sum(wall_seconds[r])} for r in range(num_ranks)]
     combined["num_ranks"] = num_ranks
-    combined["straggler_ratio"] = straggler_ratio([list(x) for x in zip(*wall_seconds)])
+    combined["rank_seconds_per_rollout"] = [list(x) for x in zip(*wall_seconds)]
+    combined["straggler_ratio"] = straggler_ratio(combined["rank_seconds_per_rollout"])
     return combined
 
 
