@@ -212,16 +212,19 @@ class OutputLengths:
         return self._sum[key] / self._count[key] if key in self._count else None
 
     def mean(self) -> float:
+        """The mean over every completion seen (0.0 before any)."""
         total = sum(self._count.values())
         return sum(self._sum.values()) / total if total else 0.0
 
 
-def group_costs(prompt_ids: Sequence[Sequence[int]], n: int, lengths: OutputLengths | None = None) -> list[float]:
+def group_costs(
+    prompt_ids: Sequence[Sequence[int]], n: int, lengths: OutputLengths | None = None, prior: float = 0.0
+) -> list[float]:
     """Each group's expected work in tokens: `n * (prompt length + expected completion length)`. A prompt seen in an
-    earlier rollout expects the mean length of its earlier completions, an unseen one the mean over all seen (0
-    before any: the first rollout balances prompt tokens alone). A prompt token and a completion token count alike:
-    each is one position of a forward at full batch."""
-    mean = lengths.mean() if lengths is not None else 0.0
+    earlier rollout expects the mean length of its earlier completions, an unseen one the mean over all seen, and
+    `prior` (e.g. the token cap) before any is seen. A prompt token and a completion token count alike: each is one
+    position of a forward at full batch."""
+    mean = lengths.mean() if lengths is not None and lengths.mean() > 0 else prior
     costs = []
     for ids in prompt_ids:
         expected = lengths.expected(ids) if lengths is not None else None

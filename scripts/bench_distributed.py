@@ -3,7 +3,8 @@ torch thread each), run one after another from this script and compared in one t
 
 Each configuration runs `rollout run` on recipes/quickstart_suffix.yaml with two rollouts of the same prompts (the
 second drafts from the first one's history) and reads back the run's summary.json and steps.jsonl. Printed per
-configuration: run tokens/s (tokens over the run's wall time: on 2 ranks the slowest rank's per rollout) and its
+configuration: run tokens/s (tokens over the run's wall time: on 2 ranks the slowest rank's per rollout, plus the
+history all-gather after it) and its
 ratio to 1 process, the summary's summed tokens/s, the straggler ratio (slowest rank / mean, per rollout and over
 the run), and the draft acceptance and tokens per row-step of each rollout.
 
@@ -82,6 +83,8 @@ def run(name: str, processes: int, overrides: list[str], out: pathlib.Path) -> d
         "rank_wall_seconds": [r["wall_seconds"] for r in summary.get("ranks", [])],
         "rollouts": per_rollout,
         "rollout_straggler_ratios": [max(s) / (sum(s) / len(s)) for s in per_rollout_seconds],
+        "share_seconds": [x["seconds"] for x in summary.get("history_sharing", [])],
+        "share_bytes": [x["bytes"] for x in summary.get("history_sharing", [])],
     }
 
 
@@ -113,6 +116,13 @@ def main() -> None:
             f"{r['summed_tokens_per_s']:9.1f}{r['straggler_ratio']:10.3f}{each:>13s}{ranks:>13s}{acc[0]:8.3f}{acc[1]:8.3f}"
             f"{trs[0]:10.3f}{trs[1]:10.3f}"
         )
+    for r in rows:
+        if r["share_seconds"]:
+            print(
+                f"{r['name']}: history all-gather per rollout "
+                + ", ".join(f"{s:.2f} s / {b / 2**20:.2f} MiB" for s, b in zip(r["share_seconds"], r["share_bytes"]))
+                + " (slowest rank's seconds, all ranks' bytes sent; in the wall time)"
+            )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 

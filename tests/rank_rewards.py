@@ -16,3 +16,15 @@ def killed_on_rank_one(completions, **kwargs):
     if os.environ.get("RANK") == "1":
         os.kill(os.getpid(), signal.SIGKILL)
     return [0.0] * len(completions)
+
+
+_calls = []
+
+
+def fails_late_on_rank_one(completions, **kwargs):
+    """Raises on rank 1 from its `RANK_FAIL_AT`-th call on (unset: never): a run stopped after some rollouts."""
+    _calls.append(len(completions))
+    at = os.environ.get("RANK_FAIL_AT")
+    if at is not None and os.environ.get("RANK") == "1" and len(_calls) >= int(at):
+        raise RuntimeError("rank one stops late")
+    return [float(len(c) % 3) for c in completions]

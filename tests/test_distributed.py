@@ -60,7 +60,8 @@ def test_work_balance_evens_out_expected_tokens_where_counting_does_not():
 
 def test_costs_count_prompt_tokens_and_predicted_completions():
     prompts = [[1, 2, 3], [4], [5, 6]]
-    assert group_costs(prompts, 4) == [12.0, 4.0, 8.0]  # nothing seen yet: prompt tokens alone
+    assert group_costs(prompts, 4) == [12.0, 4.0, 8.0]  # nothing seen, no prior: prompt tokens alone
+    assert group_costs(prompts, 1, prior=10) == [13.0, 11.0, 12.0]  # nothing seen: each expects the prior
     lengths = OutputLengths()
     lengths.add([[1, 2, 3], [1, 2, 3], [4]], [10, 20, 2])
     # seen prompts expect their own mean, an unseen one the mean over all seen completions (32 / 3)
@@ -226,3 +227,26 @@ def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share):
     assert [s["rollout/history_responses"] for s in steps] == ([2 * own, 4 * own] if share else [own, 2 * own])
     assert json.loads((out / "summary.json").read_text())["complete"] is True
     assert result.stdout.count("steps in") == 1
+
+
+def test_a_run_stopped_by_a_rank_resumes_to_every_sample_once(one_and_two, tmp_path, monkeypatch):
+    """Rank 1 fails in the second rollout; resuming on 2 processes keeps the first rollout and redoes the rest: the
+    folder then holds the uninterrupted run's samples, each once, in order."""
+    one, _, _ = one_and_two
+    out = tmp_path / "run"
+    args = ["run", QUICKSTART, *SMALL, "sampling.temperature=0", "rollout.num_rollouts=2", "distributed.balance=count"]
+    args += ["rewards=[{name: 'rank_rewards:fails_late_on_rank_one'}]", f"output_dir={out}"]
+    monkeypatch.setenv("RANK_FAIL_AT", "3")  # by count rank 1 scores groups 3 and 4 a rollout: it fails in the second
+    stopped = launch(2, args)
+    monkeypatch.delenv("RANK_FAIL_AT")
+    assert stopped.returncode != 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is False and summary["incomplete_reason"].startswith("rank 1: ")
+    assert {r["rollout"] for r in records(out)} == {0}  # the first rollout whole, nothing of the second
+    resumed = launch(2, [*args, "resume=true"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    key = lambda r: (r["rollout"], r["prompt_index"], r["sample_index"])  # noqa: E731
+    ones, outs = records(one), records(out)
+    assert [key(r) for r in outs] == sorted(key(r) for r in ones)
+    assert {key(r): r["completion_ids"] for r in outs} == {key(r): r["completion_ids"] for r in ones}
+    assert json.loads((out / "summary.json").read_text())["complete"] is True

@@ -41,7 +41,7 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
     recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, device=device))
     inputs = load_inputs(recipe)
     if ranks.distributed:
-        costs = group_costs(inputs.prompt_ids, recipe.sampling.n)
+        costs = group_costs(inputs.prompt_ids, recipe.sampling.n, prior=recipe.sampling.max_new_tokens)
         shard = shard_groups(costs, ranks.world_size, recipe.distributed.balance)[ranks.rank]
         inputs = shard_inputs(inputs, shard)
     params = recipe.sampling

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import time
 
 from rollout.cli.files import append_lines
 from rollout.cli.progress import Progress
@@ -77,7 +78,8 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     try:
         for index in range(recipe.rollout.num_rollouts):
             row_of = [(index * per_rollout + j) % len(rows) for j in range(per_rollout)]
-            costs = group_costs([inputs.prompt_ids[i] for i in row_of], recipe.sampling.n, lengths)
+            prompt_ids = [inputs.prompt_ids[i] for i in row_of]
+            costs = group_costs(prompt_ids, recipe.sampling.n, lengths, prior=recipe.sampling.max_new_tokens)
             shard = shard_groups(costs, ranks.world_size, recipe.distributed.balance)[ranks.rank]
             todo = [j for j in shard if j not in done.get(index, set())]
             records, steps, summary = [], [], {"wall_seconds": 0.0, "total": {"tokens_per_s": 0.0}}
@@ -96,11 +98,13 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
                 )
                 records, steps = batch.records(), batch.steps
                 summary = {"wall_seconds": batch.summary["wall_seconds"], "total": batch.summary["total"]}
-            gathered = ranks.gather((records, steps, summary))
             prompts = [inputs.prompt_ids[row_of[r["prompt_index"]]] for r in records]
             completions = [r["completion_ids"] for r in records]
+            start = time.perf_counter()
             everyone = share_responses(ranks, prompts, completions, history if share else None)
+            summary["share_seconds"], summary["share_bytes"] = time.perf_counter() - start, everyone[2]
             lengths.add(everyone[0], [len(c) for c in everyone[1]])
+            gathered = ranks.gather((records, steps, summary))
             if tracker is not None:
                 tracker.log_ranked_rollout(
                     [r for rank_records, _, _ in gathered for r in rank_records],

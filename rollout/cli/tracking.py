@@ -91,6 +91,7 @@ class RunTracker:
         self._streamed: set[int] = set()  # rollouts whose samples went out group by group
         self._streamed_steps: set[int] = set()
         self.rank_seconds: list[list[float]] = []  # a data-parallel run: each rollout's wall seconds per rank
+        self.sharing: list[dict] = []  # and each rollout's history all-gather: slowest rank's seconds, bytes sent
         if resume:
             self._load_finished(group_size)
         self.wandb_run = self._start_wandb(os.environ.get("WANDB_MODE") or wandb_mode, project, run_name)
@@ -214,9 +215,11 @@ class RunTracker:
                 self.log_step({**step, "rank": rank}, rollout)
         seconds = [s.get("wall_seconds", 0.0) for s in summaries]
         self.rank_seconds.append(seconds)
-        self.wall_seconds += max(seconds)
+        sharing = [s.get("share_seconds", 0.0) for s in summaries]
+        self.sharing.append({"seconds": max(sharing), "bytes": sum(s.get("share_bytes", 0) for s in summaries)})
+        self.wall_seconds += max(seconds) + max(sharing)  # the ranks generate, then share their responses
         if self.wandb_run is not None:
-            extra = {"rollout/straggler_ratio": straggler_ratio([seconds])}
+            extra = {"rollout/straggler_ratio": straggler_ratio([seconds]), "rollout/share_seconds": max(sharing)}
             for rank, s in enumerate(summaries):
                 extra[f"rollout/rank{rank}/seconds"] = seconds[rank]
                 extra[f"rollout/rank{rank}/tokens_per_s"] = s["total"]["tokens_per_s"]
@@ -259,6 +262,7 @@ class RunTracker:
         """The run's summary.json: per-phase and total stats over every step so far, and reward means."""
         if self.rank_seconds:  # a data-parallel run: totals over the ranks, and each rank's own table
             summary = summarize_ranks(self.steps, [list(r) for r in zip(*self.rank_seconds)])
+            summary["history_sharing"] = self.sharing
         else:
             summary = summarize(self.steps)
         summary["reward_mean"] = mean_reward(self.rewards) or 0.0
