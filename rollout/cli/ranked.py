@@ -100,6 +100,7 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
                 summary = {"wall_seconds": batch.summary["wall_seconds"], "total": batch.summary["total"]}
             prompts = [inputs.prompt_ids[row_of[r["prompt_index"]]] for r in records]
             completions = [r["completion_ids"] for r in records]
+            ranks.barrier()  # every rank done generating: what follows times the sharing alone, not the wait
             start = time.perf_counter()
             everyone = share_responses(ranks, prompts, completions, history if share else None)
             summary["share_seconds"], summary["share_bytes"] = time.perf_counter() - start, everyone[2]
