@@ -83,6 +83,11 @@ def run(name: str, processes: int, overrides: list[str], out: pathlib.Path) -> d
         "rank_wall_seconds": [r["wall_seconds"] for r in summary.get("ranks", [])],
         "rollouts": per_rollout,
         "rollout_straggler_ratios": [max(s) / (sum(s) / len(s)) for s in per_rollout_seconds],
+        "rank_seconds_per_rollout": per_rollout_seconds,
+        "phase_seconds": {p: summary["phases"][p]["seconds"] for p in ("prefill", "bulk", "tail")},
+        "rank_phase_seconds": [
+            {p: r["phases"][p]["seconds"] for p in ("prefill", "bulk", "tail")} for r in summary.get("ranks", [])
+        ],
         "share_seconds": [x["seconds"] for x in summary.get("history_sharing", [])],
         "share_bytes": [x["bytes"] for x in summary.get("history_sharing", [])],
     }
@@ -92,14 +97,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--set", nargs="*", default=[], help="recipe overrides for every configuration")
     parser.add_argument("--only", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--repeats", type=int, default=1, help="passes over the configs, every other one reversed")
     parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args()
     base = ["rollout.num_rollouts=2", *args.set]
-    rows = []
+    passes = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.only:
-            processes, overrides = CONFIGS[name]
-            rows.append(run(name, processes, [*base, *overrides], pathlib.Path(tmp) / name))
+        for repeat in range(args.repeats):
+            order = args.only if repeat % 2 == 0 else args.only[::-1]  # no config always runs first
+            done = {
+                n: run(n, CONFIGS[n][0], [*base, *CONFIGS[n][1]], pathlib.Path(tmp) / f"{n}-{repeat}") for n in order
+            }
+            passes.append([done[n] for n in args.only])
+    for index, rows in enumerate(passes):
+        print(f"pass {index + 1} of {len(passes)}")
+        report(rows)
+    if len(passes) > 1:
+        print(
+            "run tokens/s vs 1 process, every pass: "
+            + "; ".join(
+                f"{rows[i]['name']} "
+                + "/".join(
+                    f"{p[i]['run_tokens_per_s'] / next(r for r in p if r['processes'] == 1)['run_tokens_per_s']:.2f}"
+                    for p in passes
+                )
+                for i in range(len(args.only))
+                if rows[i]["processes"] > 1
+            )
+        )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(passes, indent=2) + "\n")
+
+
+def report(rows: list[dict]) -> None:
     one = next((r for r in rows if r["processes"] == 1), None)
     print(
         f"{'config':18s}{'tokens':>8s}{'wall s':>8s}{'run tok/s':>11s}{'vs 1':>7s}{'summed':>9s}{'straggler':>10s}"
@@ -117,14 +147,19 @@ def main() -> None:
             f"{trs[0]:10.3f}{trs[1]:10.3f}"
         )
     for r in rows:
+        phases = r["rank_phase_seconds"] or [r["phase_seconds"]]
+        print(
+            f"{r['name']}: seconds per rank prefill/bulk/tail "
+            + ", ".join(f"{p['prefill']:.1f}/{p['bulk']:.1f}/{p['tail']:.1f}" for p in phases)
+            + (" | per rollout per rank " + str([[round(x, 1) for x in s] for s in r["rank_seconds_per_rollout"]]))
+        )
+    for r in rows:
         if r["share_seconds"]:
             print(
                 f"{r['name']}: history all-gather per rollout "
                 + ", ".join(f"{s:.2f} s / {b / 2**20:.2f} MiB" for s, b in zip(r["share_seconds"], r["share_bytes"]))
                 + " (slowest rank's seconds, all ranks' bytes sent; in the wall time)"
             )
-    if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from test_cli import wandb_records
 
 from rollout.distributed import (
     OutputLengths,
@@ -123,9 +124,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(num_processes: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+def launch(num_processes: int, args: list[str], timeout: float = 240, wandb: str = "disabled"):
     """`accelerate launch` of `python -m rollout` on this CPU (gloo), from the repository root."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "WANDB_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "WANDB_MODE": wandb}
+    env.pop("WANDB_DIR", None)
     command = [
         *(sys.executable, "-m", "accelerate.commands.launch"),
         *("--multi_gpu", "--num_processes", str(num_processes), "--num_machines", "1"),
@@ -154,7 +156,7 @@ def one_and_two(tmp_path_factory):
         env={**os.environ, "WANDB_MODE": "disabled"},
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = launch(2, [*args, f"output_dir={out / 'two'}"])
+    two = launch(2, [*args, f"output_dir={out / 'two'}"], wandb="offline")
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
     return out / "one", out / "two", two
 
@@ -185,6 +187,24 @@ def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(one_and_two):
     assert summary["straggler_ratio"] >= 1.0
     assert all(path.read_text() == "" for path in (two / "ranks").rglob("*.jsonl"))  # all merged into the run's files
     assert "straggler ratio" in result.stdout and result.stdout.count("samples, reward mean") == 1  # rank 0 prints
+
+
+def test_one_wandb_run_holds_every_rank(one_and_two):
+    _, two, _ = one_and_two
+    runs = list((two / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1  # rank 0's alone
+    history = []
+    for record in wandb_records(runs[0]):
+        if record.WhichOneof("record_type") == "history":
+            items = record.history.item
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items})
+    steps = [row for row in history if "step/index" in row]
+    assert {row["step/rank"] for row in steps} == {0, 1}
+    assert len(steps) == len((two / "steps.jsonl").read_text().splitlines())
+    rollouts = [row for row in history if "rollout/index" in row]
+    assert [row["rollout/index"] for row in rollouts] == [0, 1]
+    assert all(row["rollout/rank0/tokens_per_s"] > 0 and row["rollout/rank1/tokens_per_s"] > 0 for row in rollouts)
+    assert all(row["rollout/straggler_ratio"] >= 1.0 for row in rollouts)
 
 
 @pytest.mark.parametrize(
@@ -250,3 +270,29 @@ def test_a_run_stopped_by_a_rank_resumes_to_every_sample_once(one_and_two, tmp_p
     assert [key(r) for r in outs] == sorted(key(r) for r in ones)
     assert {key(r): r["completion_ids"] for r in outs} == {key(r): r["completion_ids"] for r in ones}
     assert json.loads((out / "summary.json").read_text())["complete"] is True
+
+
+def test_bench_on_two_ranks_reports_the_whole_of_the_one_process_work(tmp_path):
+    """`rollout bench` under accelerate: every row runs on each rank's share; rank 0's table counts every token of
+    the one-process bench (greedy: the same completions), with the slowest rank's seconds."""
+    args = ["bench", QUICKSTART, *SMALL, "sampling.temperature=0", "bench.static_k=[2]"]
+    one = subprocess.run(
+        [sys.executable, "-m", "rollout", *args, f"output_dir={tmp_path / 'one'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = launch(2, [*args, f"output_dir={tmp_path / 'two'}"])
+    assert two.returncode == 0, two.stderr[-3000:]
+    ones = json.loads((tmp_path / "one" / "bench.json").read_text())["rows"]
+    twos = json.loads((tmp_path / "two" / "bench.json").read_text())
+    assert twos["workload"]["num_processes"] == 2
+    assert [r["name"] for r in twos["rows"]] == [r["name"] for r in ones]
+    for a, b in zip(ones, twos["rows"]):
+        assert b["tokens"] == a["tokens"], b["name"]
+        assert b["seconds"] == max(b["rank_seconds"]) and len(b["rank_seconds"]) == 2
+        assert b["tokens_per_s"] == pytest.approx(b["tokens"] / b["seconds"])
+    assert two.stdout.count("rows written to") == 1
