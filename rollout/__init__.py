@@ -11,6 +11,7 @@ import importlib
 _PUBLIC = {
     "Completion": "rollout.engine.sampling",
     "Generator": "rollout.engine.generator",
+    "Ranks": "rollout.distributed",
     "Rollout": "rollout.loop",
     "RolloutBatch": "rollout.batch",
     "SamplingParams": "rollout.engine.sampling",

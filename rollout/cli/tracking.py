@@ -16,6 +16,11 @@ Output folder contract (external tools read these names):
   `complete` (false when an error or a signal stopped the run, with `incomplete_reason`).
 - `rollout.png`: batch size, K and tokens/s over time with the phases shaded.
 - `wandb/`: the W&B run folder (unless `WANDB_DIR` points elsewhere or W&B is disabled).
+
+A run on several processes (`rollout.cli.ranked`) writes the same files from rank 0, a rollout at a time:
+`rollouts.jsonl` in prompt order, steps with their `rank`, and in `summary.json` the totals over the ranks
+(`rollout.phases.summarize_ranks`) with each rank's own table under `ranks`, `straggler_ratio` and
+`history_sharing`; `ranks/rank-R/` holds what each rank finished of the rollout in progress.
 """
 
 from __future__ import annotations
