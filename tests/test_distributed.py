@@ -137,6 +137,13 @@ def launch(num_processes: int, args: list[str], timeout: float = 240, wandb: str
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_alone(args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m rollout` in one process, as a user runs it without accelerate."""
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    command = [sys.executable, "-m", "rollout", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+
+
 def records(folder: pathlib.Path) -> list[dict]:
     lines = (folder / "rollouts.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]  # every line whole: json.loads raises on a cut one
@@ -147,14 +154,7 @@ def one_and_two(tmp_path_factory):
     """The same greedy two-rollout suffix run (history carried into the second rollout) on 1 and on 2 processes."""
     out = tmp_path_factory.mktemp("dp")
     args = ["run", QUICKSTART, *SMALL, "sampling.temperature=0", "rollout.num_rollouts=2"]
-    one = subprocess.run(
-        [sys.executable, "-m", "rollout", *args, f"output_dir={out / 'one'}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "WANDB_MODE": "disabled"},
-    )
+    one = run_alone([*args, f"output_dir={out / 'one'}"])
     assert one.returncode == 0, one.stderr[-2000:]
     two = launch(2, [*args, f"output_dir={out / 'two'}"], wandb="offline")
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
@@ -276,14 +276,7 @@ def test_bench_on_two_ranks_reports_the_whole_of_the_one_process_work(tmp_path):
     """`rollout bench` under accelerate: every row runs on each rank's share; rank 0's table counts every token of
     the one-process bench (greedy: the same completions), with the slowest rank's seconds."""
     args = ["bench", QUICKSTART, *SMALL, "sampling.temperature=0", "bench.static_k=[2]"]
-    one = subprocess.run(
-        [sys.executable, "-m", "rollout", *args, f"output_dir={tmp_path / 'one'}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "WANDB_MODE": "disabled"},
-    )
+    one = run_alone([*args, f"output_dir={tmp_path / 'one'}"])
     assert one.returncode == 0, one.stderr[-2000:]
     two = launch(2, [*args, f"output_dir={tmp_path / 'two'}"])
     assert two.returncode == 0, two.stderr[-3000:]

@@ -18,8 +18,8 @@ import time
 
 from rollout.cli.files import append_lines
 from rollout.cli.progress import Progress
-from rollout.cli.recipe import Recipe, recipe_dict
-from rollout.cli.runs import load_inputs, make_rollout, recipe_spec, stop_reason
+from rollout.cli.recipe import Recipe
+from rollout.cli.runs import load_inputs, make_rollout, make_tracker, recipe_spec, stop_reason
 from rollout.cli.tracking import RunTracker
 from rollout.distributed import OutputLengths, Ranks, RankStopped, group_costs, shard_groups, share_responses
 
@@ -55,7 +55,7 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     tracker, error = None, None
     if ranks.is_main:
         try:
-            tracker = _tracker(recipe)
+            tracker = make_tracker(recipe)
         except (ValueError, OSError) as err:  # an output folder that holds a run: every rank stops, rank 0 says why
             error = err
     if ranks.broadcast(None if error is None else str(error)) is not None:
@@ -126,22 +126,6 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     if tracker is None:
         return None, None
     return tracker.finish(), tracker
-
-
-def _tracker(recipe: Recipe) -> RunTracker:
-    log = recipe.logging
-    return RunTracker(
-        recipe.output_dir,
-        recipe_dict(recipe),
-        wandb_mode=log.wandb_mode,
-        project=log.project,
-        run_name=log.run_name,
-        num_table_rows=log.num_table_rows,
-        plot=log.plot,
-        overwrite=recipe.overwrite,
-        resume=recipe.resume,
-        group_size=recipe.sampling.n,
-    )
 
 
 def _kept(tracker: RunTracker, recipe: Recipe, inputs) -> tuple[list[list[int]], list[list[int]]]:

@@ -105,18 +105,7 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
         flush=True,
     )
     log = recipe.logging
-    tracker = RunTracker(
-        recipe.output_dir,
-        recipe_dict(recipe),
-        wandb_mode=log.wandb_mode,
-        project=log.project,
-        run_name=log.run_name,
-        num_table_rows=log.num_table_rows,
-        plot=log.plot,
-        overwrite=recipe.overwrite,
-        resume=recipe.resume,
-        group_size=recipe.sampling.n,
-    )
+    tracker = make_tracker(recipe)
     rows = list(inputs.data)
     per_rollout = recipe.rollout.prompts_per_rollout or len(rows)
     history = rollout.generator.draft_history
@@ -151,6 +140,23 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
         raise
     progress.close()
     return tracker.finish(), tracker
+
+
+def make_tracker(recipe: Recipe) -> RunTracker:
+    """The run's output folder and W&B run, as the recipe's logging section and output settings say."""
+    log = recipe.logging
+    return RunTracker(
+        recipe.output_dir,
+        recipe_dict(recipe),
+        wandb_mode=log.wandb_mode,
+        project=log.project,
+        run_name=log.run_name,
+        num_table_rows=log.num_table_rows,
+        plot=log.plot,
+        overwrite=recipe.overwrite,
+        resume=recipe.resume,
+        group_size=recipe.sampling.n,
+    )
 
 
 def stop_reason(err: BaseException) -> str:
