@@ -289,3 +289,12 @@ def test_bench_on_two_ranks_reports_the_whole_of_the_one_process_work(tmp_path):
         assert b["seconds"] == max(b["rank_seconds"]) and len(b["rank_seconds"]) == 2
         assert b["tokens_per_s"] == pytest.approx(b["tokens"] / b["seconds"])
     assert two.stdout.count("rows written to") == 1
+
+
+def test_training_refuses_groups_that_would_split_over_the_ranks():
+    from rollout.cli.recipe import load_recipe
+    from rollout.cli.train import run_training
+
+    recipe = load_recipe(ROOT / "recipes" / "grpo_quickstart.yaml", ["train.prompts_per_step=8"])
+    with pytest.raises(ValueError, match=r"train\.prompts_per_step \(8\) must be divisible by the number of processes"):
+        run_training(recipe, Ranks(rank=0, world_size=3))

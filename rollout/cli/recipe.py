@@ -15,6 +15,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rollout.distributed import BALANCES
 from rollout.engine.sampling import SamplingParams
 from specdec.config import SpecConfig
 from specdec.policies import TablePolicy
@@ -137,8 +138,9 @@ class DistributedRecipe:
     share_history: bool = True  # all-gather finished responses once per rollout into every rank's suffix history
 
     def __post_init__(self) -> None:
-        balances = ("work", "count")
-        _require(self.balance in balances, f"distributed.balance ({self.balance!r}) must be one of work, count")
+        _require(
+            self.balance in BALANCES, f"distributed.balance ({self.balance!r}) must be one of {', '.join(BALANCES)}"
+        )
 
 
 @dataclass
