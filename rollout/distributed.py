@@ -203,12 +203,12 @@ class OutputLengths:
 
     def add(self, prompt_ids: Sequence[Sequence[int]], lengths: Sequence[int]) -> None:
         for ids, length in zip(prompt_ids, lengths):
-            key = _key(ids)
+            key = prompt_key(ids)
             self._sum[key] = self._sum.get(key, 0.0) + float(length)
             self._count[key] = self._count.get(key, 0) + 1
 
     def expected(self, prompt_ids: Sequence[int]) -> float | None:
-        key = _key(prompt_ids)
+        key = prompt_key(prompt_ids)
         return self._sum[key] / self._count[key] if key in self._count else None
 
     def mean(self) -> float:
@@ -238,7 +238,7 @@ def pack_responses(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence
     prompts = []
     which = np.empty(len(completion_ids), dtype=np.int32)
     for i, ids in enumerate(prompt_ids):
-        key = _key(ids)
+        key = prompt_key(ids)
         if key not in keys:
             keys[key] = len(prompts)
             prompts.append(ids)
@@ -260,27 +260,46 @@ def unpack_responses(packed: dict) -> tuple[list[list[int]], list[list[int]]]:
     return [prompts[i] for i in packed["prompt_of"].tolist()], [c.tolist() for c in completions]
 
 
+def gather_responses(
+    ranks: Ranks, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]
+) -> tuple[list[tuple[list[list[int]], list[list[int]]]], int]:
+    """All-gather every rank's finished responses of one rollout (every rank must call it).
+
+    Returns:
+        each rank's (prompt ids, completion ids), in rank order, and the bytes this rank sent.
+    """
+    packed = pack_responses(prompt_ids, completion_ids)
+    return [unpack_responses(item) for item in ranks.all_gather(packed)], int(sum(a.nbytes for a in packed.values()))
+
+
+def add_others(ranks: Ranks, history, every: list, prompts: set[bytes] | None = None) -> int:
+    """Add the other ranks' responses of `gather_responses` to `history` (the suffix drafter's,
+    `Generator.draft_history`; this rank's own are there already): all of them, or those to the prompts whose
+    `prompt_key` is in `prompts`. Returns the number added."""
+    added = 0
+    for rank, (prompt_ids, completion_ids) in enumerate(every):
+        if rank == ranks.rank:
+            continue
+        keep = [i for i, ids in enumerate(prompt_ids) if prompts is None or prompt_key(ids) in prompts]
+        if keep:
+            history.add_responses([prompt_ids[i] for i in keep], [completion_ids[i] for i in keep])
+            added += len(keep)
+    return added
+
+
 def share_responses(
     ranks: Ranks, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], history=None
 ) -> tuple[list[list[int]], list[list[int]], int]:
-    """All-gather every rank's finished responses of one rollout; add the other ranks' to `history` (the suffix
-    drafter's, `Generator.draft_history`; its own responses are there already). Every rank must call it.
+    """All-gather every rank's finished responses of one rollout and add the other ranks' to `history`. Every rank
+    must call it.
 
     Returns:
         (prompt ids, completion ids) of every rank's responses, rank by rank, and the bytes this rank sent.
     """
-    packed = pack_responses(prompt_ids, completion_ids)
-    sent = int(sum(a.nbytes for a in packed.values()))
-    every = ranks.all_gather(packed)
-    all_prompts: list[list[int]] = []
-    all_completions: list[list[int]] = []
-    for rank, item in enumerate(every):
-        prompts, completions = unpack_responses(item)
-        if history is not None and rank != ranks.rank and completions:
-            history.add_responses(prompts, completions)
-        all_prompts += prompts
-        all_completions += completions
-    return all_prompts, all_completions, sent
+    every, sent = gather_responses(ranks, prompt_ids, completion_ids)
+    if history is not None:
+        add_others(ranks, history, every)
+    return [p for prompts, _ in every for p in prompts], [c for _, completions in every for c in completions], sent
 
 
 def _alive(pid: int) -> bool:
@@ -305,5 +324,6 @@ def _torch():
     return torch
 
 
-def _key(ids: Sequence[int]) -> bytes:
+def prompt_key(ids: Sequence[int]) -> bytes:
+    """A prompt's token ids as bytes: the key of its earlier lengths and of its history."""
     return np.asarray(ids, dtype=np.int32).tobytes()

@@ -9,7 +9,8 @@ ratio to 1 process, the summary's summed tokens/s, the straggler ratio (slowest 
 the run), and the draft acceptance and tokens per row-step of each rollout.
 
 Configurations: 1 process; 2 processes balanced by work (prompt tokens + each prompt's mean completion length so
-far) with the history shared; the same balanced by count; the same by work without sharing the history.
+far) with the history shared; the same balanced by count; the same by work without sharing the history; by work
+keeping only the other rank's responses to the prompts a rank generates next (`distributed.history_scope=next`).
 
     PYTHONPATH=. .venv/bin/python scripts/bench_distributed.py                       # 64 prompts x 4, ~10 min
     PYTHONPATH=. .venv/bin/python scripts/bench_distributed.py --set data.num_prompts=16 --only 1 2-work
@@ -33,6 +34,10 @@ CONFIGS = {  # name: (processes, overrides)
     "2-work": (2, ["distributed.balance=work", "distributed.share_history=true"]),
     "2-count": (2, ["distributed.balance=count", "distributed.share_history=true"]),
     "2-work-unshared": (2, ["distributed.balance=work", "distributed.share_history=false"]),
+    "2-work-next": (
+        2,
+        ["distributed.balance=work", "distributed.share_history=true", "distributed.history_scope=next"],
+    ),
 }
 
 

@@ -15,8 +15,10 @@ from test_cli import wandb_records
 from rollout.distributed import (
     OutputLengths,
     Ranks,
+    add_others,
     group_costs,
     pack_responses,
+    prompt_key,
     shard_groups,
     share_responses,
     unpack_responses,
@@ -91,6 +93,23 @@ def test_one_process_shares_nothing_and_returns_its_own():
     assert (prompts, completions) == ([[1, 2]], [[3, 4, 5]])
     assert history.added == []  # its own responses are in its history already
     assert sent > 0
+
+
+def test_a_rank_keeps_the_other_ranks_responses_to_the_prompts_it_asks_for():
+    class History:
+        def __init__(self):
+            self.added = []
+
+        def add_responses(self, prompts, responses):
+            self.added += list(zip(map(tuple, prompts), map(tuple, responses)))
+
+    every = [([[1, 2], [3]], [[7], [8, 8]]), ([[1, 2], [4]], [[9], [6]])]  # rank 0's and rank 1's responses
+    history = History()
+    assert add_others(Ranks(rank=1, world_size=2), history, every) == 2
+    assert history.added == [((1, 2), (7,)), ((3,), (8, 8))]  # all of rank 0's, none of its own
+    history = History()
+    assert add_others(Ranks(rank=0, world_size=2), history, every, {prompt_key([4])}) == 1
+    assert history.added == [((4,), (6,))]
 
 
 def test_rank_summary_sums_throughput_and_takes_the_slowest_time():
@@ -185,6 +204,8 @@ def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(one_and_two):
     )
     assert summary["total"]["tokens_per_s"] == pytest.approx(sum(r["total"]["tokens_per_s"] for r in summary["ranks"]))
     assert summary["straggler_ratio"] >= 1.0
+    # every rank's drafter holds every response of the run: its own, and the other rank's all-gathered
+    assert [s["history_responses"] for s in summary["history_sharing"]] == [[10, 10], [20, 20]]
     assert all(path.read_text() == "" for path in (two / "ranks").rglob("*.jsonl"))  # all merged into the run's files
     assert "straggler ratio" in result.stdout and result.stdout.count("samples, reward mean") == 1  # rank 0 prints
 
@@ -205,6 +226,20 @@ def test_one_wandb_run_holds_every_rank(one_and_two):
     assert [row["rollout/index"] for row in rollouts] == [0, 1]
     assert all(row["rollout/rank0/tokens_per_s"] > 0 and row["rollout/rank1/tokens_per_s"] > 0 for row in rollouts)
     assert all(row["rollout/straggler_ratio"] >= 1.0 for row in rollouts)
+
+
+def test_history_scope_next_keeps_only_what_each_rank_drafts_next(tmp_path):
+    out = tmp_path / "run"
+    args = ["run", QUICKSTART, *SMALL, "rollout.num_rollouts=2", "rollout.prompts_per_rollout=3"]
+    args += ["distributed.balance=count", "distributed.history_scope=next", f"output_dir={out}"]
+    result = launch(2, args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, last = json.loads((out / "summary.json").read_text())["history_sharing"]
+    # rollout 0 is data rows 0, 1, 2 (rank 0: 0 and 1, rank 1: 2); rollout 1 is rows 3, 4, 0 (rank 0: 3 and 4,
+    # rank 1: 0). After rollout 0, rank 0 keeps its own 4 responses and none of rank 1's (row 2 is not next for it);
+    # rank 1 keeps its own 2 and rank 0's 2 to row 0. After the last rollout nobody takes in anything more.
+    assert first["history_responses"] == [4, 4]
+    assert last["history_responses"] == [8, 6]
 
 
 @pytest.mark.parametrize(

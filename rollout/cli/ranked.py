@@ -21,7 +21,16 @@ from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe
 from rollout.cli.runs import load_inputs, make_rollout, make_tracker, recipe_spec, stop_reason
 from rollout.cli.tracking import RunTracker
-from rollout.distributed import OutputLengths, Ranks, RankStopped, group_costs, shard_groups, share_responses
+from rollout.distributed import (
+    OutputLengths,
+    Ranks,
+    RankStopped,
+    add_others,
+    gather_responses,
+    group_costs,
+    prompt_key,
+    shard_groups,
+)
 
 
 class RankFiles:
@@ -75,12 +84,30 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     rows = list(inputs.data)
     per_rollout = recipe.rollout.prompts_per_rollout or len(rows)
     progress = Progress(enabled=None if (recipe.logging.progress and ranks.is_main) else False)
+
+    def rows_of(index: int) -> list[int]:
+        """The data rows of rollout `index`'s prompts (`per_rollout` of them, in order, cycling)."""
+        return [(index * per_rollout + j) % len(rows) for j in range(per_rollout)]
+
+    def shard_of(index: int) -> list[int]:
+        """This rank's groups of rollout `index` (their indices in the rollout), from the lengths seen so far."""
+        prompt_ids = [inputs.prompt_ids[i] for i in rows_of(index)]
+        costs = group_costs(prompt_ids, recipe.sampling.n, lengths, prior=recipe.sampling.max_new_tokens)
+        return shard_groups(costs, ranks.world_size, recipe.distributed.balance)[ranks.rank]
+
+    def wanted(index: int) -> set[bytes] | None:
+        """The prompts whose responses from other ranks this rank keeps after rollout `index - 1`: every one (None),
+        or with `history_scope="next"` those of its share of rollout `index` (none after the last rollout)."""
+        if recipe.distributed.history_scope == "all":
+            return None
+        if index >= recipe.rollout.num_rollouts:
+            return set()
+        return {prompt_key(inputs.prompt_ids[rows_of(index)[j]]) for j in shard_of(index)}
+
     try:
         for index in range(recipe.rollout.num_rollouts):
-            row_of = [(index * per_rollout + j) % len(rows) for j in range(per_rollout)]
-            prompt_ids = [inputs.prompt_ids[i] for i in row_of]
-            costs = group_costs(prompt_ids, recipe.sampling.n, lengths, prior=recipe.sampling.max_new_tokens)
-            shard = shard_groups(costs, ranks.world_size, recipe.distributed.balance)[ranks.rank]
+            row_of = rows_of(index)
+            shard = shard_of(index)
             todo = [j for j in shard if j not in done.get(index, set())]
             records, steps, summary = [], [], {"wall_seconds": 0.0, "total": {"tokens_per_s": 0.0}}
             if todo:
@@ -102,9 +129,13 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
             completions = [r["completion_ids"] for r in records]
             ranks.barrier()  # every rank done generating: what follows times the sharing alone, not the wait
             start = time.perf_counter()
-            everyone = share_responses(ranks, prompts, completions, history if share else None)
-            summary["share_seconds"], summary["share_bytes"] = time.perf_counter() - start, everyone[2]
-            lengths.add(everyone[0], [len(c) for c in everyone[1]])
+            every, summary["share_bytes"] = gather_responses(ranks, prompts, completions)
+            for rank_prompts, rank_completions in every:
+                lengths.add(rank_prompts, [len(c) for c in rank_completions])
+            if share and history is not None:
+                add_others(ranks, history, every, wanted(index + 1))
+            summary["share_seconds"] = time.perf_counter() - start
+            summary["history_responses"] = len(history.history) if history is not None else 0
             gathered = ranks.gather((records, steps, summary))
             if tracker is not None:
                 tracker.log_ranked_rollout(

@@ -136,10 +136,16 @@ class DistributedRecipe:
 
     balance: str = "work"  # work: shards of equal expected tokens (prompt + predicted completion); count: equal counts
     share_history: bool = True  # all-gather finished responses once per rollout into every rank's suffix history
+    history_scope: str = "all"  # all: every response; next: only those to the prompts the rank generates next
 
     def __post_init__(self) -> None:
         _require(
             self.balance in BALANCES, f"distributed.balance ({self.balance!r}) must be one of {', '.join(BALANCES)}"
+        )
+        _require(
+            self.history_scope in ("all", "next"),
+            f"distributed.history_scope ({self.history_scope!r}) must be all (every response) or next (only those "
+            "to the prompts a rank generates next)",
         )
 
 

@@ -96,7 +96,7 @@ class RunTracker:
         self._streamed: set[int] = set()  # rollouts whose samples went out group by group
         self._streamed_steps: set[int] = set()
         self.rank_seconds: list[list[float]] = []  # a data-parallel run: each rollout's wall seconds per rank
-        self.sharing: list[dict] = []  # and each rollout's history all-gather: slowest rank's seconds, bytes sent
+        self.sharing: list[dict] = []  # and each rollout's history all-gather: seconds, bytes, responses held
         if resume:
             self._load_finished(group_size)
         self.wandb_run = self._start_wandb(os.environ.get("WANDB_MODE") or wandb_mode, project, run_name)
@@ -221,7 +221,13 @@ class RunTracker:
         seconds = [s.get("wall_seconds", 0.0) for s in summaries]
         self.rank_seconds.append(seconds)
         sharing = [s.get("share_seconds", 0.0) for s in summaries]
-        self.sharing.append({"seconds": max(sharing), "bytes": sum(s.get("share_bytes", 0) for s in summaries)})
+        self.sharing.append(
+            {
+                "seconds": max(sharing),
+                "bytes": sum(s.get("share_bytes", 0) for s in summaries),
+                "history_responses": [s.get("history_responses", 0) for s in summaries],  # each rank's, after it
+            }
+        )
         self.wall_seconds += max(seconds) + max(sharing)  # the ranks generate, then share their responses
         if self.wandb_run is not None:
             extra = {"rollout/straggler_ratio": straggler_ratio([seconds]), "rollout/share_seconds": max(sharing)}
