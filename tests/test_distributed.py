@@ -257,6 +257,7 @@ def test_a_failing_rank_stops_the_run_with_one_line_and_an_incomplete_summary(tm
     assert len(ours) == 1, result.stderr[-3000:]
     assert ours[0].startswith("rollout run: error: rank 1 of 2: ")
     assert __import__("re").search(cause, ours[0]), ours[0]
+    assert (out / "summary.json").is_file(), result.stdout[-2000:] + result.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] is False and summary["incomplete_reason"].startswith("rank 1: ")
     assert records(out) == []  # no rollout finished on every rank: the run's file claims nothing

@@ -11,9 +11,11 @@ names the rank and the cause.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
+import signal
 import time
 
 from rollout.cli.files import append_lines
@@ -149,14 +151,26 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
             files.clear()
     except BaseException as err:
         progress.close()
-        cause = ranks.stop_cause()
-        if tracker is not None:
-            tracker.finish(complete=False, reason=cause or f"rank {ranks.rank}: {stop_reason(err)}")
+        with signals_ignored():  # the launcher's SIGTERM follows a peer's failure: let the summary be written first
+            cause = ranks.stop_cause()
+            if tracker is not None:
+                tracker.finish(complete=False, reason=cause or f"rank {ranks.rank}: {stop_reason(err)}")
         raise
     progress.close()
     if tracker is None:
         return None, None
     return tracker.finish(), tracker
+
+
+@contextlib.contextmanager
+def signals_ignored():
+    """SIGTERM and SIGINT ignored inside the block (main thread): a stopping rank finishes its last writes."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _kept(tracker: RunTracker, recipe: Recipe, inputs) -> tuple[list[list[int]], list[list[int]]]:

@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
 from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
+from rollout.cli.ranked import signals_ignored
 from rollout.cli.recipe import Recipe, recipe_dict
 from rollout.cli.runs import load_inputs, recipe_spec, stop_reason
 from rollout.cli.tracking import start_wandb_run
@@ -110,10 +111,11 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None) -> dict | None:
         trainer.train()
     except BaseException as err:  # an error, Ctrl-C, SIGTERM: the steps so far are in train.jsonl; say so
         if ranks.is_main:
-            reason = stop_reason(err)
-            if ranks.distributed:
-                reason = ranks.stop_cause() or f"rank {ranks.rank}: {reason}"
-            _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot, reason)
+            with signals_ignored():  # under several ranks the launcher's SIGTERM follows a peer's failure
+                reason = stop_reason(err)
+                if ranks.distributed:
+                    reason = ranks.stop_cause() or f"rank {ranks.rank}: {reason}"
+                _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot, reason)
         raise
     finally:
         if run is not None:
