@@ -2,11 +2,12 @@
 
 Each rollout's prompt groups are sharded over the ranks (`rollout.distributed.shard_groups`); each rank generates its
 share with its own generator on its own device and streams what finishes to `output_dir/ranks/rank-R/` (its own
-`rollouts.jsonl` and `steps.jsonl`, on its own machine). When every rank has finished the rollout, rank 0 writes the
-rollout into the run's files (samples in prompt order, steps with their `rank`), the ranks all-gather the finished
-responses into each other's suffix history, and the part files are emptied. The run's own files therefore only ever
-hold whole rollouts; a run stopped by any rank keeps them, its part files, and a summary marked incomplete that
-names the rank and the cause.
+`rollouts.jsonl` and `steps.jsonl`, on its own machine). When every rank has finished the rollout, the ranks
+all-gather the finished responses into each other's suffix history (all of them, or with
+`distributed.history_scope=next` those to the prompts of each rank's next share), rank 0 writes the rollout into the
+run's files (samples in prompt order, steps with their `rank`), and the part files are emptied. The run's own files
+therefore only ever hold whole rollouts; a run stopped by any rank keeps them, its part files, and a summary marked
+incomplete that names the rank and the cause.
 """
 
 from __future__ import annotations
