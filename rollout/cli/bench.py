@@ -19,7 +19,7 @@ import torch
 
 from rollout.cli.files import write_atomic
 from rollout.cli.recipe import Recipe, method_name
-from rollout.cli.runs import RecipeInputs, batch_size, load_inputs, make_rollout, recipe_spec
+from rollout.cli.runs import RecipeInputs, batch_size, load_inputs, make_rollout, on_rank_device, recipe_spec
 from rollout.distributed import Ranks, group_costs, shard_groups
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES
@@ -37,8 +37,7 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
     seconds of the slowest rank, tokens/s = tokens / those seconds. Rank 0 writes bench.json; the others return []."""
     ranks = ranks or Ranks()
     log = log if log is not None and ranks.is_main else (lambda line: None)
-    device = ranks.device(recipe.model.device)
-    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, device=device))
+    recipe = on_rank_device(recipe, ranks)
     inputs = load_inputs(recipe)
     if ranks.distributed:
         costs = group_costs(inputs.prompt_ids, recipe.sampling.n, prior=recipe.sampling.max_new_tokens)

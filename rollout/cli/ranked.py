@@ -13,7 +13,6 @@ incomplete that names the rank and the cause.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import pathlib
 import signal
@@ -22,7 +21,15 @@ import time
 from rollout.cli.files import append_lines
 from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe
-from rollout.cli.runs import load_inputs, make_rollout, make_tracker, recipe_spec, stop_reason
+from rollout.cli.runs import (
+    kept_responses,
+    load_inputs,
+    make_rollout,
+    make_tracker,
+    on_rank_device,
+    recipe_spec,
+    stop_reason,
+)
 from rollout.cli.tracking import RunTracker
 from rollout.distributed import (
     OutputLengths,
@@ -60,8 +67,7 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     """Run the recipe's rollouts as rank `ranks.rank` of `ranks.world_size`; returns (summary, tracker) on rank 0 and
     (None, None) on the others. Every rank must call it. A failure on any rank stops every rank; rank 0 then writes
     the summary, marked incomplete with the failing rank and its cause, and every rank raises."""
-    device = ranks.device(recipe.model.device)
-    local = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, device=device))
+    local = on_rank_device(recipe, ranks)
     inputs = load_inputs(local)
     rollout = make_rollout(local, inputs, recipe_spec(local), ranks.world_size)
     tracker, error = None, None
@@ -75,7 +81,7 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
             raise error
         raise RankStopped()
     done = ranks.broadcast(tracker.done if tracker is not None else None)
-    kept = ranks.broadcast(_kept(tracker, recipe, inputs) if tracker is not None else None)
+    kept = ranks.broadcast(kept_responses(tracker, recipe, inputs) if tracker is not None else None)
     files = RankFiles(pathlib.Path(recipe.output_dir) / "ranks" / f"rank-{ranks.rank}")
     history = rollout.generator.draft_history
     share = recipe.distributed.share_history
@@ -172,11 +178,3 @@ def signals_ignored():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _kept(tracker: RunTracker, recipe: Recipe, inputs) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, completion ids) of the samples a resumed run keeps: every rank's drafting history starts there."""
-    records = getattr(tracker, "kept_records", [])
-    per_rollout = recipe.rollout.prompts_per_rollout or len(inputs.prompt_ids)
-    rows_of = [(r["rollout"] * per_rollout + r["prompt_index"]) % len(inputs.prompt_ids) for r in records]
-    return [inputs.prompt_ids[i] for i in rows_of], [r["completion_ids"] for r in records]

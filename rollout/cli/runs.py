@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe, recipe_dict, spec_config
 from rollout.cli.sources import draft_model_spec, load_dataset, load_model
 from rollout.cli.tracking import RunTracker
+from rollout.distributed import Ranks
 from rollout.engine.memory_plan import fitting_batch_size
 from rollout.loop import Rollout
 from rollout.prompts import PromptFormatter, check_prompt_column
@@ -49,6 +51,20 @@ def load_inputs(recipe: Recipe) -> RecipeInputs:
     if max_seq_len is None:
         max_seq_len = max(len(p) for p in prompt_ids) + recipe.sampling.max_new_tokens
     return RecipeInputs(model, tokenizer, data, prompts, prompt_ids, max_seq_len)
+
+
+def on_rank_device(recipe: Recipe, ranks: Ranks) -> Recipe:
+    """The recipe with `model.device` this rank's own (`Ranks.device`: "cuda" becomes cuda:LOCAL_RANK)."""
+    device = ranks.device(recipe.model.device)
+    return dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, device=device))
+
+
+def kept_responses(tracker: RunTracker, recipe: Recipe, inputs: RecipeInputs) -> tuple[list, list]:
+    """(prompt ids, completion ids) of the samples a resumed run keeps on disk: the drafting history starts there."""
+    records = getattr(tracker, "kept_records", [])
+    per_rollout = recipe.rollout.prompts_per_rollout or len(inputs.prompt_ids)
+    rows_of = [(r["rollout"] * per_rollout + r["prompt_index"]) % len(inputs.prompt_ids) for r in records]
+    return [inputs.prompt_ids[i] for i in rows_of], [r["completion_ids"] for r in records]
 
 
 def recipe_spec(recipe: Recipe, **changes) -> SpecConfig | None:
@@ -110,9 +126,7 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
     per_rollout = recipe.rollout.prompts_per_rollout or len(rows)
     history = rollout.generator.draft_history
     if recipe.resume and history is not None and tracker.kept_records:  # the drafting history of what is on disk
-        kept = tracker.kept_records
-        rows_of = [(r["rollout"] * per_rollout + r["prompt_index"]) % len(rows) for r in kept]
-        history.add_responses([inputs.prompt_ids[i] for i in rows_of], [r["completion_ids"] for r in kept])
+        history.add_responses(*kept_responses(tracker, recipe, inputs))
     progress = Progress(enabled=None if log.progress else False)
     try:
         for index in range(recipe.rollout.num_rollouts):

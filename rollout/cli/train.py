@@ -14,7 +14,6 @@ The recipe's model, data, sampling, spec, rollout and rewards sections mean what
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -27,7 +26,7 @@ from transformers.trainer_callback import PrinterCallback
 from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.cli.ranked import signals_ignored
 from rollout.cli.recipe import Recipe, recipe_dict
-from rollout.cli.runs import load_inputs, recipe_spec, stop_reason
+from rollout.cli.runs import load_inputs, on_rank_device, recipe_spec, stop_reason
 from rollout.cli.tracking import start_wandb_run
 from rollout.distributed import Ranks, RankStopped
 from rollout.rewards import WeightedReward, build_rewards, score
@@ -64,8 +63,7 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None) -> dict | None:
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
-    device = ranks.device(recipe.model.device)
-    inputs = load_inputs(dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, device=device)))
+    inputs = load_inputs(on_rank_device(recipe, ranks))
     output_dir = pathlib.Path(recipe.output_dir)
     error = None
     if ranks.is_main:
