@@ -36,7 +36,7 @@ from rollout.engine.trace import StepRecord
 from specdec.auto_policy import StepObservation
 from specdec.config import SpecConfig
 from specdec.policies import Decision
-from specdec.proposers.base import Drafts, ProposalBatch
+from specdec.proposers.base import Drafts, ProposalBatch, filled_drafts
 from specdec.proposers.suffix import SuffixProposer
 from specdec.tree import DraftLayout, layout_drafts
 from specdec.verify import RaceKeys, VerifyResult, verify
@@ -233,15 +233,18 @@ class Generator:
         self._queue.clear()
         self.num_active = 0
 
-    def step(self, num_draft_tokens: int | None = None) -> StepOutput:
+    def step(self, num_draft_tokens: int | None = None, fill_drafts: bool = False) -> StepOutput:
         """One step: admit queued requests while slots are free (a prefill), else decode every active row once.
         `num_draft_tokens` overrides the K policy for a decode step (such a step is not reported to the policy: its
-        observation is returned for the caller to use). Finished rows are released before it returns."""
+        observation is returned for the caller to use). `fill_drafts`: a row the proposers gave fewer drafts than
+        asked is filled up with copies of its pending token, so that the step is fed the width it was asked for (a
+        calibration times every width this way; the output stays exact, only the fillers are mostly rejected).
+        Finished rows are released before it returns."""
         if self._queue and self.num_active < self.max_batch_size:
             record, observation = self._admit(), None
         else:
             assert self.num_active > 0, "expected rows in flight: add_requests first"
-            record, observation = self._decode_step(num_draft_tokens)
+            record, observation = self._decode_step(num_draft_tokens, fill_drafts)
         self.last_trace.append(record)
         return StepOutput(record, self._release_finished(), observation)
 
@@ -332,7 +335,9 @@ class Generator:
 
     # ---- one decode step: schedule, propose, forward, verify, commit --------------------------------------------
 
-    def _decode_step(self, num_draft_tokens: int | None) -> tuple[StepRecord, StepObservation | None]:
+    def _decode_step(
+        self, num_draft_tokens: int | None, fill_drafts: bool = False
+    ) -> tuple[StepRecord, StepObservation | None]:
         """Feed each active row its pending token plus its drafts (a tree rooted at the pending token; a chain is the
         one-child tree), verify them all in the same forward, commit the accepted path."""
         start = time.perf_counter()
@@ -343,6 +348,8 @@ class Generator:
         sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
         race = self._race_keys(slice(0, num_rows))  # shared by the draft model and the verifier
         drafts, served = self._propose(num_rows, asked, sampling, uniforms, race)
+        if fill_drafts and drafts is not None:
+            drafts = filled_drafts(drafts, asked, self.slots.pending(num_rows))
         layout = layout_drafts(
             drafts.num_drafted if drafts is not None else [0] * num_rows,
             drafts.parents if drafts is not None else None,

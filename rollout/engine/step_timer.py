@@ -1,7 +1,8 @@
 """Times real decode steps for a K policy's calibration, through the generator's public calls only.
 
-Rows hold random periodic prompts (an n-gram or suffix lookup finds matches in them and drafts the full K; a draft
-model always does), so every width is really timed: each timed step is a full decode step (drafting, the verification
+Rows hold random periodic prompts, and a row whose proposer drafts fewer than the K asked (a suffix proposer drafts at
+most as many tokens as it matched of the response, which is one token here) is filled up to K, so every width is
+really timed: each timed step is a full decode step (drafting, the verification
 forward, the verifier, the commit) of the first B rows at a forced K, after which the rows are restored, so the same
 rows serve every (B, K). A few distinct prompts fan out to all slots (samples of one prompt share its prefill), so a
 long context costs a few prompts' prefill. Random text says nothing about real drafts: only times are measured.
@@ -30,7 +31,7 @@ class Engine(Protocol):
     last_trace: list
 
     def add_requests(self, prompt_ids, params, seed_indices=None) -> list: ...
-    def step(self, num_draft_tokens: int | None = None): ...
+    def step(self, num_draft_tokens: int | None = None, fill_drafts: bool = False): ...
     def snapshot(self) -> list: ...
     def restore(self, rows: list) -> None: ...
     def abort(self) -> None: ...
@@ -92,6 +93,7 @@ class StepTimer:
         assert len(self.rows) == e.max_batch_size, f"expected every slot filled, got {len(self.rows)}"
 
     def time_step(self, num_rows: int, num_draft_tokens: int) -> StepObservation:
-        """One decode step of the first `num_rows` rows at K = `num_draft_tokens`; the rows are restored first."""
+        """One decode step of the first `num_rows` rows at K = `num_draft_tokens`, every row fed K drafts (a proposer
+        that finds fewer in random text is filled up); the rows are restored first."""
         self.engine.restore(self.rows[:num_rows])
-        return self.engine.step(num_draft_tokens).observation
+        return self.engine.step(num_draft_tokens, fill_drafts=True).observation

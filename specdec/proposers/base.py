@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from specdec.processing import RowSampling
@@ -90,3 +91,25 @@ class Proposer:
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         raise NotImplementedError
+
+
+def filled_drafts(drafts: Drafts, num_asked: Tensor, filler: Tensor) -> Drafts:
+    """`drafts` with each row's missing drafts (up to `num_asked [rows]`) set to its `filler [rows]` token, chained
+    under the row's last draft: every row is fed the width it was asked for. Drafts with probabilities (a draft
+    model's, which drafts every token asked) are returned as they are."""
+    if drafts.probs is not None:
+        return drafts
+    num_rows, width = len(drafts.num_drafted), int(num_asked.max()) if num_asked.numel() else 0
+    num_drafted = torch.tensor(drafts.num_drafted)
+    col = torch.arange(width)[None, :]
+    fill = (col >= num_drafted[:, None]) & (col < num_asked[:, None])
+    token_ids = torch.full((num_rows, width), -1, dtype=torch.long)
+    given = min(width, drafts.token_ids.shape[1])
+    token_ids[:, :given] = drafts.token_ids[:, :given].cpu()
+    token_ids = torch.where(fill, filler[:, None], token_ids)
+    parents = None
+    if drafts.parents is not None:
+        parents = torch.full((num_rows, width), -1, dtype=torch.long)
+        parents[:, :given] = drafts.parents[:, :given].cpu()
+        parents = torch.where(fill, col - 1, parents)  # a filler's parent is the draft before it
+    return Drafts(token_ids, torch.maximum(num_drafted, num_asked).tolist(), parents=parents)

@@ -132,12 +132,15 @@ def test_bad_per_request_settings_are_named():
         SpecConfig(method=["ngram", "ngram"])
 
 
-def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace():
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace(method):
+    # the suffix proposer drafts one token in the warm-up's random rows (its match in a fresh response is one token
+    # long): the warm-up fills the rest, or it would time no width above 2 and price wide steps by extrapolation
     gen = Generator(
         make_model("llama"),
         max_batch_size=20,
         max_seq_len=64,
-        spec=SpecConfig(method="ngram", num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"),
+        spec=SpecConfig(method=method, num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"),
     )
     profile = gen.policy.step_times.profile
     # B: powers of 4 and the slot count; context: 32 tokens and the longest that leaves room for K drafts and a bonus;
@@ -150,3 +153,28 @@ def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace():
     assert timed == grid  # the first pass not kept; a step timed twice is one entry
     assert all(t > 0 for times in profile.values() for t in times.values()) and gen.last_trace == []
     assert not gen.policy.step_times.measured.size  # nothing measured yet: the rollout's steps come next
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("num_candidates", [1, 2], ids=["chains", "trees"])
+def test_filled_drafts_feed_every_row_its_k_and_stay_exact(num_candidates, temperature):
+    """`step(K, fill_drafts=True)` tops each row's drafts up to K (the calibration's way to time a width): every row
+    is fed K drafts, and the output is still what plain decoding gives (the same tokens for the same seed)."""
+    model = make_model("llama")
+    prompts = random_prompts(6, seed=5)
+    params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3)
+    plain = Generator(model, max_batch_size=6, max_seq_len=64).generate(prompts, params)
+    gen = Generator(
+        model, max_batch_size=6, max_seq_len=64, spec=SpecConfig(method="suffix", num_candidates=num_candidates)
+    )
+    gen.add_requests(prompts, params)
+    done, records = [], []
+    while gen.has_unfinished:
+        out = gen.step(3, fill_drafts=True)
+        done += out.finished
+        records.append(out.record)
+    decode = [r for r in records if r.kind == "decode"]
+    # rows still 4 or more tokens from their cap take all 3 drafts: the first steps feed every row 3 drafts
+    assert decode[0].num_drafted == 3 * decode[0].batch_size
+    assert all(r.num_drafted >= r.batch_size for r in decode[:8])
+    assert sorted((c.prompt_index, c.token_ids) for c in done) == sorted((o.prompt_index, o.token_ids) for o in plain)

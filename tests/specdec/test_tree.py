@@ -10,6 +10,7 @@ from test_generator import teacher_forced_logprobs
 from rollout import Generator, SamplingParams
 from rollout.engine.kv_cache import SlotKVCache
 from specdec.config import SpecConfig
+from specdec.proposers.base import Drafts, filled_drafts
 from specdec.tree import depths_and_ancestors, merge_candidates, with_root
 
 
@@ -29,6 +30,22 @@ def test_merge_candidates_shares_prefixes_under_a_budget():
     assert depths.tolist() == [[0, 1, 2, 3, 2, 1]]
     assert ancestors[0, 4].nonzero().flatten().tolist() == [0, 1, 4]  # "8" sees the root, "5" and itself
     assert ancestors[0, 3].nonzero().flatten().tolist() == [0, 1, 2, 3]
+
+
+def test_filled_drafts_chain_fillers_under_the_last_draft():
+    tree = Drafts(
+        torch.tensor([[5, 6, 8], [7, -1, -1], [-1, -1, -1]]),
+        [3, 1, 0],
+        parents=torch.tensor([[-1, 0, -1], [-1, -1, -1], [-1, -1, -1]]),
+    )
+    filled = filled_drafts(tree, torch.tensor([4, 3, 2]), filler=torch.tensor([1, 2, 3]))
+    assert filled.num_drafted == [4, 3, 2]
+    assert filled.token_ids.tolist() == [[5, 6, 8, 1], [7, 2, 2, -1], [3, 3, -1, -1]]
+    assert filled.parents.tolist() == [[-1, 0, -1, 2], [-1, 0, 1, -1], [-1, 0, -1, -1]]
+    chain = filled_drafts(Drafts(torch.tensor([[4, -1]]), [1]), torch.tensor([2]), filler=torch.tensor([9]))
+    assert chain.token_ids.tolist() == [[4, 9]] and chain.parents is None and chain.num_drafted == [2]
+    with_probs = Drafts(torch.tensor([[4]]), [1], probs=torch.ones(1, 3) / 3)
+    assert filled_drafts(with_probs, torch.tensor([3]), filler=torch.tensor([9])) is with_probs
 
 
 def count_moving_compactions(monkeypatch) -> list[int]:
