@@ -13,6 +13,7 @@ history); suffix (all rows + history); the same with token trees of each row's 2
 model; suffix + draft model (suffix where it has a confident draft); each at K = 1, 2, 4, 8 and auto (K <= 8).
 Printed per config: tokens per row-step (decode tokens emitted per row per step: 1 + accepted drafts), rollout
 tokens/s and its ratio to none, bulk and tail tokens/s ratios, mean K, and the proposer's share of the rollout time.
+`--repeats N` runs every config N times, round-robin, and prints the median ratios.
 `--cost` prints the suffix proposer's time per step at 64, 256 and 1024 slots with a real history, next to the decode
 step; `--memory N` the history's size and load time at N cached responses.
 
@@ -154,33 +155,66 @@ def scenarios(args, model, draft, prompt_ids) -> list[dict]:
     }
     rows = []
     for scenario in args.scenarios:
-        none = None
-        for config in configs[scenario]:
-            if args.only and config not in args.only and config != "none" or args.skip_none and config == "none":
-                continue
-            for k in ["-"] if config == "none" else [*args.ks, "auto"]:
-                row = run(model, config, k, prompt_ids, histories[scenario], args)
-                row["scenario"] = scenario
-                none = row if config == "none" else none
-                print_row(row, none)
-                rows.append(row)
+        # round-robin over the configs, repeat after repeat: a slow spell of the machine hits every config alike
+        for repeat in range(args.repeats):
+            none = None
+            for config in configs[scenario]:
+                if args.only and config not in args.only and config != "none" or args.skip_none and config == "none":
+                    continue
+                for k in ["-"] if config == "none" else [*args.ks, "auto"]:
+                    row = run(model, config, k, prompt_ids, histories[scenario], args)
+                    row["scenario"], row["repeat"] = scenario, repeat
+                    none = row if config == "none" else none
+                    row["ratios"] = ratios(row, none)
+                    print_row(row)
+                    rows.append(row)
+    if args.repeats > 1:
+        print_medians(rows)
     return rows
 
 
-def print_row(row: dict, none: dict | None) -> None:
+def ratios(row: dict, none: dict | None) -> dict:
+    """Rollout, bulk and tail tokens/s over the same repeat's `none` (nan without one)."""
+
     def tps(r, phase):
         return r["phases"].get(phase, {}).get("tokens_per_s", 0.0)
 
+    nan = float("nan")
+    return {
+        "x_none": row["tokens"] / row["seconds"] / (none["tokens"] / none["seconds"]) if none else nan,
+        "bulk": tps(row, "bulk") / tps(none, "bulk") if none and tps(none, "bulk") else nan,
+        "tail": tps(row, "tail") / tps(none, "tail") if none and tps(none, "tail") else nan,
+    }
+
+
+def print_medians(rows: list[dict]) -> None:
+    """Per (scenario, config, K): the median of each ratio over the repeats, with every repeat's rollout ratio."""
+    print("\n| scenario | config | K | tok/row-step | x none (median) | each repeat | bulk | tail |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    groups: dict = {}
+    for row in rows:
+        groups.setdefault((row["scenario"], row["config"], str(row["k"])), []).append(row)
+    for (scenario, config, k), group in groups.items():
+        if config == "none":
+            continue
+        median = {key: statistics.median(r["ratios"][key] for r in group) for key in ("x_none", "bulk", "tail")}
+        each = ", ".join(f"{r['ratios']['x_none']:.3f}" for r in group)
+        tokens = statistics.fmean(r["tokens_per_row_step"] for r in group)
+        print(
+            f"| {scenario} | {config} | {k} | {tokens:.3f} | {median['x_none']:.3f} | {each} | {median['bulk']:.3f} "
+            f"| {median['tail']:.3f} |"
+        )
+
+
+def print_row(row: dict) -> None:
     rate = row["tokens"] / row["seconds"]
-    ratio = rate / (none["tokens"] / none["seconds"]) if none else float("nan")
-    bulk = tps(row, "bulk") / tps(none, "bulk") if none and tps(none, "bulk") else float("nan")
-    tail = tps(row, "tail") / tps(none, "tail") if none and tps(none, "tail") else float("nan")
+    r = row["ratios"]
     share = row["proposer_seconds"] / row["seconds"]
     us = row["proposer_us_per_row_step"]
     print(
         f"{row['scenario']:7s} {row['config']:21s} K={str(row['k']):5s} "
         f"tok/row-step {row['tokens_per_row_step']:.3f}  {row['seconds']:6.2f}s {rate:6.0f} tok/s  "
-        f"x none {ratio:.3f}  bulk {bulk:.3f} tail {tail:.3f}  mean K {row['mean_k']:.2f}  "
+        f"x none {r['x_none']:.3f}  bulk {r['bulk']:.3f} tail {r['tail']:.3f}  mean K {row['mean_k']:.2f}  "
         f"proposer {100 * share:4.1f}% ({us:.1f} us/row-step)",
         flush=True,
     )
@@ -286,6 +320,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--ks", type=int, nargs="*", default=[1, 2, 4, 8], help="static Ks (none given: auto only)")
     parser.add_argument("--scenarios", nargs="+", default=["first", "second", "other"])
+    parser.add_argument("--repeats", type=int, default=1, help="rollouts per config, round-robin; prints medians")
     parser.add_argument("--only", nargs="+", help="configs to run besides none, e.g. suffix")
     parser.add_argument("--skip-none", action="store_true", help="no 'none' rows (ratios then read nan)")
     parser.add_argument("--cost", action="store_true", help="the proposer's time per step at 64, 256, 1024 rows")

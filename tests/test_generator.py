@@ -349,3 +349,32 @@ def test_a_draft_model_named_by_path_is_planned_from_its_config(tmp_path):
     with pytest.raises(ValueError, match=f"largest max_batch_size that fits is {fits};"):
         check_kv_cache_fits(target, spec, fits + 1, 2000)
     assert fitting_batch_size(target, spec, 20, 5) == 5
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ([4, 4, 4, 5, 5, 6], [4, 5, 6, 7, 8, 9]),  # prompts fanned out to their samples, sources among destinations
+        ([9, 8, 5], [1, 2, 3]),  # rows packed into holes
+        ([6, 7, 8, 2], [0, 1, 2, 3]),  # consecutive sources, and one that is a destination of the same call
+        ([3], [3]),
+    ],
+    ids=["fan-out", "pack", "blocks", "self"],
+)
+def test_copy_rows_reads_every_source_before_writing(src, dst):
+    from rollout.engine.kv_cache import SlotKVCache
+
+    cache = SlotKVCache(num_layers=2, num_slots=10, num_positions=6)
+    generator = torch.Generator().manual_seed(0)
+    for layer in cache.layers:
+        states = torch.randn(10, 2, 7, 3, generator=generator)
+        layer.lazy_initialization(states, states)
+        layer.keys.copy_(states)
+        layer.values.copy_(-states)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    cache.copy_rows(torch.tensor(src), torch.tensor(dst), num_positions=4)
+    for (keys, values), layer in zip(before, cache.layers):
+        for old, new in ((keys, layer.keys), (values, layer.values)):
+            expected = old.clone()
+            expected[dst, :, :4] = old[src, :, :4]  # every source as it was before the call
+            assert torch.equal(new, expected)

@@ -113,16 +113,25 @@ class SlotKVCache(Cache):
         buffers = [b for layer in self.layers if layer.is_initialized for b in (layer.keys, layer.values)]
         if not buffers:
             return
-        pairs = [] if buffers[0].is_cuda else list(zip(src.tolist(), dst.tolist()))  # no device sync on a GPU
-        if pairs and not {s for s, _ in pairs} & {d for _, d in pairs}:
-            # rows apart (packing rows on a CPU): a copy per row of its [H, end, D] block beats indexing
+        if buffers[0].is_cuda:  # one gather (every source read first) and one scatter per buffer: no device sync
             for buffer in buffers:
-                for s, d in pairs:
-                    buffer[d, :, :end].copy_(buffer[s, :, :end])
+                view = buffer[:, :, :end]
+                view.index_copy_(0, dst, view.index_select(0, src))
             return
-        for buffer in buffers:  # one gather (every source read first) and one scatter per buffer
+        # on a CPU, block copies beat indexing: each run of consecutive destinations is one copy, from one source row
+        # (a prompt fanned out to its samples) or from as many consecutive ones (rows packed); sources that are also
+        # destinations are read into a block of their own first
+        src_list, dst_list = src.tolist(), dst.tolist()
+        overlap = bool(set(src_list) & set(dst_list))
+        sources = sorted(set(src_list)) if overlap else []
+        where = {row: i for i, row in enumerate(sources)}
+        runs = _runs([where[s] for s in src_list] if overlap else src_list, dst_list)
+        for buffer in buffers:
             view = buffer[:, :, :end]
-            view.index_copy_(0, dst, view.index_select(0, src))
+            origin = view.index_select(0, torch.tensor(sources, device=view.device)) if overlap else view
+            for s, d, length, fan in runs:
+                block = origin[s : s + 1].expand(length, -1, -1, -1) if fan else origin[s : s + length]
+                view[d : d + length].copy_(block)
 
     def compact_paths(self, rows: Tensor, base_positions: Tensor, accepted_nodes: Tensor) -> None:
         """Move each row's accepted token-tree path next to its root, in every layer.
@@ -136,6 +145,24 @@ class SlotKVCache(Cache):
         for layer in self.layers:
             if layer.is_initialized:
                 op(layer.keys, layer.values, rows, base_positions, accepted_nodes)
+
+
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int, bool]]:
+    """Split the row pairs into runs of consecutive destinations: `(first source, first destination, length, fan)`,
+    `fan` when the run repeats one source, else its sources are consecutive too."""
+    runs: list[list] = []
+    for s, d in zip(src, dst):
+        if runs:
+            first_s, first_d, length, fan = runs[-1]
+            if d == first_d + length:
+                if (fan or length == 1) and s == first_s:
+                    runs[-1][2:] = [length + 1, True]
+                    continue
+                if not fan and s == first_s + length:
+                    runs[-1][2] = length + 1
+                    continue
+        runs.append([s, d, 1, False])
+    return [tuple(run) for run in runs]
 
 
 def kv_cache_bytes(model: torch.nn.Module, num_slots: int, num_positions: int) -> int:
