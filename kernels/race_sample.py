@@ -11,9 +11,10 @@ shifts: the same bits in Triton, numpy and torch); `E_t = -ln(u_t)` uses a logar
 operations only (exponent from the bits, then a series for the mantissa), so the interpreter's numpy and torch's CPU
 kernels round it identically (their own `log` differ in the last bit for ~0.1% of inputs).
 
-The reference avoids most logarithms: `-ln(u) >= 1 - u`, so `p / (1 - u)` (slightly enlarged against rounding)
-bounds a token's score from above. It scores exactly only the tokens of the largest bounds, and a row whose winner
-beats every other bound is done; any other row is scored in full. The winner is the kernel's, always.
+The reference avoids most logarithms: `-ln(u) >= 1 - u`, so `p / (1 - u)` bounds a token's score from above. It takes
+the bounds in float32 (relative error below 2^-22, far inside the slack it allows), scores exactly only the token of
+the largest bound, and a row in which no other token's bound reaches that score is done; any other row is scored in
+full. The winner is the kernel's, always.
 """
 
 import torch
@@ -27,8 +28,7 @@ _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # as int64: multiplies wrap
 _MIX1 = 0xBF58476D1CE4E5B9 - 2**64
 _MIX2 = 0x94D049BB133111EB - 2**64
 _BITS53 = (1 << 53) - 1
-_BOUND_SLACK = 1.0 + 2.0**-40  # p / (1 - u) times this is above the score p / E whatever the rounding
-_CANDIDATES = 16  # tokens per row the reference scores exactly before checking the bounds
+_BOUND_SLACK = 1.0 + 2.0**-16  # a float32 bound p / (1 - u) times this is above the score p / E whatever the rounding
 _LN2 = 0.6931471805599453
 _SQRT2 = 1.4142135623730951
 # 1 / (2k + 1), k = 10..1: ln(m) = 2 s (1 + s^2 / 3 + s^4 / 5 + ...), s = (m - 1) / (m + 1), |s| < 0.172
@@ -152,10 +152,14 @@ def _row_keys(seeds: Tensor, positions: Tensor) -> Tensor:
     return _mix64_ref(seeds ^ _mix64_ref(positions + _GOLDEN))
 
 
+def _bits(keys: Tensor, token_ids: Tensor) -> Tensor:
+    """`[rows, tokens]` int64: the 53 random bits of each (row key, token)."""
+    return _mix64_ref(keys[:, None] + token_ids * _GOLDEN).bitwise_right_shift_(11).bitwise_and_(_BITS53)
+
+
 def _uniforms(keys: Tensor, token_ids: Tensor) -> Tensor:
     """`[rows, tokens]` float64 in (0, 1): the race's uniform of each (row key, token)."""
-    bits = _mix64_ref(keys[:, None] + token_ids * _GOLDEN).bitwise_right_shift_(11).bitwise_and_(_BITS53)
-    return bits.to(torch.float64).add_(0.5).mul_(2.0**-53)
+    return _bits(keys, token_ids).to(torch.float64).add_(0.5).mul_(2.0**-53)
 
 
 def _neg_log_ref(u: Tensor) -> Tensor:
@@ -198,22 +202,24 @@ def race_sample_ref(
     keys = _row_keys(seeds, positions)
     out = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
     rows_per_chunk = max(1, _ELEMENTS_PER_CHUNK // max(vocab_size, 1))
-    num_candidates = min(_CANDIDATES, vocab_size)
     for start in range(0, num_rows, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
-        p = probs[rows].to(torch.float64)
-        u = _uniforms(keys[rows], cols)
-        bound = p / (1.0 - u) * _BOUND_SLACK  # >= p / E: -ln(u) >= 1 - u
-        top_bounds, candidates = bound.topk(num_candidates, dim=1)
-        scores = p.gather(1, candidates) / _neg_log_ref(u.gather(1, candidates))
-        best = scores.max(dim=1, keepdim=True).values
-        # the lowest token id among the candidates scoring the best (the kernel's tie rule)
-        winner = torch.where(scores == best, candidates, vocab_size).min(dim=1).values
-        settled = (top_bounds[:, -1] < best[:, 0]) | (num_candidates == vocab_size)
-        unsettled = torch.nonzero(~settled)[:, 0]
-        if len(unsettled):  # some token outside the candidates may still win: score those rows in full
-            full = p[unsettled] / _neg_log_ref(u[unsettled])
-            winner[unsettled] = full.argmax(dim=1)  # the first maximum
+        p = probs[rows]
+        bits = _bits(keys[rows], cols)  # [rows, vocab]: u = (bits + 1/2) 2^-53
+        # 2^53 (1 - u) = 2^53 - bits - 1/2, and the bound p / (1 - u) in units of 2^-53 (the order is the same)
+        room = (_BITS53 - bits).to(torch.float32).add_(0.5)
+        bound = p.to(torch.float32) / room
+        first = bound.argmax(dim=1, keepdim=True)  # [rows, 1]
+        u = (bits.gather(1, first).to(torch.float64) + 0.5) * 2.0**-53
+        best = p.gather(1, first).to(torch.float64) / _neg_log_ref(u)  # [rows, 1] its exact score
+        # a token whose bound reaches that score may beat it (or tie it with a lower id): score such rows in full
+        threshold = (best * (2.0**-53 / _BOUND_SLACK)).to(torch.float32)
+        contested = torch.nonzero((bound >= threshold).sum(dim=1) > 1)[:, 0]
+        winner = first[:, 0]
+        if len(contested):
+            u_full = (bits[contested].to(torch.float64) + 0.5) * 2.0**-53
+            full = p[contested].to(torch.float64) / _neg_log_ref(u_full)
+            winner[contested] = full.argmax(dim=1)  # the first maximum
         out[rows] = winner
     return out
 

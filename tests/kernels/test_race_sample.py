@@ -45,6 +45,25 @@ def test_kernel_matches_reference_at_a_real_vocabulary_size():
     assert torch.equal(race_sample(**case), race_sample_ref(**case))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reference_shortcut_is_the_full_race(dtype):
+    """The reference scores exactly only where its float32 bound cannot rule a token out: on peaked rows (most are
+    settled by one exact score), flat rows (most are scored in full) and rows with zeros, its token is the argmax
+    of every token's exact score."""
+    generator = torch.Generator().manual_seed(3)
+    num_rows, vocab_size = 600, 476
+    logits = torch.randn(num_rows, vocab_size, generator=generator, dtype=torch.float64)
+    logits[:200] *= 8.0  # peaked
+    logits[200:400] *= 0.05  # nearly flat
+    logits[400:, 100:] = -torch.inf  # top-k style zeros
+    probs = torch.softmax(logits, dim=-1).to(dtype)
+    seeds = torch.randint(0, 2**62, (num_rows,), generator=generator)
+    positions = torch.randint(0, 2**32, (num_rows,), generator=generator)
+    noise = race_exponentials_ref(seeds, positions, torch.arange(vocab_size))
+    full = (probs.to(torch.float64) / noise).argmax(dim=1)
+    assert torch.equal(race_sample_ref(probs, seeds, positions), full)
+
+
 @triton.jit
 def _neg_log_kernel(u_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
