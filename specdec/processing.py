@@ -35,6 +35,17 @@ class RowSampling:
             self.any_greedy,
         )
 
+    def select(self, rows: Tensor) -> RowSampling:
+        """The settings of `rows` (`[n]` indices on the settings' device); the host flags stay those of all rows."""
+        return RowSampling(
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.needs_filter,
+            self.all_greedy,
+            self.any_greedy,
+        )
+
 
 def processed_logprobs(logits: Tensor, sampling: RowSampling) -> Tensor:
     """Log-probabilities `[rows, V]` of the distribution each row samples from (-inf outside top-k/top-p).

@@ -165,13 +165,12 @@ def verify_exact(
     """Walk each row's tree from the root: draw the race's token at the current node (position: root position +
     depth); a child holding that token is accepted and the walk moves to it, else the row stops. The row emits the
     tokens drawn along its path (the accepted drafts, then the token drawn at the last node): the tokens plain
-    decoding draws. Only the nodes on the path are raced, one batched draw per depth."""
+    decoding draws. Only the nodes on the path are processed (temperature, top-k, top-p) and raced, one batched draw
+    per depth."""
     device = target_logits.device
     num_nodes = torch.tensor(layout.num_nodes)
     rows, width, max_depth = len(layout.num_nodes), layout.width, layout.max_depth
-    token_sampling, logprobs, use_triton = _process(target_logits, sampling, num_nodes.to(device))
-    probs = target_probs(target_logits, logprobs, token_sampling)
-    op = race_sample if use_triton else race_sample_ref
+    op = race_sample if target_logits.is_cuda else race_sample_ref
     fed = (torch.arange(width)[None, :] < num_nodes[:, None]).to(device)  # [rows, width]
     tokens = torch.full((rows, width), -1, dtype=torch.long, device=device)
     tokens[fed] = node_token_ids
@@ -179,15 +178,22 @@ def verify_exact(
     starts = (torch.cumsum(num_nodes, 0) - num_nodes).to(device)
     seeds, positions = race.seeds.to(device), race.positions.to(device)
     out = torch.full((rows, max_depth + 1), -1, dtype=torch.long, device=device)
-    path = torch.zeros(rows, max_depth + 1, dtype=torch.long, device=device)  # the node each emitted token came from
+    logprobs = torch.zeros(rows, max_depth + 1, dtype=torch.float64, device=device)
     accepted = torch.full((rows, max_depth), -1, dtype=torch.long, device=device)
     current = torch.zeros(rows, dtype=torch.long, device=device)
     walking = torch.arange(rows, device=device)  # rows whose every draft so far was accepted
     for depth in range(max_depth + 1):
         node = current[walking]
-        drawn = op(probs[starts[walking] + node], seeds[walking].contiguous(), positions[walking] + depth)
+        node_logits = target_logits[starts[walking] + node]
+        node_sampling = sampling.select(walking)
+        node_logprobs = processed_logprobs(node_logits, node_sampling)
+        drawn = op(
+            target_probs(node_logits, node_logprobs, node_sampling),
+            seeds[walking].contiguous(),
+            positions[walking] + depth,
+        )
         out[walking, depth] = drawn
-        path[walking, depth] = node
+        logprobs[walking, depth] = node_logprobs.gather(1, drawn[:, None])[:, 0].to(torch.float64)
         if depth == max_depth:
             break
         # siblings hold distinct tokens: at most one child of the node holds the drawn token
@@ -199,7 +205,7 @@ def verify_exact(
         if not len(walking):
             break
     num_accepted = (accepted >= 0).sum(dim=1)
-    return VerifyResult(out, num_accepted + 1, _emitted_logprobs(logprobs, starts[:, None] + path, out), accepted)
+    return VerifyResult(out, num_accepted + 1, logprobs, accepted)
 
 
 def _process(target_logits: Tensor, sampling: RowSampling, target_rows_per_row: Tensor):

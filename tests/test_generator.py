@@ -378,3 +378,25 @@ def test_copy_rows_reads_every_source_before_writing(src, dst):
             expected = old.clone()
             expected[dst, :, :4] = old[src, :, :4]  # every source as it was before the call
             assert torch.equal(new, expected)
+
+
+def test_a_chain_mask_is_the_general_mask_with_causal_ancestors():
+    """The chain shortcut of `build_attention_mask` (one compare) equals the general builder given the causal
+    ancestor relation, for decode blocks after ragged prefixes and for a left-padded prefill."""
+    from rollout.engine.attention_mask import build_attention_mask
+
+    generator = torch.Generator().manual_seed(0)
+    lens = torch.randint(0, 20, (7,), generator=generator)
+    num_inputs = torch.randint(1, 6, (7,), generator=generator)
+    offsets = torch.arange(5)
+    valid = offsets[None, :] < num_inputs[:, None]
+    decode = (lens, torch.where(valid, lens[:, None] + offsets, 30), valid, int((lens + num_inputs).max()))
+    prompt_lens = torch.tensor([5, 2, 1])
+    pad = 5 - prompt_lens
+    valid = offsets[None, :] >= pad[:, None]
+    prefill = (torch.zeros(3, dtype=torch.long), torch.where(valid, offsets - pad[:, None], 30), valid, 5)
+    for prefix, write_positions, valid, kv_len in (decode, prefill):
+        positions = torch.where(valid, write_positions, 0)
+        causal = torch.ones(5, 5, dtype=torch.bool).tril().expand(len(prefix), -1, -1)
+        general = build_attention_mask(prefix, write_positions, valid, positions, kv_len, causal)
+        assert torch.equal(build_attention_mask(prefix, write_positions, valid, positions, kv_len), general)

@@ -24,14 +24,21 @@ def build_attention_mask(
 
     A valid query sees the prefix keys `j < prefix_length` and the block tokens it descends from (itself included);
     with a sliding window, only keys whose position is within `sliding_window` of its own. A padding query sees key 0
-    only: every query row needs one visible key, or softmax returns NaN.
+    only: every query row needs one visible key, or softmax returns NaN. A chain (`ancestors` None) must be written
+    right after its prefix, valid tokens at `prefix_length`, `prefix_length + 1`, ... (as decode and prefill write).
     """
     num_rows, num_block = write_positions.shape
     device = write_positions.device
+    key_index = torch.arange(kv_len, device=device)
+    padding_query = key_index == 0  # [kv_len]
+    if ancestors is None and sliding_window is None:
+        # a chain sits right after its prefix (decode) or starts at 0 (prefill): a query sees every key up to its own
+        # slot, one compare instead of the scatter below
+        mask = key_index[None, None, :] <= write_positions[:, :, None]
+        return torch.where(valid[:, :, None], mask, padding_query)[:, None]
     if ancestors is None:
         ancestors = torch.ones(num_block, num_block, dtype=torch.bool, device=device).tril().expand(num_rows, -1, -1)
     ancestors = ancestors & valid[:, None, :] & valid[:, :, None]
-    key_index = torch.arange(kv_len, device=device)
     prefix = key_index[None, None, :] < prefix_lengths[:, None, None]  # [rows, 1, kv_len]
     if sliding_window is not None:
         # transformers' convention: key visible iff q_pos - k_pos < window (prefix keys sit at their own position)
@@ -43,10 +50,7 @@ def build_attention_mask(
     block = torch.zeros(num_rows, num_block, kv_len, dtype=torch.int32, device=device)
     block.scatter_add_(2, columns, ancestors.to(torch.int32))
     mask = (block > 0) | prefix
-    padding_query = torch.zeros_like(mask)
-    padding_query[..., 0] = True
-    mask = torch.where(valid[:, :, None], mask, padding_query)
-    return mask[:, None]
+    return torch.where(valid[:, :, None], mask, padding_query)[:, None]
 
 
 def to_additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
