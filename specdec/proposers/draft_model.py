@@ -49,19 +49,17 @@ class DraftModelProposer(Proposer):
         num_rows = len(batch.num_tokens)
         max_k = max(batch.num_asked)
         device = self.runner.device
-        for row, (state, num_tokens) in enumerate(zip(batch.states, batch.num_tokens)):
-            _reconcile(state, batch.token_ids[row], num_tokens)
+        num_tokens = torch.tensor(batch.num_tokens)
+        asked = torch.tensor(batch.num_asked)
         # catch up: feed every row the committed tokens its draft cache lacks (the pending token at least)
-        cache_lens = [s["cache_len"] for s in batch.states]
-        num_inputs = [n - c for n, c in zip(batch.num_tokens, cache_lens)]
-        width = max(num_inputs)
-        input_ids = torch.zeros(num_rows, width, dtype=torch.long)
-        for row, (start, count) in enumerate(zip(cache_lens, num_inputs)):
-            input_ids[row, :count] = batch.token_ids[row, start : start + count]
-        logits = self.runner.decode(0, input_ids, num_inputs, cache_lens)
-        last = torch.tensor(num_inputs, device=device) - 1
-        step_logits = logits[torch.arange(num_rows, device=device), last]
-        cache_lens = list(batch.num_tokens)
+        cache_lens = _reconciled(batch.states, batch.token_ids, num_tokens)
+        num_inputs = num_tokens - cache_lens
+        offsets = torch.arange(int(num_inputs.max()))
+        columns = (cache_lens[:, None] + offsets).clamp(max=batch.token_ids.shape[1] - 1)
+        input_ids = torch.where(offsets < num_inputs[:, None], batch.token_ids.gather(1, columns), 0)
+        logits = self.runner.decode(0, input_ids, num_inputs.tolist(), cache_lens.tolist())
+        step_logits = logits[torch.arange(num_rows, device=device), (num_inputs - 1).to(device)]
+        cache_lens = num_tokens.clone()
         draft_ids = torch.full((num_rows, max_k), -1, dtype=torch.long, device=device)
         draft_probs = []
         uniforms = batch.draft_uniforms.to(device)
@@ -71,42 +69,50 @@ class DraftModelProposer(Proposer):
                 tokens = _race_draft(probs, batch.race, j)
             else:
                 tokens = _sample(probs, uniforms[:, j], batch.sampling)
-            drafting = torch.tensor([k > j for k in batch.num_asked], device=device)
-            draft_ids[:, j] = torch.where(drafting, tokens, -1)
+            draft_ids[:, j] = torch.where((asked > j).to(device), tokens, -1)
             if batch.race is None:  # rejection sampling needs q at every draft
                 draft_probs.append(probs)
             if j + 1 < max_k:  # the last draft is never fed: verification decides whether it is kept
-                feeding = [int(k > j + 1) for k in batch.num_asked]
-                step_logits = self.runner.decode(0, tokens[:, None], feeding, cache_lens)[:, 0]
-                cache_lens = [c + f for c, f in zip(cache_lens, feeding)]
-        host_drafts = draft_ids.cpu().tolist()  # one transfer: the next step reconciles against these on the host
-        for row, state in enumerate(batch.states):
-            k = batch.num_asked[row]
-            state.update(cache_len=cache_lens[row], base=batch.num_tokens[row])
-            state["cached_drafts"] = host_drafts[row][: k - 1] if k > 1 else []
+                feeding = (asked > j + 1).long()
+                step_logits = self.runner.decode(0, tokens[:, None], feeding.tolist(), cache_lens.tolist())[:, 0]
+                cache_lens += feeding
+        # one transfer: the next step reconciles against these on the host
+        host_drafts = draft_ids[:, : max(max_k - 1, 0)].cpu().tolist()
+        for state, length, base, k, drafts in zip(
+            batch.states, cache_lens.tolist(), batch.num_tokens, batch.num_asked, host_drafts
+        ):
+            state.update(cache_len=length, base=base, cached_drafts=drafts[: k - 1] if k > 1 else [])
         if batch.race is not None:  # exact verification: a draft is checked against the target's race, as one-hot
             return Drafts(draft_ids, list(batch.num_asked))
         # rows back to back, each row's positions j < K_i, matching the verifier's flattened layout
         stacked = torch.stack(draft_probs, dim=1) if draft_probs else None  # [rows, max_k, V]
-        keep = torch.tensor([[j < k for j in range(max_k)] for k in batch.num_asked], device=device)
+        keep = (torch.arange(max_k)[None, :] < asked[:, None]).to(device)
         flat_probs = stacked[keep] if stacked is not None else None
         return Drafts(draft_ids, list(batch.num_asked), flat_probs)
 
 
-def _reconcile(state: dict, token_ids: Tensor, num_tokens: int) -> None:
-    """Keep the cached draft tokens that match the committed history; drop the rest by lowering the length."""
-    base, cached = state["base"], state["cached_drafts"]
-    if not cached:
-        state["cache_len"] = min(state["cache_len"], num_tokens - 1)
-        return
-    history = token_ids[base : min(base + len(cached), num_tokens - 1)].tolist()
-    matched = 0
-    for token, draft in zip(history, cached):
-        if token != draft:
-            break
-        matched += 1
-    state["cache_len"] = base + matched
-    state["cached_drafts"] = []
+def _reconciled(states: list[dict], token_ids: Tensor, num_tokens: Tensor) -> Tensor:
+    """`[rows]` each row's draft-cache length after reconciling: the cached draft tokens that match the committed
+    history (`token_ids [rows, T]`, `num_tokens [rows]`, the pending token last) stay, the rest are dropped by a
+    lower length. The states' cached drafts are consumed."""
+    cached = [s["cached_drafts"] for s in states]
+    lengths = torch.tensor([len(c) for c in cached])
+    previous = torch.tensor([s["cache_len"] for s in states])
+    width = int(lengths.max()) if len(cached) else 0
+    # rows without cached drafts keep their length, never past the committed tokens (the pending one is not cached)
+    reconciled = torch.minimum(previous, num_tokens - 1)
+    if width:
+        bases = torch.tensor([s["base"] for s in states])
+        drafts = torch.tensor([c + [-1] * (width - len(c)) for c in cached])
+        offsets = torch.arange(width)
+        history = token_ids.gather(1, (bases[:, None] + offsets).clamp(max=token_ids.shape[1] - 1))
+        # a cached draft counts while it is inside the committed tokens (before the pending one) and matches them
+        comparable = offsets[None, :] < torch.minimum(lengths, num_tokens - 1 - bases)[:, None]
+        matched = ((history == drafts) & comparable).long().cumprod(dim=1).sum(dim=1)
+        reconciled = torch.where(lengths > 0, bases + matched, reconciled)
+    for state in states:
+        state["cached_drafts"] = []
+    return reconciled
 
 
 def _draft_distribution(logits: Tensor, sampling: RowSampling) -> Tensor:
