@@ -58,68 +58,60 @@ class ProposerSet(Proposer):
         """Drafts for every row, and per row the proposer that served it (or, if none had drafts, the last one
         asked). `requested[i]` names the only proposer row i may use; None cascades through all."""
         num_rows = len(batch.num_tokens)
-        requested = [None] * num_rows if requested is None else requested
-        served: list[str | None] = [None] * num_rows
-        tried: list[str] = [self.names[0]] * num_rows
-        results: dict[str, Drafts] = {}
-        for name, proposer in self.proposers.items():
-            asked = [
-                k if served[i] is None and requested[i] in (None, name) else 0 for i, k in enumerate(batch.num_asked)
-            ]
-            if max(asked, default=0) == 0:
+        names = self.names
+        only = torch.full((num_rows,), -1)  # per row: the index of the only proposer it may ask, -1 = any
+        if requested is not None:
+            only = torch.tensor([-1 if r is None else names.index(r) for r in requested], dtype=torch.long)
+        num_asked = torch.tensor(batch.num_asked)
+        served = torch.full((num_rows,), -1)  # per row: the index of the proposer whose drafts it takes
+        tried = torch.zeros(num_rows, dtype=torch.long)  # per row: the last proposer asked
+        results: dict[int, Drafts] = {}
+        for index, (name, proposer) in enumerate(self.proposers.items()):
+            asked = torch.where((served < 0) & ((only < 0) | (only == index)), num_asked, 0)
+            if int(asked.max()) == 0:
                 proposer.update(batch.token_ids, batch.num_tokens)  # it drafts for nobody, but may learn the text
                 continue
             states = [s.setdefault(name, {}) for s in batch.states]
-            drafts = proposer.propose(dataclasses.replace(batch, num_asked=asked, states=states))
-            results[name] = drafts
-            for i, (k, n) in enumerate(zip(asked, drafts.num_drafted)):
-                if k > 0:
-                    tried[i] = name
-                    if n > 0:
-                        served[i] = name
+            drafts = proposer.propose(dataclasses.replace(batch, num_asked=asked.tolist(), states=states))
+            results[index] = drafts
+            tried = torch.where(asked > 0, index, tried)
+            served = torch.where((asked > 0) & (torch.tensor(drafts.num_drafted) > 0), index, served)
+        tried_names = [names[i] for i in tried.tolist()]
         if len(results) == 1:
-            return next(iter(results.values())), tried
-        return _combine(results, served, num_rows), tried
+            return next(iter(results.values())), tried_names
+        return _combine(results, served), tried_names
 
 
-def _combine(results: dict[str, Drafts], served: list[str | None], num_rows: int) -> Drafts:
-    """One `Drafts` from several proposers' results: row i's drafts from `served[i]`."""
+def _combine(results: dict[int, Drafts], served: Tensor) -> Drafts:
+    """One `Drafts` from several proposers' results (by proposer index): row i's drafts from proposer `served[i]`
+    (`[rows]`, -1: none)."""
     assert all(d.parents is None for d in results.values()), "expected chains: token trees come from one proposer alone"
+    num_rows = len(served)
     width = max(d.token_ids.shape[1] for d in results.values())
     device = next((d.token_ids.device for d in results.values() if d.probs is not None), torch.device("cpu"))
     token_ids = torch.full((num_rows, width), -1, dtype=torch.long, device=device)
-    counts = [0] * num_rows
-    for name, drafts in results.items():
-        rows = [i for i in range(num_rows) if served[i] == name]
-        if rows:
-            index = torch.tensor(rows, device=device)
-            part = drafts.token_ids.to(device)[index]
-            token_ids[index, : part.shape[1]] = part
-            for i in rows:
-                counts[i] = drafts.num_drafted[i]
+    counts = torch.zeros(num_rows, dtype=torch.long)
+    for index, drafts in results.items():
+        rows = torch.nonzero(served == index)[:, 0]
+        part = drafts.token_ids.to(device)[rows.to(device)]
+        token_ids[rows.to(device), : part.shape[1]] = part
+        counts[rows] = torch.tensor(drafts.num_drafted)[rows]
     with_probs = [d for d in results.values() if d.probs is not None]
     if not with_probs:
-        return Drafts(token_ids, counts)
+        return Drafts(token_ids, counts.tolist())
     vocab_size = with_probs[0].probs.shape[1]
-    offsets = torch.tensor([0] + counts).cumsum(0).tolist()  # each row's first position in the combined layout
-    probs = torch.zeros(offsets[-1], vocab_size, dtype=with_probs[0].probs.dtype, device=device)
-    one_hot_rows, one_hot_tokens = [], []
-    for name, drafts in results.items():
-        own = [0] + list(drafts.num_drafted)
-        own_offsets = torch.tensor(own).cumsum(0).tolist()  # the proposer's own layout: its asked rows back to back
-        src, dst = [], []
-        host_ids = drafts.token_ids.cpu() if drafts.probs is None else None  # n-gram drafts live on the host
-        for i in range(num_rows):
-            if served[i] != name:
-                continue
-            if drafts.probs is not None:
-                src.extend(range(own_offsets[i], own_offsets[i] + counts[i]))
-                dst.extend(range(offsets[i], offsets[i] + counts[i]))
-            else:
-                one_hot_rows.extend(range(offsets[i], offsets[i] + counts[i]))
-                one_hot_tokens.extend(host_ids[i, : counts[i]].tolist())
-        if src:
-            probs[torch.tensor(dst, device=device)] = drafts.probs[torch.tensor(src, device=device)]
-    if one_hot_rows:
-        probs[torch.tensor(one_hot_rows, device=device), torch.tensor(one_hot_tokens, device=device)] = 1.0
-    return Drafts(token_ids, counts, probs)
+    offsets = torch.cumsum(counts, 0) - counts  # each row's first position in the combined layout
+    probs = torch.zeros(int(counts.sum()), vocab_size, dtype=with_probs[0].probs.dtype, device=device)
+    for index, drafts in results.items():
+        rows = torch.nonzero(served == index)[:, 0]
+        position = torch.arange(int(counts[rows].max()) if len(rows) else 0)
+        valid = position[None, :] < counts[rows][:, None]  # [served rows, most drafts]
+        dst = (offsets[rows][:, None] + position)[valid].to(device)
+        if drafts.probs is not None:
+            own = torch.tensor(drafts.num_drafted)
+            own_offsets = torch.cumsum(own, 0) - own  # the proposer's own layout: its asked rows back to back
+            probs[dst] = drafts.probs[(own_offsets[rows][:, None] + position)[valid].to(device)]
+        else:  # one-hot q: a draft without probabilities is the n-gram rule under rejection sampling
+            tokens = drafts.token_ids.cpu()[rows][:, : position.numel()][valid]
+            probs[dst, tokens.to(device)] = 1.0
+    return Drafts(token_ids, counts.tolist(), probs)

@@ -109,7 +109,10 @@ def test_logprobs_with_mixed_proposers_equal_teacher_forced_pass():
     draft = make_model("llama", seed=1)
     prompts = prompts_with_and_without_matches()
     params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3, n=2)
-    gen = Generator(model, max_batch_size=8, max_seq_len=96, spec=SpecConfig(method=BOTH, model=draft))
+    # rejection verification: the draft model's q and the n-gram rows' one-hot q are combined into one pass (exact
+    # verification, the default, takes no q at all)
+    spec = SpecConfig(method=BOTH, model=draft, verification="rejection")
+    gen = Generator(model, max_batch_size=8, max_seq_len=96, spec=spec)
     outs = gen.generate(prompts, params)
     assert any(len(r.rows_by_method) == 2 for r in decode_steps(gen))
     for out in outs:

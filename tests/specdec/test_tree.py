@@ -117,3 +117,18 @@ def test_trees_need_ngram_candidates():
         SpecConfig(method="draft_model", model="tiny-draft", num_candidates=3)
     with pytest.raises(ValueError, match=r"num_candidates \(0\)"):
         SpecConfig(num_candidates=0)
+
+
+def test_combined_drafts_keep_each_rows_tokens_and_q():
+    """Several proposers' drafts in one layout: row i's tokens from the proposer that served it, with that proposer's
+    q (a draft model's) or a one-hot q (n-gram), rows back to back."""
+    from specdec.proposers.multi import _combine
+
+    ngram = Drafts(torch.tensor([[5, 6], [-1, -1], [7, -1], [-1, -1]]), [2, 0, 1, 0])
+    q = torch.softmax(torch.randn(3, 10, generator=torch.Generator().manual_seed(0)), dim=-1)
+    model = Drafts(torch.tensor([[-1, -1, -1], [8, 9, -1], [-1, -1, -1], [4, -1, -1]]), [0, 2, 0, 1], probs=q)
+    combined = _combine({0: ngram, 1: model}, served=torch.tensor([0, 1, 0, 1]))
+    assert combined.token_ids.tolist() == [[5, 6, -1], [8, 9, -1], [7, -1, -1], [4, -1, -1]]
+    assert combined.num_drafted == [2, 2, 1, 1]
+    one_hot = torch.nn.functional.one_hot(torch.tensor([5, 6, 7]), 10).to(q.dtype)
+    assert torch.equal(combined.probs, torch.stack([one_hot[0], one_hot[1], q[0], q[1], one_hot[2], q[2]]))
