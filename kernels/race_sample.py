@@ -157,9 +157,14 @@ def _bits(keys: Tensor, token_ids: Tensor) -> Tensor:
     return _mix64_ref(keys[:, None] + token_ids * _GOLDEN).bitwise_right_shift_(11).bitwise_and_(_BITS53)
 
 
+def _uniforms_of(bits: Tensor) -> Tensor:
+    """float64 in (0, 1): the uniform `(bits + 1/2) 2^-53` of each value of `_bits`."""
+    return bits.to(torch.float64).add_(0.5).mul_(2.0**-53)
+
+
 def _uniforms(keys: Tensor, token_ids: Tensor) -> Tensor:
     """`[rows, tokens]` float64 in (0, 1): the race's uniform of each (row key, token)."""
-    return _bits(keys, token_ids).to(torch.float64).add_(0.5).mul_(2.0**-53)
+    return _uniforms_of(_bits(keys, token_ids))
 
 
 def _neg_log_ref(u: Tensor) -> Tensor:
@@ -210,15 +215,14 @@ def race_sample_ref(
         room = (_BITS53 - bits).to(torch.float32).add_(0.5)
         bound = p.to(torch.float32) / room
         first = bound.argmax(dim=1, keepdim=True)  # [rows, 1]
-        u = (bits.gather(1, first).to(torch.float64) + 0.5) * 2.0**-53
-        best = p.gather(1, first).to(torch.float64) / _neg_log_ref(u)  # [rows, 1] its exact score
+        # [rows, 1] its exact score
+        best = p.gather(1, first).to(torch.float64) / _neg_log_ref(_uniforms_of(bits.gather(1, first)))
         # a token whose bound reaches that score may beat it (or tie it with a lower id): score such rows in full
         threshold = (best * (2.0**-53 / _BOUND_SLACK)).to(torch.float32)
         contested = torch.nonzero((bound >= threshold).sum(dim=1) > 1)[:, 0]
         winner = first[:, 0]
         if len(contested):
-            u_full = (bits[contested].to(torch.float64) + 0.5) * 2.0**-53
-            full = p[contested].to(torch.float64) / _neg_log_ref(u_full)
+            full = p[contested].to(torch.float64) / _neg_log_ref(_uniforms_of(bits[contested]))
             winner[contested] = full.argmax(dim=1)  # the first maximum
         out[rows] = winner
     return out
