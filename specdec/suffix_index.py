@@ -159,7 +159,7 @@ class SuffixIndex:
             ids = self._allocate(tokens[fresh].astype(np.int32))
             self.nodes[new_parents, 1] = ids
             self.nodes[new_parents, 3] = ids
-            self.nodes[ids, 0] = 1
+            self.nodes[ids[0] : ids[-1] + 1, 0] = 1
             children[fresh] = ids
         shared = np.flatnonzero(~fresh)
         if shared.size:
@@ -198,6 +198,8 @@ class SuffixIndex:
     def _raise_best(self, parents: np.ndarray, children: np.ndarray, best: np.ndarray) -> None:
         """best[p] = the child of largest count among the current best (`best`, before this call) and the children
         just counted."""
+        ask = np.flatnonzero(best != children)  # a child that is its parent's best already stays best
+        parents, children, best = parents[ask], children[ask], best[ask]
         for _ in range(8):  # several children of one parent in one call: the last write may not be the largest
             better = (best < 0) | (self.count[children] > self.count[np.maximum(best, 0)])
             if not better.any():
@@ -215,7 +217,7 @@ class SuffixIndex:
             branching[: len(self.branching)] = self.branching
             self.nodes, self.branching = nodes, branching
         ids = np.arange(self.num_nodes, needed, dtype=np.int32)
-        self.token[ids] = tokens
+        self.nodes[self.num_nodes : needed, 2] = tokens  # new nodes are one run: slices, not scatters
         self.num_nodes = needed
         return ids
 

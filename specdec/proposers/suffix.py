@@ -244,9 +244,14 @@ class SuffixProposer(Proposer):
         match = np.arange(1, depth)[None, :]
         limit = np.minimum(asked[owner][:, None], np.floor(match * self.max_spec_factor).astype(np.int64))
         limit = np.minimum(limit, depth - match)
+        counts = np.where(nodes >= 0, self.index.count[np.maximum(nodes, 0)], 0)
         # a node seen once is the row's own occurrence: nothing followed it yet
-        usable = (nodes >= 0) & (limit >= 1)
-        usable[usable] = self.index.count[nodes[usable]] >= 2
+        usable = (counts >= 2) & (limit >= 1)
+        # an m-gram as frequent as the (m+1)-gram that ends with it occurs only there: both have the same continuations,
+        # so their walks are the same up to the shorter limit; walk once, from the one whose limit is larger
+        same = counts[:, :-1] == counts[:, 1:]
+        usable[:, :-1] &= ~(same & (limit[:, :-1] <= limit[:, 1:]))
+        usable[:, 1:] &= ~(same & (limit[:, 1:] < limit[:, :-1]))
         which, m = np.nonzero(usable)
         width = int(asked.max(initial=0))
         tokens, lengths, scores = self.index.walk(

@@ -275,3 +275,49 @@ def test_a_vocabulary_beyond_the_trie_keys_is_refused():
     with pytest.raises(ValueError, match="vocabularies of up to 2097151 tokens, got 2097152"):
         SuffixProposer(3, vocab_size=1 << 21, num_slots=2, num_positions=8)
     SuffixProposer(3, vocab_size=(1 << 21) - 1, num_slots=2, num_positions=8)  # the largest that fits
+
+
+def every_walk_drafts(proposer: SuffixProposer, asked: list[int]) -> list[list[int]]:
+    """The draft of highest score of each row over every (trie, match length) walk, none skipped; a tie goes to the
+    later walk (trie, then match length), as in the proposer."""
+    index, depth = proposer.index, proposer.max_tree_depth
+    drafts = []
+    for row, k in enumerate(asked):
+        best = (-1.0, [])
+        for source in proposer.sources:
+            for m in range(1, depth):
+                node = int(proposer._frontiers[source, row, m])
+                limit = min(k, int(np.floor(m * proposer.max_spec_factor)), depth - m)
+                if node < 0 or index.count[node] < 2 or limit < 1:
+                    continue
+                tokens, lengths, scores = index.walk(
+                    np.array([node]), np.array([limit]), proposer.min_token_prob, max(asked), num_open=1
+                )
+                if lengths[0] > 0 and scores[0] >= best[0]:
+                    best = (scores[0], tokens[0, : lengths[0]].tolist())
+        drafts.append(best[1])
+    return drafts
+
+
+@pytest.mark.parametrize("max_spec_factor", [1.0, 0.5])
+def test_drafts_equal_the_best_over_every_match_length(max_spec_factor):
+    """The proposer walks once per run of equally frequent match lengths (their continuations are the same); the
+    drafts must be those of walking from every match length."""
+    rng = np.random.default_rng(3)
+    proposer = SuffixProposer(5, SEP, 24, 128, max_tree_depth=9, max_spec_factor=max_spec_factor)
+    prompts = [rng.integers(0, 6, size=5).tolist() for _ in range(3)]
+    proposer.prefill(0, prompts, torch.arange(24) % 3, [{} for _ in range(24)])
+    # responses copied from a few texts with some tokens changed: long matches seen 2-4 times, so runs of match
+    # lengths with one count, whose limits differ
+    texts = rng.integers(0, 6, size=(4, 60))
+    rows = []
+    for i in range(24):
+        text = texts[i % 4, : rng.integers(10, 60)].copy()
+        edits = rng.random(len(text)) < 0.1
+        text[edits] = rng.integers(0, 6, size=int(edits.sum()))
+        rows.append(prompts[i % 3] + text.tolist())
+    asked = rng.integers(0, 6, size=24).tolist()
+    drafts = proposer.propose(proposal(rows, asked))
+    expected = every_walk_drafts(proposer, asked)
+    assert sum(len(d) for d in expected) > 24  # most rows have a draft: the comparison is not vacuous
+    assert [drafts.token_ids[i, :n].tolist() for i, n in enumerate(drafts.num_drafted)] == expected
