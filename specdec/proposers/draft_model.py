@@ -64,14 +64,15 @@ class DraftModelProposer(Proposer):
         draft_probs = []
         uniforms = batch.draft_uniforms.to(device)
         for j in range(max_k):
-            probs = _draft_distribution(step_logits, batch.sampling)
-            if batch.race is not None and not batch.sampling.all_greedy:  # the race the target draws with, over q
-                tokens = _race_draft(probs, batch.race, j)
-            else:
+            if batch.sampling.all_greedy:
+                tokens = step_logits.argmax(dim=-1)
+            elif batch.race is not None:  # the race the target draws with, over q
+                tokens = _race_draft(step_logits, batch.sampling, batch.race, j)
+            else:  # rejection sampling needs q at every draft
+                probs = _draft_distribution(step_logits, batch.sampling)
                 tokens = _sample(probs, uniforms[:, j], batch.sampling)
-            draft_ids[:, j] = torch.where((asked > j).to(device), tokens, -1)
-            if batch.race is None:  # rejection sampling needs q at every draft
                 draft_probs.append(probs)
+            draft_ids[:, j] = torch.where((asked > j).to(device), tokens, -1)
             if j + 1 < max_k:  # the last draft is never fed: verification decides whether it is kept
                 feeding = (asked > j + 1).long()
                 step_logits = self.runner.decode(0, tokens[:, None], feeding.tolist(), cache_lens.tolist())[:, 0]
@@ -120,15 +121,25 @@ def _draft_distribution(logits: Tensor, sampling: RowSampling) -> Tensor:
     return target_probs(logits, processed_logprobs(logits, sampling), sampling)
 
 
-def _race_draft(probs: Tensor, race: RaceKeys, j: int, num_candidates: int = 16) -> Tensor:
-    """Draft j of each row: the race with the target's noise at the draft's position, over the `num_candidates` most
-    likely tokens of q only. Any draft is verified exactly, so this only has to agree with the target's race as
-    often as it can: the target's token is almost always among q's most likely ones, and hashing 16 tokens instead
-    of the vocabulary keeps drafting cheap on a CPU."""
-    top_q, candidates = probs.topk(min(num_candidates, probs.shape[1]), dim=1)
-    seeds, positions = race.seeds.to(probs.device), race.positions.to(probs.device) + j
-    scores = top_q.to(torch.float64) / race_exponentials_ref(seeds, positions, candidates)
-    return candidates.gather(1, scores.argmax(dim=1, keepdim=True))[:, 0]
+def _race_draft(logits: Tensor, sampling: RowSampling, race: RaceKeys, j: int, num_candidates: int = 16) -> Tensor:
+    """Draft j of each row (`logits [rows, V]`): the race with the target's noise at the draft's position, over the
+    `num_candidates` most likely tokens of q only. Any draft is verified exactly, so this only has to agree with the
+    target's race as often as it can: the target's token is almost always among q's most likely ones, and hashing 16
+    tokens instead of the vocabulary keeps drafting cheap on a CPU. The race's winner maximises log q - log E."""
+    num_candidates = min(num_candidates, logits.shape[1])
+    if sampling.needs_filter:  # top-k / top-p: q itself, zero where they cut
+        top_q, candidates = _draft_distribution(logits, sampling).topk(num_candidates, dim=1)
+        log_q = top_q.to(torch.float64).log()
+    else:  # q = softmax(logits / T): same order as the logits, and log q = logits / T - a per-row constant
+        top_logits, candidates = logits.topk(num_candidates, dim=1)
+        greedy = sampling.temperature == 0
+        temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
+        log_q = top_logits.to(torch.float64) / temperature.to(torch.float64)[:, None]
+    seeds, positions = race.seeds.to(logits.device), race.positions.to(logits.device) + j
+    log_noise = race_exponentials_ref(seeds, positions, candidates).log()
+    if sampling.any_greedy:  # a greedy row's q is one-hot at its argmax: no noise, the top candidate wins
+        log_noise = torch.where((sampling.temperature == 0)[:, None], 0.0, log_noise)
+    return candidates.gather(1, (log_q - log_noise).argmax(dim=1, keepdim=True))[:, 0]
 
 
 def _sample(probs: Tensor, uniforms: Tensor, sampling: RowSampling) -> Tensor:
