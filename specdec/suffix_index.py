@@ -112,10 +112,21 @@ class SuffixIndex:
             parents = np.full((num, width), -1, dtype=np.int64)
             parents[:, 1:] = np.where(valid[:, 1:], level[:, :-1], -1)
 
-    def walk(self, start: np.ndarray, max_len: np.ndarray, min_prob: float, width: int, num_open: int = 0):
+    def child(self, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The child of each of `parents [N]` (valid nodes) by its token, -1 where there is none. Reads only."""
+        parents, tokens = parents.astype(np.int64), tokens.astype(np.int64)
+        first = self.first[parents]
+        found = np.where((first >= 0) & (self.token[np.maximum(first, 0)] == tokens), first, -1).astype(np.int64)
+        ask = np.flatnonzero((found < 0) & self.branching[parents])
+        if ask.size:
+            found[ask] = self._lookup((parents[ask] << _TOKEN_BITS) | tokens[ask])
+        return found
+
+    def walk(self, start: np.ndarray, max_len: np.ndarray, min_prob: float, width: int, num_open=0):
         """Follow the most frequent child from each `start [N]` node for up to `max_len [N]` tokens, while the
-        path's estimated probability (the product of count ratios) stays >= `min_prob`. `num_open` occurrences of
-        each start node have no continuation yet (the drafting sequence's own): they leave the first ratio's base.
+        path's estimated probability (the product of count ratios) stays >= `min_prob`. `num_open` (an int, or `[N]`)
+        occurrences of each start node have no continuation yet (the drafting sequence's own): they leave the first
+        ratio's base.
 
         Returns tokens `[N, width]` (-1 padded), lengths `[N]` and scores `[N]`: the sum of the path probabilities
         at every drafted position, i.e. the expected number of accepted tokens if the counts are right.

@@ -49,6 +49,7 @@ class SuffixProposer(Proposer):
     """
 
     needs_prefill = True
+    _CONTINUE_CONTEXT = 3  # a short draft's second round matches at most the draft + this many tokens of the row
 
     def __init__(
         self,
@@ -219,18 +220,11 @@ class SuffixProposer(Proposer):
         rows = np.arange(num_rows)
         self._sync(rows, batch.token_ids.numpy(), np.asarray(batch.num_tokens, dtype=np.int64))
         asked = np.asarray(batch.num_asked, dtype=np.int64)
-        width = int(asked.max(initial=0))
-        cand_rows, tokens, lengths, scores = self._candidates(asked)
         if self.num_candidates == 1:
-            drafts = np.full((num_rows, width), -1, dtype=np.int64)
-            counts = np.zeros(num_rows, dtype=np.int64)
-            if cand_rows.size:
-                # each row's highest score (ties: the later candidate, i.e. the longer match)
-                order = np.lexsort((scores, cand_rows))
-                last = order[np.r_[cand_rows[order][1:] != cand_rows[order][:-1], True]]
-                drafts[cand_rows[last]] = tokens[last, :width]
-                counts[cand_rows[last]] = lengths[last]
+            drafts, counts = self._best(asked)
+            self._continue_short(drafts, counts, asked)
             return Drafts(torch.from_numpy(drafts), counts.tolist())
+        cand_rows, tokens, lengths, scores = self._candidates(asked)
         return self._tree(num_rows, asked, cand_rows, tokens, scores)
 
     # ---- drafting ------------------------------------------------------------------------------------------------
@@ -259,6 +253,67 @@ class SuffixProposer(Proposer):
         )
         kept = lengths > 0
         return owner[which][kept], tokens[kept], lengths[kept], scores[kept]
+
+    def _best(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's draft of highest score (ties: the later candidate, i.e. the longer match): tokens `[rows, K]`
+        (-1 padded) and counts `[rows]`."""
+        drafts = np.full((len(asked), int(asked.max(initial=0))), -1, dtype=np.int64)
+        counts = np.zeros(len(asked), dtype=np.int64)
+        rows, tokens, lengths, scores = self._candidates(asked)
+        if rows.size:
+            order = np.lexsort((scores, rows))
+            last = order[np.r_[rows[order][1:] != rows[order][:-1], True]]
+            drafts[rows[last]] = tokens[last, : drafts.shape[1]]
+            counts[rows[last]] = lengths[last]
+        return drafts, counts
+
+    def _continue_short(self, drafts: np.ndarray, counts: np.ndarray, asked: np.ndarray) -> None:
+        """A draft shorter than asked goes on from the context it ends in, the row's text followed by the draft: a
+        second round of drafting whose match lengths are the draft's last tokens, or the whole draft plus up to
+        `_CONTINUE_CONTEXT` tokens of the row's own text (longer ones add nothing measurable). Its path probability
+        starts again at 1. In place."""
+        rows = np.flatnonzero((counts > 0) & (counts < asked))
+        if rows.size == 0:
+            return
+        depth, num_drafted = self.max_tree_depth, counts[rows]  # [E]
+        # walkers through the draft, each (row e, source trie, start node, draft tokens skipped, match length at the
+        # end): the row's last c tokens then the whole draft (c = 0: from the root), or the draft's last m tokens
+        grid = np.arange(len(rows)), np.array(self.sources)
+        e1, src1, c = (a.ravel() for a in np.meshgrid(*grid, np.arange(self._CONTINUE_CONTEXT + 1), indexing="ij"))
+        e2, src2, m = (a.ravel() for a in np.meshgrid(*grid, np.arange(1, drafts.shape[1]), indexing="ij"))
+        short = m < num_drafted[e2]
+        e2, src2, m = e2[short], src2[short], m[short]
+        e, src = np.concatenate([e1, e2]), np.concatenate([src1, src2])
+        node = self._frontiers[src, rows[e], np.concatenate([c, np.zeros_like(m)])].astype(np.int64)
+        skip = np.concatenate([np.zeros_like(c), num_drafted[e2] - m])
+        match = np.concatenate([num_drafted[e1] + c, m])
+        keep = (match < depth) & (node >= 0)
+        e, src, node, skip, match = e[keep], src[keep], node[keep], skip[keep], match[keep]
+        for j in range(int(num_drafted.max())):
+            step = np.flatnonzero((skip <= j) & (j < num_drafted[e]) & (node >= 0))
+            node[step] = self.index.child(node[step], drafts[rows[e[step]], j])
+        found = node >= 0
+        e, src, node, match = e[found], src[found], node[found], match[found]
+        # the row's own text ends in this context (no continuation yet) only where it is the row's own suffix node
+        num_open = (node == self._frontiers[src, rows[e], match]).astype(np.int64)
+        remaining = asked[rows] - num_drafted
+        limit = np.minimum(
+            remaining[e], np.minimum(np.floor(match * self.max_spec_factor).astype(np.int64), depth - match)
+        )
+        tokens, lengths, scores = self.index.walk(
+            node, limit, self.min_token_prob, int(remaining.max()), num_open=num_open
+        )
+        ok = lengths > 0
+        e, match, tokens, lengths, scores = e[ok], match[ok], tokens[ok], lengths[ok], scores[ok]
+        if e.size == 0:
+            return
+        order = np.lexsort((match, scores, e))  # each row's highest score; ties: the longer match
+        best = order[np.r_[e[order][1:] != e[order][:-1], True]]
+        row, start, length = rows[e[best]], counts[rows[e[best]]], lengths[best]
+        offsets = np.arange(tokens.shape[1])
+        valid = offsets[None, :] < length[:, None]
+        drafts[np.repeat(row, length), (start[:, None] + offsets)[valid]] = tokens[best][valid]
+        counts[row] += length
 
     def _tree(self, num_rows: int, asked: np.ndarray, rows, tokens, scores) -> Drafts:
         """The best `num_candidates` distinct drafts of each row merged into a token tree of at most K nodes."""

@@ -103,14 +103,15 @@ def test_draft_follows_the_most_frequent_continuation_and_its_probabilities():
     # two earlier siblings said "1 2 3 4" and "1 2 3 9"; the third row has just said "1"
     rows = [prompt + [1, 2, 3, 4], prompt + [1, 2, 3, 9], prompt + [1]]
     drafts = proposer.propose(proposal(rows, [0, 0, 4]))
-    # after "1" (match length 1) at most 1 token: 2 (seen twice of 2 other occurrences); after SEP 1 (m = 2): 2 3
-    assert drafts.num_drafted == [0, 0, 2]
-    assert drafts.token_ids[2, :2].tolist() == [2, 3]
+    # after "1" (match length 1) at most 1 token: 2 (seen twice of 2 other occurrences); after SEP 1 (m = 2): 2 3;
+    # then a second round from the context the draft ends in: "SEP 1 2 3" went on with 4 once and 9 once (p = 1/2)
+    assert drafts.num_drafted == [0, 0, 3]
+    assert drafts.token_ids[2, :2].tolist() == [2, 3] and int(drafts.token_ids[2, 2]) in (4, 9)
     # a path probability below min_token_prob stops the draft: 4 and 9 each follow "1 2 3" half of the time
     strict = SuffixProposer(4, SEP, 4, 64, max_tree_depth=8, max_spec_factor=4.0, min_token_prob=0.6)
     strict.prefill(0, [prompt], torch.zeros(3, dtype=torch.long), [{}, {}, {}])
     drafts = strict.propose(proposal(rows, [0, 0, 4]))
-    assert drafts.token_ids[2].tolist() == [2, 3, -1, -1]
+    assert drafts.token_ids[2].tolist() == [2, 3, -1, -1]  # the second round's 1/2 is below 0.6 too
     assert_counts_exact(strict)
 
 
@@ -299,25 +300,83 @@ def every_walk_drafts(proposer: SuffixProposer, asked: list[int]) -> list[list[i
     return drafts
 
 
-@pytest.mark.parametrize("max_spec_factor", [1.0, 0.5])
-def test_drafts_equal_the_best_over_every_match_length(max_spec_factor):
-    """The proposer walks once per run of equally frequent match lengths (their continuations are the same); the
-    drafts must be those of walking from every match length."""
-    rng = np.random.default_rng(3)
+def copied_texts_proposer(
+    max_spec_factor: float, vocab: int = 6, seed: int = 3
+) -> tuple[SuffixProposer, list[list[int]], list[int]]:
+    """24 rows whose responses are copies of 4 texts with some tokens changed: long matches seen 2-4 times, so runs
+    of match lengths with one count whose limits differ, and drafts cut short where the copies disagree. A small
+    `vocab` makes a row's draft repeat its own last tokens often."""
+    rng = np.random.default_rng(seed)
     proposer = SuffixProposer(5, SEP, 24, 128, max_tree_depth=9, max_spec_factor=max_spec_factor)
-    prompts = [rng.integers(0, 6, size=5).tolist() for _ in range(3)]
+    prompts = [rng.integers(0, vocab, size=5).tolist() for _ in range(3)]
     proposer.prefill(0, prompts, torch.arange(24) % 3, [{} for _ in range(24)])
-    # responses copied from a few texts with some tokens changed: long matches seen 2-4 times, so runs of match
-    # lengths with one count, whose limits differ
-    texts = rng.integers(0, 6, size=(4, 60))
+    texts = rng.integers(0, vocab, size=(4, 60))
     rows = []
     for i in range(24):
         text = texts[i % 4, : rng.integers(10, 60)].copy()
         edits = rng.random(len(text)) < 0.1
-        text[edits] = rng.integers(0, 6, size=int(edits.sum()))
+        text[edits] = rng.integers(0, vocab, size=int(edits.sum()))
         rows.append(prompts[i % 3] + text.tolist())
     asked = rng.integers(0, 6, size=24).tolist()
-    drafts = proposer.propose(proposal(rows, asked))
+    return proposer, rows, asked
+
+
+@pytest.mark.parametrize("max_spec_factor", [1.0, 0.5])
+def test_drafts_equal_the_best_over_every_match_length(max_spec_factor):
+    """The proposer walks once per run of equally frequent match lengths (their continuations are the same); its
+    first round's drafts must be those of walking from every match length."""
+    proposer, rows, asked = copied_texts_proposer(max_spec_factor)
+    proposer.propose(proposal(rows, asked))  # takes the rows in
+    drafts, counts = proposer._best(np.array(asked))
     expected = every_walk_drafts(proposer, asked)
     assert sum(len(d) for d in expected) > 24  # most rows have a draft: the comparison is not vacuous
-    assert [drafts.token_ids[i, :n].tolist() for i, n in enumerate(drafts.num_drafted)] == expected
+    assert [drafts[i, :n].tolist() for i, n in enumerate(counts)] == expected
+
+
+def continued_drafts(proposer: SuffixProposer, asked: list[int], first: list[list[int]]) -> list[list[int]]:
+    """The second round, written out: a draft shorter than asked goes on with the best walk from the trie node of
+    the last m tokens of (the row's text + the draft), m <= len(draft) + 3; the row's own occurrence is open where its
+    text itself ends with those m tokens; ties go to the longer m."""
+    index, depth = proposer.index, proposer.max_tree_depth
+    out = []
+    for row, (k, draft) in enumerate(zip(asked, first)):
+        if not 0 < len(draft) < k:
+            out.append(draft)
+            continue
+        response = proposer._responses[row, : proposer._num_inserted[row] - proposer._prompt_len[row]].tolist()
+        text = [SEP] + response
+        best = (-1.0, -1, [])
+        for source in proposer.sources:
+            for m in range(1, min(len(draft) + 3, depth - 1) + 1):
+                context = (text + draft)[-m:]
+                if len(text) + len(draft) < m:
+                    continue
+                node = int(proposer._frontiers[source, row, 0])
+                for token in context:
+                    node = int(index.child(np.array([node]), np.array([token]))[0]) if node >= 0 else -1
+                limit = min(k - len(draft), int(np.floor(m * proposer.max_spec_factor)), depth - m)
+                if node < 0 or limit < 1:
+                    continue
+                num_open = np.array([int(text[-m:] == context)])
+                tokens, lengths, scores = index.walk(
+                    np.array([node]), np.array([limit]), proposer.min_token_prob, k, num_open=num_open
+                )
+                if lengths[0] > 0 and (scores[0], m) >= best[:2]:
+                    best = (scores[0], m, tokens[0, : lengths[0]].tolist())
+        out.append(draft + best[2])
+    return out
+
+
+@pytest.mark.parametrize("max_spec_factor", [1.0, 0.5])
+@pytest.mark.parametrize("vocab", [6, 2])
+def test_short_drafts_go_on_from_the_context_they_end_in(max_spec_factor, vocab):
+    extended = 0
+    for seed in (0, 1, 2, 13):  # with 2 tokens, seed 13 has a draft whose context is the row's own open ending
+        proposer, rows, asked = copied_texts_proposer(max_spec_factor, vocab, seed)
+        drafts = proposer.propose(proposal(rows, asked))
+        first, counts = proposer._best(np.array(asked))
+        first = [first[i, :n].tolist() for i, n in enumerate(counts)]
+        got = [drafts.token_ids[i, :n].tolist() for i, n in enumerate(drafts.num_drafted)]
+        assert got == continued_drafts(proposer, asked, first)
+        extended += sum(len(g) > len(f) for g, f in zip(got, first))
+    assert extended >= 8  # drafts went on: the comparison is not vacuous
