@@ -9,8 +9,9 @@ tokens, 512 slots). Three scenarios, each timing one rollout (seed 2) of every c
           older policy).
 
 Configs: none; n-gram; suffix drafting only from the row's prompt trie (its prompt, its siblings, its prompt's
-history); suffix (all rows + history); the same with token trees of each row's 2 best drafts (K nodes); the draft
-model; suffix + draft model (suffix where it has a confident draft); each at K = 1, 2, 4, 8 and auto (K <= 8).
+history); suffix without the second round for drafts that stop short (one round); suffix (all rows + history); the
+same with token trees of each row's 2 best drafts (K nodes); the draft model; suffix + draft model (suffix where it has
+a confident draft); each at K = 1, 2, 4, 8 and auto (K <= 8).
 Printed per config: tokens per row-step (decode tokens emitted per row per step: 1 + accepted drafts), rollout
 tokens/s and its ratio to none, bulk and tail tokens/s ratios, mean K, and the proposer's share of the rollout time.
 `--repeats N` runs every config N times, round-robin, and prints the median ratios.
@@ -82,6 +83,7 @@ def spec_for(config: str, k: int | str) -> SpecConfig | None:
         "ngram": "ngram",
         "suffix (prompt trie)": "suffix",
         "suffix": "suffix",
+        "suffix (one round)": "suffix",
         "draft model": "draft_model",
         "suffix + draft": ["suffix", "draft_model"],
         "suffix, 2-branch trees": "suffix",
@@ -100,6 +102,8 @@ def run(model, config, k, prompt_ids, history, args) -> dict:
     gen = Generator(model, max_batch_size=args.batch_size, max_seq_len=args.max_seq_len, spec=spec_for(config, k))
     if config == "suffix (prompt trie)":
         gen.draft_history.sources = (0,)
+    if config == "suffix (one round)":
+        gen.draft_history.continue_short = False
     gen.generate(prompt_ids[:1], SamplingParams(max_new_tokens=2, seed=0))  # untimed: allocate the caches
     if gen.draft_history is not None:  # the untimed call's response out, the scenario's history in
         gen.draft_history.clear()
@@ -148,9 +152,10 @@ def scenarios(args, model, draft, prompt_ids) -> list[dict]:
     if "other" in args.scenarios:
         histories["other"] = record_history(draft, prompt_ids, args)
     configs = {
-        "first": ["none", "ngram", "suffix (prompt trie)", "suffix", "suffix, 2-branch trees", "draft model"]
+        "first": ["none", "ngram", "suffix (prompt trie)", "suffix (one round)", "suffix", "suffix, 2-branch trees"]
+        + ["draft model", "suffix + draft"],
+        "second": ["none", "suffix (prompt trie)", "suffix (one round)", "suffix", "suffix, 2-branch trees"]
         + ["suffix + draft"],
-        "second": ["none", "suffix (prompt trie)", "suffix", "suffix, 2-branch trees", "suffix + draft"],
         "other": ["none", "suffix", "suffix + draft"],
     }
     rows = []

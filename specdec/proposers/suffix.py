@@ -74,6 +74,7 @@ class SuffixProposer(Proposer):
         self.num_candidates = num_candidates
         self._num_slots, self._num_positions = num_slots, num_positions
         self.sources = (0, 1)  # tries drafted from: 0 the row's prompt trie, 1 the global one (a knob for ablations)
+        self.continue_short = True  # a second round for drafts that stop short (a knob for ablations)
         self.clear()
 
     # ---- history: what a user keeps, inspects, saves and loads ---------------------------------------------------
@@ -222,7 +223,8 @@ class SuffixProposer(Proposer):
         asked = np.asarray(batch.num_asked, dtype=np.int64)
         if self.num_candidates == 1:
             drafts, counts = self._best(asked)
-            self._continue_short(drafts, counts, asked)
+            if self.continue_short:
+                self._continue_short(drafts, counts, asked)
             return Drafts(torch.from_numpy(drafts), counts.tolist())
         cand_rows, tokens, lengths, scores = self._candidates(asked)
         return self._tree(num_rows, asked, cand_rows, tokens, scores)
