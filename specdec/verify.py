@@ -161,12 +161,15 @@ def verify_exact(
     layout: DraftLayout,
     sampling: RowSampling,  # per row
     race: RaceKeys,
+    race_every_node: bool | None = None,
 ) -> VerifyResult:
     """Walk each row's tree from the root: draw the race's token at the current node (position: root position +
     depth); a child holding that token is accepted and the walk moves to it, else the row stops. The row emits the
     tokens drawn along its path (the accepted drafts, then the token drawn at the last node): the tokens plain
-    decoding draws. Only the nodes on the path are processed (temperature, top-k, top-p) and raced, one batched draw
-    per depth."""
+    decoding draws. A large step processes (temperature, top-k, top-p) and races only the nodes on the path, one
+    batched draw per depth; a small one (`race_every_node`; None: when all nodes x vocabulary fit in
+    `_SMALL_STEP_ELEMENTS`) every node in one draw, where the per-depth calls would cost more than the extra nodes.
+    Both draw the same tokens."""
     device = target_logits.device
     num_nodes = torch.tensor(layout.num_nodes)
     rows, width, max_depth = len(layout.num_nodes), layout.width, layout.max_depth
@@ -177,6 +180,19 @@ def verify_exact(
     parents = layout.parents.to(device)  # [rows, width] row-local, -1 for the root and padding
     starts = (torch.cumsum(num_nodes, 0) - num_nodes).to(device)
     seeds, positions = race.seeds.to(device), race.positions.to(device)
+    if race_every_node is None:
+        race_every_node = target_logits.numel() <= _SMALL_STEP_ELEMENTS
+    if race_every_node:
+        depths = layout.depths.to(device) if layout.depths is not None else torch.arange(width, device=device)[None, :]
+        node_row = torch.arange(rows, device=device)[:, None].expand(rows, width)[fed]  # [num_nodes]
+        node_sampling = sampling.repeat(num_nodes.to(device), target_logits.shape[0])
+        all_logprobs = processed_logprobs(target_logits, node_sampling)
+        all_drawn = op(
+            target_probs(target_logits, all_logprobs, node_sampling),
+            seeds[node_row].contiguous(),
+            positions[node_row] + depths.expand(rows, width)[fed],
+        )
+        all_drawn_logprobs = all_logprobs.gather(1, all_drawn[:, None])[:, 0].to(torch.float64)
     out = torch.full((rows, max_depth + 1), -1, dtype=torch.long, device=device)
     logprobs = torch.zeros(rows, max_depth + 1, dtype=torch.float64, device=device)
     accepted = torch.full((rows, max_depth), -1, dtype=torch.long, device=device)
@@ -184,16 +200,20 @@ def verify_exact(
     walking = torch.arange(rows, device=device)  # rows whose every draft so far was accepted
     for depth in range(max_depth + 1):
         node = current[walking]
-        node_logits = target_logits[starts[walking] + node]
-        node_sampling = sampling.select(walking)
-        node_logprobs = processed_logprobs(node_logits, node_sampling)
-        drawn = op(
-            target_probs(node_logits, node_logprobs, node_sampling),
-            seeds[walking].contiguous(),
-            positions[walking] + depth,
-        )
+        if race_every_node:
+            drawn = all_drawn[starts[walking] + node]
+            logprobs[walking, depth] = all_drawn_logprobs[starts[walking] + node]
+        else:
+            node_logits = target_logits[starts[walking] + node]
+            node_sampling = sampling.select(walking)
+            node_logprobs = processed_logprobs(node_logits, node_sampling)
+            drawn = op(
+                target_probs(node_logits, node_logprobs, node_sampling),
+                seeds[walking].contiguous(),
+                positions[walking] + depth,
+            )
+            logprobs[walking, depth] = node_logprobs.gather(1, drawn[:, None])[:, 0].to(torch.float64)
         out[walking, depth] = drawn
-        logprobs[walking, depth] = node_logprobs.gather(1, drawn[:, None])[:, 0].to(torch.float64)
         if depth == max_depth:
             break
         # siblings hold distinct tokens: at most one child of the node holds the drawn token
@@ -206,6 +226,9 @@ def verify_exact(
             break
     num_accepted = (accepted >= 0).sum(dim=1)
     return VerifyResult(out, num_accepted + 1, logprobs, accepted)
+
+
+_SMALL_STEP_ELEMENTS = 1 << 18  # nodes x vocabulary up to which exact verification races every node at once
 
 
 def _process(target_logits: Tensor, sampling: RowSampling, target_rows_per_row: Tensor):

@@ -12,6 +12,9 @@ from rollout import Generator, SamplingParams
 from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
 from specdec.config import SpecConfig
+from specdec.processing import RowSampling
+from specdec.tree import layout_drafts
+from specdec.verify import RaceKeys, verify_exact
 
 torch.set_num_threads(1)
 
@@ -119,3 +122,42 @@ def test_rejection_verification_is_still_available_and_differs_pathwise():
     assert any(rejection[key].token_ids != reference[key].token_ids for key in reference)
     with pytest.raises(ValueError, match=r"verification \('gumbel'\) must be one of exact, rejection"):
         SpecConfig(method="ngram", verification="gumbel")
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_racing_every_node_at_once_draws_what_racing_depth_by_depth_draws(tree):
+    """Exact verification races a small step's nodes in one draw and a large step's path depth by depth; both must
+    emit the same tokens, log-probs and accepted nodes (greedy, plain and top-k/top-p rows in one step)."""
+    generator = torch.Generator().manual_seed(0)
+    num_drafted = [4, 0, 3, 4, 1, 4]
+    rows, vocab = len(num_drafted), 37
+    draft_ids = torch.randint(0, vocab, (rows, 4), generator=generator)
+    parents = None
+    if tree:  # node 2 hangs off the pending token beside node 1, node 3 off node 1 (one sibling pair per row)
+        parents = torch.tensor([[-1, -1, 0, 2]] * rows)
+        draft_ids[:, 1] = (draft_ids[:, 0] + 1) % vocab  # siblings hold distinct tokens
+    layout = layout_drafts(num_drafted, parents)
+    fed = torch.arange(layout.width)[None, :] < torch.tensor(layout.num_nodes)[:, None]
+    tokens = torch.cat([torch.zeros(rows, 1, dtype=torch.long), draft_ids], dim=1)[:, : layout.width]
+    logits = torch.randn(rows, layout.width, vocab, generator=generator, dtype=torch.float64)
+    # each node's logits favour its first child's token, so that walks go deep
+    for node in range(layout.width - 1):
+        child = (layout.parents == node).float().argmax(dim=1)
+        logits[torch.arange(rows), node, tokens[torch.arange(rows), child]] += 8.0
+    sampling = RowSampling(
+        temperature=torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 0.9], dtype=torch.float64),
+        top_k=torch.tensor([0, 0, 5, 0, 0, 12]),
+        top_p=torch.tensor([1.0, 1.0, 0.9, 1.0, 1.0, 0.8], dtype=torch.float64),
+        needs_filter=True,
+        all_greedy=False,
+        any_greedy=True,
+    )
+    race = RaceKeys(torch.randint(0, 2**62, (rows,), generator=generator), torch.randint(0, 300, (rows,)))
+    results = [
+        verify_exact(logits[fed], tokens[fed], layout, sampling, race, race_every_node=every) for every in (True, False)
+    ]
+    assert torch.equal(results[0].output_token_ids, results[1].output_token_ids)
+    assert torch.equal(results[0].num_emitted, results[1].num_emitted)
+    assert torch.equal(results[0].accepted_nodes, results[1].accepted_nodes)
+    torch.testing.assert_close(results[0].logprobs, results[1].logprobs, rtol=0, atol=1e-12)
+    assert int((results[0].num_emitted > 2).sum()) >= 3  # walks went past the first drafts: not vacuous
