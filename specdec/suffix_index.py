@@ -112,10 +112,12 @@ class SuffixIndex:
             parents = np.full((num, width), -1, dtype=np.int64)
             parents[:, 1:] = np.where(valid[:, 1:], level[:, :-1], -1)
 
-    def child(self, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """The child of each of `parents [N]` (valid nodes) by its token, -1 where there is none. Reads only."""
+    def child(self, parents: np.ndarray, tokens: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
+        """The child of each of `parents [N]` (valid nodes) by its token, -1 where there is none. Reads only.
+        `first`: the parents' first children, if the caller has read them already."""
         parents, tokens = parents.astype(np.int64), tokens.astype(np.int64)
-        first = self.first[parents]
+        first = self.first[parents] if first is None else first
+        # a node's first child sits in its record; only its later children (branches) go through the hash table
         found = np.where((first >= 0) & (self.token[np.maximum(first, 0)] == tokens), first, -1).astype(np.int64)
         ask = np.flatnonzero((found < 0) & self.branching[parents])
         if ask.size:
@@ -186,17 +188,13 @@ class SuffixIndex:
         return children
 
     def _children(self, parents: np.ndarray, tokens: np.ndarray, first: np.ndarray, create: bool) -> np.ndarray:
-        # a node's first child sits in its record; only its later children (branches) go through the hash table
-        found = np.where((first >= 0) & (self.token[np.maximum(first, 0)] == tokens), first, -1).astype(np.int64)
-        keys = (parents.astype(np.int64) << _TOKEN_BITS) | tokens
-        ask = np.flatnonzero(found < 0)
-        ask = ask[self.branching[parents[ask]]]
-        if ask.size:
-            found[ask] = self._lookup(keys[ask])
+        """`child`, and the children that are missing created (`create`; else they must all exist)."""
+        found = self.child(parents, tokens, first)
         missing = found < 0
         if missing.any():
             assert create, "expected every node of a removed sequence to exist"
-            new_keys, inverse = np.unique(keys[missing], return_inverse=True)  # sorted: grouped by parent
+            keys = (parents[missing].astype(np.int64) << _TOKEN_BITS) | tokens[missing]
+            new_keys, inverse = np.unique(keys, return_inverse=True)  # sorted: grouped by parent
             new_parents = new_keys >> _TOKEN_BITS
             ids = self._allocate((new_keys & ((1 << _TOKEN_BITS) - 1)).astype(np.int32))
             lead = np.r_[True, new_parents[1:] != new_parents[:-1]] & (self.first[new_parents] < 0)
