@@ -263,8 +263,7 @@ class SuffixProposer(Proposer):
         counts = np.zeros(len(asked), dtype=np.int64)
         rows, tokens, lengths, scores = self._candidates(asked)
         if rows.size:
-            order = np.lexsort((scores, rows))
-            last = order[np.r_[rows[order][1:] != rows[order][:-1], True]]
+            last = _best_of_each(rows, scores)
             drafts[rows[last]] = tokens[last, : drafts.shape[1]]
             counts[rows[last]] = lengths[last]
         return drafts, counts
@@ -309,8 +308,7 @@ class SuffixProposer(Proposer):
         e, match, tokens, lengths, scores = e[ok], match[ok], tokens[ok], lengths[ok], scores[ok]
         if e.size == 0:
             return
-        order = np.lexsort((match, scores, e))  # each row's highest score; ties: the longer match
-        best = order[np.r_[e[order][1:] != e[order][:-1], True]]
+        best = _best_of_each(e, scores, match)  # ties: the longer match
         row, start, length = rows[e[best]], counts[rows[e[best]]], lengths[best]
         offsets = np.arange(tokens.shape[1])
         valid = offsets[None, :] < length[:, None]
@@ -421,3 +419,10 @@ class SuffixProposer(Proposer):
             tokens[i, 1 : 1 + len(response)] = response
         starts = np.concatenate([np.asarray(roots), np.full(len(roots), self.global_root)])
         self.index.add_sequences(starts, np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]), delta)
+
+
+def _best_of_each(groups: np.ndarray, *keys: np.ndarray) -> np.ndarray:
+    """Per distinct value of `groups [N]`, the index of its largest `keys` (compared in order; last ties: the later
+    index)."""
+    order = np.lexsort((*reversed(keys), groups))
+    return order[np.r_[groups[order][1:] != groups[order][:-1], True]]
