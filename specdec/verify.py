@@ -180,19 +180,27 @@ def verify_exact(
     parents = layout.parents.to(device)  # [rows, width] row-local, -1 for the root and padding
     starts = (torch.cumsum(num_nodes, 0) - num_nodes).to(device)
     seeds, positions = race.seeds.to(device), race.positions.to(device)
+
+    def draw(nodes: Tensor, node_rows: Tensor, node_depths: Tensor | int) -> tuple[Tensor, Tensor]:
+        """The race's token at each of `nodes` (global indices; rows `node_rows`, depths `node_depths`) under its
+        row's processing, and its float64 log-prob."""
+        node_logits = target_logits[nodes]
+        node_sampling = sampling.select(node_rows)
+        node_logprobs = processed_logprobs(node_logits, node_sampling)
+        drawn = op(
+            target_probs(node_logits, node_logprobs, node_sampling),
+            seeds[node_rows].contiguous(),
+            positions[node_rows] + node_depths,
+        )
+        return drawn, node_logprobs.gather(1, drawn[:, None])[:, 0].to(torch.float64)
+
     if race_every_node is None:
         race_every_node = target_logits.numel() <= _SMALL_STEP_ELEMENTS
     if race_every_node:
         depths = layout.depths.to(device) if layout.depths is not None else torch.arange(width, device=device)[None, :]
-        node_row = torch.arange(rows, device=device)[:, None].expand(rows, width)[fed]  # [num_nodes]
-        node_sampling = sampling.repeat(num_nodes.to(device), target_logits.shape[0])
-        all_logprobs = processed_logprobs(target_logits, node_sampling)
-        all_drawn = op(
-            target_probs(target_logits, all_logprobs, node_sampling),
-            seeds[node_row].contiguous(),
-            positions[node_row] + depths.expand(rows, width)[fed],
-        )
-        all_drawn_logprobs = all_logprobs.gather(1, all_drawn[:, None])[:, 0].to(torch.float64)
+        node_rows = torch.arange(rows, device=device)[:, None].expand(rows, width)[fed]  # [num_nodes]
+        every = torch.arange(target_logits.shape[0], device=device)
+        all_drawn, all_drawn_logprobs = draw(every, node_rows, depths.expand(rows, width)[fed])
     out = torch.full((rows, max_depth + 1), -1, dtype=torch.long, device=device)
     logprobs = torch.zeros(rows, max_depth + 1, dtype=torch.float64, device=device)
     accepted = torch.full((rows, max_depth), -1, dtype=torch.long, device=device)
@@ -201,19 +209,11 @@ def verify_exact(
     for depth in range(max_depth + 1):
         node = current[walking]
         if race_every_node:
-            drawn = all_drawn[starts[walking] + node]
-            logprobs[walking, depth] = all_drawn_logprobs[starts[walking] + node]
+            drawn, drawn_logprobs = all_drawn[starts[walking] + node], all_drawn_logprobs[starts[walking] + node]
         else:
-            node_logits = target_logits[starts[walking] + node]
-            node_sampling = sampling.select(walking)
-            node_logprobs = processed_logprobs(node_logits, node_sampling)
-            drawn = op(
-                target_probs(node_logits, node_logprobs, node_sampling),
-                seeds[walking].contiguous(),
-                positions[walking] + depth,
-            )
-            logprobs[walking, depth] = node_logprobs.gather(1, drawn[:, None])[:, 0].to(torch.float64)
+            drawn, drawn_logprobs = draw(starts[walking] + node, walking, depth)
         out[walking, depth] = drawn
+        logprobs[walking, depth] = drawn_logprobs
         if depth == max_depth:
             break
         # siblings hold distinct tokens: at most one child of the node holds the drawn token
