@@ -35,6 +35,10 @@ class RowSampling:
             self.any_greedy,
         )
 
+    def divisors(self) -> Tensor:
+        """`[rows]` what each row's logits are divided by: its temperature, 1 for a greedy row (temperature 0)."""
+        return torch.where(self.temperature == 0, torch.ones_like(self.temperature), self.temperature)
+
     def select(self, rows: Tensor) -> RowSampling:
         """The settings of `rows` (`[n]` indices on the settings' device); the host flags stay those of all rows."""
         return RowSampling(
@@ -55,8 +59,7 @@ def processed_logprobs(logits: Tensor, sampling: RowSampling) -> Tensor:
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     greedy = sampling.temperature == 0
-    temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-    scaled = logits.to(dtype) / temperature.to(dtype)[:, None]
+    scaled = logits.to(dtype) / sampling.divisors().to(dtype)[:, None]
     if not sampling.needs_filter:
         return torch.log_softmax(scaled, dim=-1)
     vocab_size = logits.shape[-1]

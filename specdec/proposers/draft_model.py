@@ -132,9 +132,7 @@ def _race_draft(logits: Tensor, sampling: RowSampling, race: RaceKeys, j: int, n
         log_q = top_q.to(torch.float64).log()
     else:  # q = softmax(logits / T): same order as the logits, and log q = logits / T - a per-row constant
         top_logits, candidates = logits.topk(num_candidates, dim=1)
-        greedy = sampling.temperature == 0
-        temperature = torch.where(greedy, torch.ones_like(sampling.temperature), sampling.temperature)
-        log_q = top_logits.to(torch.float64) / temperature.to(torch.float64)[:, None]
+        log_q = top_logits.to(torch.float64) / sampling.divisors().to(torch.float64)[:, None]
     seeds, positions = race.seeds.to(logits.device), race.positions.to(logits.device) + j
     log_noise = race_exponentials_ref(seeds, positions, candidates).log()
     if sampling.any_greedy:  # a greedy row's q is one-hot at its argmax: no noise, the top candidate wins
