@@ -19,6 +19,7 @@ import argparse
 import numpy as np
 import torch
 
+from bench_suffix import record_history  # scripts/, beside this one
 from rollout import Generator, SamplingParams
 from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
@@ -66,11 +67,9 @@ def main() -> None:
     gen.generate(prompts[:1], SamplingParams(max_new_tokens=2, seed=0))  # allocate; its response is cleared below
     proposer = gen.draft_history
     proposer.clear()
-    if args.scenario == "second":
-        first = Generator(model, max_batch_size=512, max_seq_len=max_seq_len)
-        outs = first.generate(prompts, SamplingParams(n=8, temperature=1.0, max_new_tokens=384, seed=1))
-        proposer.add_responses([prompts[o.prompt_index] for o in outs], [o.token_ids for o in outs])
-        del first
+    if args.scenario == "second":  # bench_suffix.py's history: a first rollout of the same prompts (seed 1)
+        setting = argparse.Namespace(batch_size=512, max_seq_len=max_seq_len, n=8, max_new_tokens=384)
+        proposer.add_responses(*record_history(model, prompts, setting))
     records = []  # (sequence, tokens it held, {variant: draft})
     propose = proposer.propose
 
