@@ -34,24 +34,30 @@ class AcceptanceStats:
     lookup without a match) shows it as a lower rate. The unit of evidence is a step, not a row: a step's rate at a
     position weighs 1 once `rows_per_step` rows reached it (less with fewer), and weights decay by `decay` per step so
     the estimate follows the run (rows of one step are not independent draws: a rollout starts every completion at
-    once). A position never reached yet inherits the rate of the position before it (the first inherits
-    `prior_rate`, optimistic on purpose: a policy that believes drafts pay tries them and learns the real rate; one
-    step weighs as much as the prior).
+    once; and the rows left in flight change as the fast ones finish, so the rate drifts within a rollout). A step in
+    which the proposer drafted nothing fades the evidence by `idle_decay` instead. A position never reached yet inherits
+    the rate of the position before it (the first inherits `prior_rate`, optimistic on purpose: a policy that believes
+    drafts pay tries them and learns the real rate); the inherited rate also stands behind every measured one with
+    `prior_weight` steps' worth of evidence.
     """
 
     def __init__(
         self,
         max_k: int,
         prior_rate: float = 0.9,
-        prior_weight: float = 1.0,
-        decay: float = 0.95,
+        prior_weight: float = 0.1,
+        decay: float = 0.8,
+        idle_decay: float = 0.95,
         rows_per_step: int = 16,
+        recent_steps: int = 27,
     ):
         self.max_k = max_k
         self.prior_rate = prior_rate
         self.prior_weight = prior_weight
         self.decay = decay
+        self.idle_decay = idle_decay
         self.rows_per_step = rows_per_step
+        self.recent_steps = recent_steps
         self.reached = np.zeros(max_k)  # decayed weight of the steps whose rows reached draft j
         self.accepted = np.zeros(max_k)  # the same steps' weights times their rates at draft j
 
@@ -67,11 +73,12 @@ class AcceptanceStats:
         self.accepted = self.decay * self.accepted + weight * hits / np.maximum(reached, 1)
 
     def age(self) -> None:
-        """A step in which this route drafted nothing: its evidence fades as after an observed step. A rate measured
-        long ago (say in a rollout's first steps, when a suffix proposer has little to draft from) then drifts back to
-        the prior, and K climbs to measure it again instead of staying at 0 for good."""
-        self.reached *= self.decay
-        self.accepted *= self.decay
+        """A step in which this route drafted nothing: its evidence fades by `idle_decay`. A rate measured long ago
+        (say in a rollout's first steps, when a suffix proposer has little to draft from) then drifts back to the prior,
+        and K climbs to measure it again instead of staying at 0 for good; slower than `decay`, because no newer
+        evidence replaces the old one."""
+        self.reached *= self.idle_decay
+        self.accepted *= self.idle_decay
 
     def rates(self) -> np.ndarray:
         rates = np.zeros(self.max_k)
@@ -81,11 +88,11 @@ class AcceptanceStats:
             previous = rates[j]
         return rates
 
-    def measured_depth(self, min_weight: float = 0.25) -> int:
-        """Leading positions measured recently: decayed step weight >= `min_weight` (a full step within the last ~27,
-        so the position one past K, measured by exploration every 20 steps, counts). The policy may then climb one
-        position past it: from K = 3 straight to 5, say, when K = 4 itself costs more than either."""
-        shallow = np.flatnonzero(self.reached < min_weight)
+    def measured_depth(self) -> int:
+        """Leading positions measured recently: a full step's weight within the last `recent_steps` steps (so the
+        position one past K, measured by exploration every 20 steps, counts). The policy may then climb one position
+        past it: from K = 3 straight to 5, say, when K = 4 itself costs more than either."""
+        shallow = np.flatnonzero(self.reached < self.decay**self.recent_steps)
         return int(shallow[0]) if len(shallow) else self.max_k
 
     def expected_emitted(self) -> np.ndarray:

@@ -270,3 +270,16 @@ def test_a_rate_measured_long_ago_is_measured_again():
     first = ks.index(1)
     assert 20 < first < 100, ks  # not at once: a measured rate holds for a while
     assert ks[first + 1] == 0 and sum(ks) < len(ks) / 10  # measured again at 0: back to plain decoding, mostly
+
+
+def test_acceptance_estimate_follows_a_rate_that_drifts_within_the_rollout():
+    # the rows left in flight change as the fast ones finish: here the rate falls from 0.9 to 0.5 over 60 steps
+    def estimate_after_drift(stats: AcceptanceStats) -> float:
+        for rate in np.linspace(0.9, 0.5, 60):
+            hits = int(round(100 * rate))
+            stats.update([1] * 100, [1] * hits + [0] * (100 - hits))
+        return float(stats.rates()[0])
+
+    assert estimate_after_drift(AcceptanceStats(1)) == pytest.approx(0.5, abs=0.04)
+    # the old defaults (slow decay, a prior worth a whole step) lagged: they overestimated every draft's worth
+    assert estimate_after_drift(AcceptanceStats(1, prior_weight=1.0, decay=0.95)) > 0.6
