@@ -9,7 +9,8 @@ tokens, 512 slots). Three scenarios, each timing one rollout (seed 2) of every c
           older policy).
 
 Configs: none; n-gram; suffix drafting only from the row's prompt trie (its prompt, its siblings, its prompt's
-history); suffix without the second round for drafts that stop short (one round); suffix (all rows + history); the
+history); suffix without the second round for drafts that stop short (one round); suffix with auto's acceptance
+estimate as it was before 2026-11-24 (old acceptance estimate; auto only); suffix (all rows + history); the
 same with token trees of each row's 2 best drafts (K nodes); the draft model; suffix + draft model (suffix where it has
 a confident draft); each at K = 1, 2, 4, 8 and auto (K <= 8).
 Printed per config: tokens per row-step (decode tokens emitted per row per step: 1 + accepted drafts), rollout
@@ -41,8 +42,10 @@ from rollout import Generator, SamplingParams
 from rollout.models import zoo
 from rollout.phases import PhaseLabeler, summarize
 from rollout.tasks import arithmetic_dataset
+from specdec.auto_policy import AcceptanceStats, AutoPolicy
 from specdec.config import SpecConfig
 
+OLD_ESTIMATE = "suffix (old acceptance estimate)"  # auto only: the estimate differs, the drafts do not
 HOOKS = ("propose", "update", "finish", "prefill", "copy_rows", "begin")
 
 
@@ -84,6 +87,7 @@ def spec_for(config: str, k: int | str) -> SpecConfig | None:
         "suffix (prompt trie)": "suffix",
         "suffix": "suffix",
         "suffix (one round)": "suffix",
+        OLD_ESTIMATE: "suffix",
         "draft model": "draft_model",
         "suffix + draft": ["suffix", "draft_model"],
         "suffix, 2-branch trees": "suffix",
@@ -104,6 +108,12 @@ def run(model, config, k, prompt_ids, history, args) -> dict:
         gen.draft_history.sources = (0,)
     if config == "suffix (one round)":
         gen.draft_history.continue_short = False
+    if config == OLD_ESTIMATE:
+        # auto's acceptance estimate as it was before 2026-11-24 (docs/dynamic-k.md): slower decay, heavier prior
+        assert isinstance(gen.policy, AutoPolicy), f"expected the auto policy, got {type(gen.policy).__name__}"
+        gen.policy.stats = {
+            r: AcceptanceStats(s.max_k, prior_weight=1.0, decay=0.95) for r, s in gen.policy.stats.items()
+        }
     gen.generate(prompt_ids[:1], SamplingParams(max_new_tokens=2, seed=0))  # untimed: allocate the caches
     if gen.draft_history is not None:  # the untimed call's response out, the scenario's history in
         gen.draft_history.clear()
@@ -152,10 +162,10 @@ def scenarios(args, model, draft, prompt_ids) -> list[dict]:
     if "other" in args.scenarios:
         histories["other"] = record_history(draft, prompt_ids, args)
     configs = {
-        "first": ["none", "ngram", "suffix (prompt trie)", "suffix (one round)", "suffix", "suffix, 2-branch trees"]
-        + ["draft model", "suffix + draft"],
-        "second": ["none", "suffix (prompt trie)", "suffix (one round)", "suffix", "suffix, 2-branch trees"]
-        + ["suffix + draft"],
+        "first": ["none", "ngram", "suffix (prompt trie)", "suffix (one round)", "suffix", OLD_ESTIMATE]
+        + ["suffix, 2-branch trees", "draft model", "suffix + draft"],
+        "second": ["none", "suffix (prompt trie)", "suffix (one round)", "suffix", OLD_ESTIMATE]
+        + ["suffix, 2-branch trees", "suffix + draft"],
         "other": ["none", "suffix", "suffix + draft"],
     }
     rows = []
@@ -166,7 +176,7 @@ def scenarios(args, model, draft, prompt_ids) -> list[dict]:
             for config in configs[scenario]:
                 if args.only and config not in args.only and config != "none" or args.skip_none and config == "none":
                     continue
-                for k in ["-"] if config == "none" else [*args.ks, "auto"]:
+                for k in ["-"] if config == "none" else ["auto"] if config == OLD_ESTIMATE else [*args.ks, "auto"]:
                     row = run(model, config, k, prompt_ids, histories[scenario], args)
                     row["scenario"], row["repeat"] = scenario, repeat
                     none = row if config == "none" else none
