@@ -89,9 +89,9 @@ class AcceptanceStats:
         return rates
 
     def measured_depth(self) -> int:
-        """Leading positions measured recently: a full step's weight within the last `recent_steps` steps (so the
-        position one past K, measured by exploration every 20 steps, counts). The policy may then climb one position
-        past it: from K = 3 straight to 5, say, when K = 4 itself costs more than either."""
+        """Leading positions measured recently: a full step's weight within the last `recent_steps` steps, counted at
+        `decay` per step (so the position one past K, measured by exploration every 20 steps, counts). The policy may
+        then climb one position past it: from K = 3 straight to 5, say, when K = 4 itself costs more than either."""
         shallow = np.flatnonzero(self.reached < self.decay**self.recent_steps)
         return int(shallow[0]) if len(shallow) else self.max_k
 
