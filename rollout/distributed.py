@@ -75,6 +75,20 @@ class Ranks:
         if self.distributed:
             _torch().distributed.barrier()
 
+    def close(self) -> None:
+        """End torch.distributed in this process once its run has succeeded: after a barrier (every rank's collectives
+        are done), the process group is destroyed, so gloo's worker threads stop before the interpreter shuts down
+        (left running, they can abort the process at exit: "terminate called without an active exception"). A peer
+        that failed after this rank's last collective ends the barrier with an error: the peer reports its failure,
+        this rank's own run stands."""
+        if not (self.distributed and _torch().distributed.is_initialized()):
+            return
+        try:
+            _torch().distributed.barrier()
+        except Exception:  # the peer is gone (gloo: connection closed): its own exit says why
+            pass
+        _torch().distributed.destroy_process_group()
+
     def claim_failure(self, cause: str, rank: int | None = None) -> bool:
         """Record "rank R: cause" (R: this rank, or `rank`) as the run's failure unless a failure was recorded first;
         True when this one is recorded (so this process is the one that reports it)."""

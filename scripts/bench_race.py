@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_race.py                       # all three parts
     .venv/bin/python scripts/bench_race.py --parts sampler       # only the sampler cost at vocab 151936
+    .venv/bin/python scripts/bench_race.py --parts verify        # verification cost by how far rows walk
 
 Parts:
 - `sampler`: the cost of drawing one token per row from random logits at vocab 151936 (a Qwen2-sized head), float32:
@@ -12,12 +13,17 @@ Parts:
   speculation.
 - `float32`: the fraction of samples that differ between speculation off and on with exact verification, float32
   (a batch shape changes the rounding of the logits, and a near-tie in the race can flip) vs float64.
+- `verify`: one exact verification (`verify_exact`) of chains of W tokens per row at the tiny target's vocabulary (476),
+  racing every node at once vs depth by depth, with every draft rejected vs every draft accepted: what a step's
+  verification costs depends on how far its rows walk, which a warm-up fed drafts that are all rejected never sees.
+  Not part of the default run.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -27,6 +33,9 @@ from rollout import Generator, SamplingParams
 from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
 from specdec.config import SpecConfig
+from specdec.processing import RowSampling
+from specdec.tree import layout_drafts
+from specdec.verify import RaceKeys, verify_exact
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -138,6 +147,39 @@ def bench_float32(args) -> None:
             print(f"  {str(dtype):15s} {name:16s} {differ}/{len(outs)} samples differ ({differ / len(outs):.1%})")
 
 
+def bench_verify(args) -> None:
+    """Exact verification of `rows` chains of `width` nodes, both ways of racing, drafts all rejected / all accepted."""
+    vocab_size = 476
+    print("exact verification, vocab 476, ms (median): racing every node at once | depth by depth")
+    for rows in args.verify_rows:
+        for width in args.verify_widths:
+            generator = torch.Generator().manual_seed(rows * width)
+            layout = layout_drafts([width - 1] * rows, None)
+            logits = torch.randn(rows * width, vocab_size, generator=generator) * 3
+            sampling = RowSampling(
+                torch.ones(rows), torch.zeros(rows, dtype=torch.long), torch.ones(rows), False, False, False
+            )
+            race = RaceKeys(torch.arange(rows), torch.full((rows,), 100))
+            rejected = torch.randint(0, vocab_size, (rows, width), generator=generator)
+            # the race's own tokens as drafts: node j holds what the race draws at node j - 1: all accepted
+            accepted = rejected.clone()
+            for _ in range(width):
+                drawn = verify_exact(logits, accepted.reshape(-1), layout, sampling, race).output_token_ids
+                accepted[:, 1:] = drawn[:, : width - 1]
+            for name, tokens in (("rejected", rejected), ("accepted", accepted)):
+                flat = tokens.reshape(-1)
+                result = verify_exact(logits, flat, layout, sampling, race)
+                walked = float((result.num_emitted - 1).float().mean())
+                every, by_depth = (
+                    median_seconds(partial(verify_exact, logits, flat, layout, sampling, race, e), args.repeats)
+                    for e in (True, False)
+                )
+                print(
+                    f"rows {rows:5d} width {width}: drafts {name} ({walked:.1f} accepted per row): "
+                    f"{1e3 * every:7.2f} | {1e3 * by_depth:7.2f}"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=["sampler", "rollout", "float32"])
@@ -147,10 +189,13 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--rollout-repeats", type=int, default=2)
+    parser.add_argument("--verify-rows", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--verify-widths", type=int, nargs="+", default=[5, 9])
     args = parser.parse_args()
     torch.set_num_threads(1)
     for part in args.parts:
-        {"sampler": bench_sampler, "rollout": bench_rollout, "float32": bench_float32}[part](args)
+        parts = {"sampler": bench_sampler, "rollout": bench_rollout, "float32": bench_float32, "verify": bench_verify}
+        parts[part](args)
         print()
 
 

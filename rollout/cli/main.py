@@ -189,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     args.ranks = Ranks()
+    succeeded = False
     try:
         if args.command in ("run", "bench"):
             args.ranks = start_ranks()
         args.func(args)
+        succeeded = True
     except RankStopped:
         return 1  # another rank failed and said so
     except (ValueError, TypeError, OSError) as err:  # OSError: missing files, unreachable hub ids
@@ -216,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
         args.ranks.mark_exit()
+        if succeeded:  # not after a failure: a peer may be gone, and the barrier would wait for it
+            args.ranks.close()
     return 0
 
 
