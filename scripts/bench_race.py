@@ -193,8 +193,8 @@ def main() -> None:
     parser.add_argument("--verify-widths", type=int, nargs="+", default=[5, 9])
     args = parser.parse_args()
     torch.set_num_threads(1)
+    parts = {"sampler": bench_sampler, "rollout": bench_rollout, "float32": bench_float32, "verify": bench_verify}
     for part in args.parts:
-        parts = {"sampler": bench_sampler, "rollout": bench_rollout, "float32": bench_float32, "verify": bench_verify}
         parts[part](args)
         print()
 

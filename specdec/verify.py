@@ -208,10 +208,11 @@ def verify_exact(
     walking = torch.arange(rows, device=device)  # rows whose every draft so far was accepted
     for depth in range(max_depth + 1):
         node = current[walking]
+        at = starts[walking] + node  # the walking rows' current nodes, as global indices
         if race_every_node:
-            drawn, drawn_logprobs = all_drawn[starts[walking] + node], all_drawn_logprobs[starts[walking] + node]
+            drawn, drawn_logprobs = all_drawn[at], all_drawn_logprobs[at]
         else:
-            drawn, drawn_logprobs = draw(starts[walking] + node, walking, depth)
+            drawn, drawn_logprobs = draw(at, walking, depth)
         out[walking, depth] = drawn
         logprobs[walking, depth] = drawn_logprobs
         if depth == max_depth:

@@ -222,9 +222,7 @@ class SuffixProposer(Proposer):
         self._sync(rows, batch.token_ids.numpy(), np.asarray(batch.num_tokens, dtype=np.int64))
         asked = np.asarray(batch.num_asked, dtype=np.int64)
         if self.num_candidates == 1:
-            drafts, counts = self._best(asked)
-            if self.continue_short:
-                self._continue_short(drafts, counts, asked)
+            drafts, counts = self._chains(asked)
             return Drafts(torch.from_numpy(drafts), counts.tolist())
         cand_rows, tokens, lengths, scores = self._candidates(asked)
         return self._tree(num_rows, asked, cand_rows, tokens, scores)
@@ -255,6 +253,14 @@ class SuffixProposer(Proposer):
         )
         kept = lengths > 0
         return owner[which][kept], tokens[kept], lengths[kept], scores[kept]
+
+    def _chains(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's chain draft from the tries as they stand: the best one, continued where it stops short (with
+        `continue_short`). Tokens `[rows, K]` (-1 padded) and counts `[rows]`."""
+        drafts, counts = self._best(asked)
+        if self.continue_short:
+            self._continue_short(drafts, counts, asked)
+        return drafts, counts
 
     def _best(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each row's draft of highest score (ties: the later candidate, i.e. the longer match): tokens `[rows, K]`
