@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from collections.abc import Sequence
 
@@ -75,19 +76,23 @@ class Ranks:
         if self.distributed:
             _torch().distributed.barrier()
 
-    def close(self) -> None:
-        """End torch.distributed in this process once its run has succeeded: after a barrier (every rank's collectives
-        are done), the process group is destroyed, so gloo's worker threads stop before the interpreter shuts down
-        (left running, they can abort the process at exit: "terminate called without an active exception"). A peer
-        that failed after this rank's last collective ends the barrier with an error: the peer reports its failure,
-        this rank's own run stands."""
+    def exit_process(self) -> None:
+        """End this rank's process once its run has succeeded (every output written and closed): meet the other ranks at
+        a barrier (every rank's collectives are done, and no rank touches the launcher's store afterwards), flush the
+        standard streams, and exit with status 0 at once, without Python's shutdown. There, torch.distributed's threads
+        (gloo's workers, the TCP store) are torn down and can abort a finished process with SIGABRT ("terminate called
+        without an active exception"), even after `destroy_process_group`. A peer that failed after this rank's last
+        collective ends the barrier with an error: the peer reports its failure, this rank's own run stands. One
+        process: returns at once."""
         if not (self.distributed and _torch().distributed.is_initialized()):
             return
         try:
             _torch().distributed.barrier()
         except Exception:  # the peer is gone (gloo: connection closed): its own exit says why
             pass
-        _torch().distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def claim_failure(self, cause: str, rank: int | None = None) -> bool:
         """Record "rank R: cause" (R: this rank, or `rank`) as the run's failure unless a failure was recorded first;

@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
         args.ranks.mark_exit()
         if succeeded:  # not after a failure: a peer may be gone, and the barrier would wait for it
-            args.ranks.close()
+            args.ranks.exit_process()
     return 0
 
 
