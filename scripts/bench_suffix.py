@@ -11,8 +11,10 @@ tokens, 512 slots). Three scenarios, each timing one rollout (seed 2) of every c
 Configs: none; n-gram; suffix drafting only from the row's prompt trie (its prompt, its siblings, its prompt's
 history); suffix without the second round for drafts that stop short (one round); suffix with auto's acceptance
 estimate as it was before 2026-11-24 (old acceptance estimate; auto only); suffix (all rows + history); the
-same with token trees of each row's 2 best drafts (K nodes); the draft model; suffix + draft model (suffix where it has
-a confident draft); each at K = 1, 2, 4, 8 and auto (K <= 8).
+same with token trees of each row's 2 best drafts (K nodes); the draft model; suffix + draft model (suffix where its
+calibrated score beats the draft model's measured acceptance, the draft model elsewhere); the same with the cascade's
+rule before 2026-11-24 (first that drafts: suffix serves every row it has a draft for; auto only); each at K = 1, 2, 4,
+8 and auto (K <= 8).
 Printed per config: tokens per row-step (decode tokens emitted per row per step: 1 + accepted drafts), rollout
 tokens/s and its ratio to none, bulk and tail tokens/s ratios, mean K, and the proposer's share of the rollout time.
 `--repeats N` runs every config N times, round-robin, and prints the median ratios.
@@ -30,6 +32,7 @@ model follows the target) and so the KV caches and the verification kernels.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import pathlib
@@ -46,6 +49,7 @@ from specdec.auto_policy import AcceptanceStats, AutoPolicy
 from specdec.config import SpecConfig
 
 OLD_ESTIMATE = "suffix (old acceptance estimate)"  # auto only: the estimate differs, the drafts do not
+FIRST_DRAFTS = "suffix + draft (first that drafts)"  # auto only: the old cascade rule
 HOOKS = ("propose", "update", "finish", "prefill", "copy_rows", "begin")
 
 
@@ -90,6 +94,7 @@ def spec_for(config: str, k: int | str) -> SpecConfig | None:
         OLD_ESTIMATE: "suffix",
         "draft model": "draft_model",
         "suffix + draft": ["suffix", "draft_model"],
+        FIRST_DRAFTS: ["suffix", "draft_model"],
         "suffix, 2-branch trees": "suffix",
     }[config]
     auto = k == "auto"
@@ -108,6 +113,8 @@ def run(model, config, k, prompt_ids, history, args) -> dict:
         gen.draft_history.sources = (0,)
     if config == "suffix (one round)":
         gen.draft_history.continue_short = False
+    if config == FIRST_DRAFTS:  # the cascade's rule before 2026-11-24: suffix serves every row it drafts for
+        gen.proposers.pass_on = False
     if config == OLD_ESTIMATE:
         # auto's acceptance estimate as it was before 2026-11-24 (docs/dynamic-k.md): slower decay, heavier prior
         assert isinstance(gen.policy, AutoPolicy), f"expected the auto policy, got {type(gen.policy).__name__}"
@@ -132,6 +139,9 @@ def run(model, config, k, prompt_ids, history, args) -> dict:
         steps.append(step)
     decode = [s for s in steps if s["phase"] != "prefill"]
     row_steps = sum(s["batch_size"] for s in decode)
+    served = collections.Counter()
+    for s in decode:
+        served.update(s.get("rows_by_method") or {})
     proposer_seconds = clock.total
     del gen, clock  # the clock's wrappers make a cycle: free the KV caches now, not at some later collection
     gc.collect()
@@ -144,6 +154,7 @@ def run(model, config, k, prompt_ids, history, args) -> dict:
         "proposer_seconds": proposer_seconds,
         "proposer_us_per_row_step": 1e6 * proposer_seconds / row_steps,
         "mean_k": statistics.fmean(s["num_draft_tokens"] for s in decode),
+        "suffix_rows": served["suffix"] / max(sum(served.values()), 1),  # of the rows drafted for
         "phases": summarize(steps)["phases"],
     }
 
@@ -163,10 +174,10 @@ def scenarios(args, model, draft, prompt_ids) -> list[dict]:
         histories["other"] = record_history(draft, prompt_ids, args)
     configs = {
         "first": ["none", "ngram", "suffix (prompt trie)", "suffix (one round)", "suffix", OLD_ESTIMATE]
-        + ["suffix, 2-branch trees", "draft model", "suffix + draft"],
+        + ["suffix, 2-branch trees", "draft model", "suffix + draft", FIRST_DRAFTS],
         "second": ["none", "suffix (prompt trie)", "suffix (one round)", "suffix", OLD_ESTIMATE]
-        + ["suffix, 2-branch trees", "suffix + draft"],
-        "other": ["none", "suffix", "suffix + draft"],
+        + ["suffix, 2-branch trees", "draft model", "suffix + draft", FIRST_DRAFTS],
+        "other": ["none", "suffix", "draft model", "suffix + draft", FIRST_DRAFTS],
     }
     rows = []
     for scenario in args.scenarios:
@@ -176,7 +187,8 @@ def scenarios(args, model, draft, prompt_ids) -> list[dict]:
             for config in configs[scenario]:
                 if args.only and config not in args.only and config != "none" or args.skip_none and config == "none":
                     continue
-                for k in ["-"] if config == "none" else ["auto"] if config == OLD_ESTIMATE else [*args.ks, "auto"]:
+                only_auto = config in (OLD_ESTIMATE, FIRST_DRAFTS)
+                for k in ["-"] if config == "none" else ["auto"] if only_auto else [*args.ks, "auto"]:
                     row = run(model, config, k, prompt_ids, histories[scenario], args)
                     row["scenario"], row["repeat"] = scenario, repeat
                     none = row if config == "none" else none
@@ -230,7 +242,8 @@ def print_row(row: dict) -> None:
         f"{row['scenario']:7s} {row['config']:21s} K={str(row['k']):5s} "
         f"tok/row-step {row['tokens_per_row_step']:.3f}  {row['seconds']:6.2f}s {rate:6.0f} tok/s  "
         f"x none {r['x_none']:.3f}  bulk {r['bulk']:.3f} tail {r['tail']:.3f}  mean K {row['mean_k']:.2f}  "
-        f"proposer {100 * share:4.1f}% ({us:.1f} us/row-step)",
+        f"proposer {100 * share:4.1f}% ({us:.1f} us/row-step)"
+        + (f"  suffix served {100 * row['suffix_rows']:.0f}% of drafted rows" if "+" in row["config"] else ""),
         flush=True,
     )
 

@@ -42,7 +42,7 @@ def variant_drafts(proposer, asked: np.ndarray, fields: dict) -> list[list[int]]
     try:
         for name, value in fields.items():
             setattr(proposer, name, value)
-        drafts, counts = proposer._chains(asked)
+        drafts, counts, _ = proposer._chains(asked)
     finally:
         for name, value in saved.items():
             setattr(proposer, name, value)

@@ -119,6 +119,9 @@ class AutoPolicy:
         num_speculative_tokens: the largest K.
         draft_passes: the routes rows can take (a proposer's name, or the cascade's), each True if it runs a draft
             model once per draft token.
+        optional_passes: routes that run the draft model in some steps only (a cascade whose first proposer runs no
+            model passes its rows on only where the draft model pays): a step is priced by the share of the route's
+            recent steps that ran it, and the calibration times the steps both ways.
         hysteresis: relative gain a new K needs over the current one before it is taken.
         explore_every: steps between exploration steps at one token more than the chosen K, with one at one token
             fewer halfway between (0 = never explore).
@@ -129,6 +132,7 @@ class AutoPolicy:
         num_speculative_tokens: int,
         draft_passes: dict[str, bool],
         step_times: StepTimeTable | None = None,
+        optional_passes: frozenset[str] = frozenset(),
         hysteresis: float = 0.03,
         explore_every: int = 20,
     ):
@@ -136,6 +140,9 @@ class AutoPolicy:
         self.num_steps = 0
         self.num_speculative_tokens = num_speculative_tokens
         self.draft_passes = draft_passes
+        self.optional_passes = optional_passes
+        # per route with draft passes: the decayed share of its steps that ran them (always 1 unless optional)
+        self.pass_share = {route: 1.0 for route, passes in draft_passes.items() if passes}
         self.step_times = step_times if step_times is not None else StepTimeTable()
         self.hysteresis = hysteresis
         self.stats = {route: AcceptanceStats(num_speculative_tokens) for route in draft_passes}
@@ -151,14 +158,19 @@ class AutoPolicy:
         routes = [next(iter(self.stats))] * batch_size if routes is None else routes
         emitted = np.zeros(len(ks))
         passes = np.zeros(len(ks))
+        share = 0.0  # the chance that the step runs the draft passes
         for route in set(routes):
             rows = np.asarray([r == route for r in routes])
             table = self.stats[route].expected_emitted()
             emitted += table[np.minimum(ks[:, None], caps[rows][None, :])].sum(axis=1)
             if self.draft_passes[route] and (caps[rows] > 0).any():
                 passes = np.maximum(passes, np.minimum(ks, caps[rows].max()))
+                share = max(share, self.pass_share[route])
         usable = int(caps.max(initial=0))
-        rate = emitted / np.maximum(self.step_times.predict(batch_size, ks + 1, passes, context), 1e-9)
+        seconds = self.step_times.predict(batch_size, ks + 1, passes, context)
+        if share < 1.0:
+            seconds = share * seconds + (1.0 - share) * self.step_times.predict(batch_size, ks + 1, 0 * passes, context)
+        rate = emitted / np.maximum(seconds, 1e-9)
         best = int(np.argmax(rate[: usable + 1]))
         current = min(self.current, usable)
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
@@ -201,17 +213,22 @@ class AutoPolicy:
                 for k in ks:
                     timer.time_step(1, k)
                 timer.time_step(largest, max_k)
-            seconds = {}
-            for batch_size, k in grid:
-                observation = timer.time_step(batch_size, k)
-                seconds[(batch_size, k)] = observation.seconds
-                self.observe(observation, profiled=True)
-            for batch_size, k in grid:
-                more_work = [seconds[(b, k)] for b in sizes if b > batch_size and (b, k) in seconds]
-                if batch_size == largest:
-                    more_work += [seconds[(batch_size, j)] for j in ks if j > k]
-                if more_work and seconds[(batch_size, k)] > min(more_work):
-                    self.observe(timer.time_step(batch_size, k), profiled=True)  # the table keeps the faster
+            for with_models in (True, False) if self.optional_passes else (None,):
+                self._time_grid(timer, grid, sizes, ks, with_models)
+
+    def _time_grid(self, timer: StepTimerProtocol, grid, sizes, ks, with_models: bool | None) -> None:
+        largest = sizes[-1]
+        seconds = {}
+        for batch_size, k in grid:
+            observation = timer.time_step(batch_size, k, with_models)
+            seconds[(batch_size, k)] = observation.seconds
+            self.observe(observation, profiled=True)
+        for batch_size, k in grid:
+            more_work = [seconds[(b, k)] for b in sizes if b > batch_size and (b, k) in seconds]
+            if batch_size == largest:
+                more_work += [seconds[(batch_size, j)] for j in ks if j > k]
+            if more_work and seconds[(batch_size, k)] > min(more_work):
+                self.observe(timer.time_step(batch_size, k, with_models), profiled=True)  # the table keeps the faster
 
     def observe(self, observation: StepObservation, profiled: bool = False) -> None:
         """Learn from a step; a `profiled` step (calibration, random prompts) informs the step times only, not
@@ -224,5 +241,8 @@ class AutoPolicy:
             asked, accepted = observation.num_asked.get(route, ([], []))
             if asked:
                 stats.update(asked, accepted)
+                if route in self.optional_passes:
+                    ran = float(o.num_draft_passes > 0)
+                    self.pass_share[route] = stats.decay * self.pass_share[route] + (1.0 - stats.decay) * ran
             else:
                 stats.age()

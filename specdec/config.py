@@ -16,9 +16,10 @@ class SpecConfig:
     `method=None`) is plain decoding."""
 
     # "ngram" (prompt lookup), "suffix" (suffix trees over the batch in flight and earlier responses), "draft_model",
-    # or a list in priority order: each row takes the first proposer that drafts for it (["suffix", "draft_model"]:
-    # suffix where it has a confident draft, the draft model elsewhere); None (or "none"): no speculation, the other
-    # fields ignored
+    # or a list in priority order: each row takes the first proposer that drafts for it, except that suffix passes a
+    # row on where the next proposer is measured to earn more and the step's gain pays for running it
+    # (["suffix", "draft_model"]: suffix where it has a confident draft, the draft model elsewhere); None (or "none"):
+    # no speculation, the other fields ignored
     method: Any = "ngram"
     num_speculative_tokens: int = 3  # the largest K: draft tokens verified per row and step
     prompt_lookup_max: int | None = None  # ngram: longest suffix to match (default 4)

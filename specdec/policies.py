@@ -60,8 +60,10 @@ class StepTimerProtocol(Protocol):
     def fill(self, context: int) -> None:
         """Fill every slot with a row of `context` tokens on which any K drafts in full."""
 
-    def time_step(self, num_rows: int, num_draft_tokens: int) -> Any:
-        """One decode step of `num_rows` of those rows at K; returns its `StepObservation`."""
+    def time_step(self, num_rows: int, num_draft_tokens: int, with_models: bool | None = None) -> Any:
+        """One decode step of `num_rows` of those rows at K; returns its `StepObservation`. `with_models`: True, a
+        cascade passes every row on to its proposers that run a model; False, those sit the step out; None, the
+        cascade's own rule."""
 
 
 class KPolicy(Protocol):

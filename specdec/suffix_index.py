@@ -130,8 +130,9 @@ class SuffixIndex:
         occurrences of each start node have no continuation yet (the drafting sequence's own): they leave the first
         ratio's base.
 
-        Returns tokens `[N, width]` (-1 padded), lengths `[N]` and scores `[N]`: the sum of the path probabilities
-        at every drafted position, i.e. the expected number of accepted tokens if the counts are right.
+        Returns tokens `[N, width]` (-1 padded), lengths `[N]`, scores `[N]` (the sum of the path probabilities at
+        every drafted position, i.e. the expected number of accepted tokens if the counts are right) and the path
+        probability at the last drafted position `[N]` (1 where nothing was drafted).
         """
         num = len(start)
         tokens = np.full((num, width), -1, dtype=np.int64)
@@ -156,7 +157,7 @@ class SuffixIndex:
             prob[alive] = p
             node[alive] = child
             alive = alive[max_len[alive] > j + 1]
-        return tokens, lengths, scores
+        return tokens, lengths, scores, prob
 
     # ---- the node store and its hash table -------------------------------------------------------------------------
 

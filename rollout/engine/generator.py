@@ -233,18 +233,22 @@ class Generator:
         self._queue.clear()
         self.num_active = 0
 
-    def step(self, num_draft_tokens: int | None = None, fill_drafts: bool = False) -> StepOutput:
+    def step(
+        self, num_draft_tokens: int | None = None, fill_drafts: bool = False, with_models: bool | None = None
+    ) -> StepOutput:
         """One step: admit queued requests while slots are free (a prefill), else decode every active row once.
         `num_draft_tokens` overrides the K policy for a decode step (such a step is not reported to the policy: its
         observation is returned for the caller to use). `fill_drafts`: a row the proposers gave fewer drafts than
         asked is filled up with copies of its pending token, so that the step is fed the width it was asked for (a
         calibration times every width this way; the output stays exact, only the fillers are mostly rejected).
-        Finished rows are released before it returns."""
+        `with_models` (a cascade's calibration): True, every row is passed on to the proposers that run a model (a
+        draft model); False, those sit the step out; None, the cascade's own rule. Finished rows are released before
+        it returns."""
         if self._queue and self.num_active < self.max_batch_size:
             record, observation = self._admit(), None
         else:
             assert self.num_active > 0, "expected rows in flight: add_requests first"
-            record, observation = self._decode_step(num_draft_tokens, fill_drafts)
+            record, observation = self._decode_step(num_draft_tokens, fill_drafts, with_models)
         self.last_trace.append(record)
         return StepOutput(record, self._release_finished(), observation)
 
@@ -336,7 +340,7 @@ class Generator:
     # ---- one decode step: schedule, propose, forward, verify, commit --------------------------------------------
 
     def _decode_step(
-        self, num_draft_tokens: int | None, fill_drafts: bool = False
+        self, num_draft_tokens: int | None, fill_drafts: bool = False, with_models: bool | None = None
     ) -> tuple[StepRecord, StepObservation | None]:
         """Feed each active row its pending token plus its drafts (a tree rooted at the pending token; a chain is the
         one-child tree), verify them all in the same forward, commit the accepted path."""
@@ -347,7 +351,7 @@ class Generator:
         uniforms = self.slots.uniforms(slice(0, num_rows), asked)
         sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
         race = self._race_keys(slice(0, num_rows))  # shared by the draft model and the verifier
-        drafts, served = self._propose(num_rows, asked, sampling, uniforms, race)
+        drafts, served = self._propose(num_rows, asked, sampling, uniforms, race, with_models)
         if fill_drafts and drafts is not None:
             drafts = filled_drafts(drafts, asked, self.slots.pending(num_rows))
         layout = layout_drafts(
@@ -362,6 +366,8 @@ class Generator:
             self.runner.cache.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
         num_emitted, accepted = self._commit(slice(0, num_rows), result, in_cache=True)
         seconds = time.perf_counter() - start
+        if drafts is not None and not fill_drafts:  # a calibration's filled drafts on random text earn nothing real
+            self.proposers.observe(accepted, seconds)  # a cascade learns which proposer earns what, at what cost
         asked_list = asked.tolist()
         observation = None
         if self.policy is not None or num_draft_tokens is not None:
@@ -397,7 +403,13 @@ class Generator:
         return decision, caps.clamp(0, decision.num_draft_tokens)
 
     def _propose(
-        self, num_rows: int, asked: Tensor, sampling, uniforms: Tensor, race: RaceKeys | None
+        self,
+        num_rows: int,
+        asked: Tensor,
+        sampling,
+        uniforms: Tensor,
+        race: RaceKeys | None,
+        with_models: bool | None = None,
     ) -> tuple[Drafts | None, list]:
         """The proposers' drafts for rows asked for some (None if none were); what each row was served by."""
         if self.proposers is None:
@@ -416,7 +428,7 @@ class Generator:
             race=race,
             states=[seq.proposer_state for seq in sequences],
         )
-        return self.proposers.propose(batch, [seq.params.spec.method for seq in sequences])
+        return self.proposers.propose(batch, [seq.params.spec.method for seq in sequences], with_models)
 
     def _forward(self, num_rows: int, drafts: Drafts | None, layout: DraftLayout) -> tuple[Tensor, Tensor]:
         """The pending tokens and the drafts `[rows, width]` through the model: logits `[rows, width, V]`."""

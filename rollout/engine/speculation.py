@@ -59,7 +59,7 @@ def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_p
             draft = load_draft_model(spec.model, target)
             runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions)
             proposers[method] = DraftModelProposer(runner, spec.num_speculative_tokens, target.vocab_size)
-    return ProposerSet(proposers)
+    return ProposerSet(proposers, max_k=spec.num_speculative_tokens)
 
 
 def build_policy(spec: SpecConfig, max_batch_size: int, proposers: ProposerSet):
@@ -69,8 +69,11 @@ def build_policy(spec: SpecConfig, max_batch_size: int, proposers: ProposerSet):
     if table != "auto":
         return TablePolicy(table, spec.num_speculative_tokens, max_batch_size)
     passes = {name: isinstance(p, DraftModelProposer) for name, p in proposers.proposers.items()}
-    passes[default_route(spec)] = "draft_model" in spec.methods
-    return AutoPolicy(spec.num_speculative_tokens, passes)
+    route = default_route(spec)
+    passes[route] = "draft_model" in spec.methods
+    # a cascade that starts with a model-free proposer runs the draft model only in the steps where it pays
+    optional = frozenset([route] if passes[route] and spec.methods[0] != "draft_model" else [])
+    return AutoPolicy(spec.num_speculative_tokens, passes, optional_passes=optional)
 
 
 def default_route(spec: SpecConfig) -> str:

@@ -31,7 +31,7 @@ class Engine(Protocol):
     last_trace: list
 
     def add_requests(self, prompt_ids, params, seed_indices=None) -> list: ...
-    def step(self, num_draft_tokens: int | None = None, fill_drafts: bool = False): ...
+    def step(self, num_draft_tokens: int | None = None, fill_drafts: bool = False, with_models=None): ...
     def snapshot(self) -> list: ...
     def restore(self, rows: list) -> None: ...
     def abort(self) -> None: ...
@@ -92,8 +92,9 @@ class StepTimer:
         self.rows = [dataclasses.replace(r, pending=r.sequence.prompt[context % 4]) for r in e.snapshot()]
         assert len(self.rows) == e.max_batch_size, f"expected every slot filled, got {len(self.rows)}"
 
-    def time_step(self, num_rows: int, num_draft_tokens: int) -> StepObservation:
+    def time_step(self, num_rows: int, num_draft_tokens: int, with_models: bool | None = None) -> StepObservation:
         """One decode step of the first `num_rows` rows at K = `num_draft_tokens`, every row fed K drafts (a proposer
-        that finds fewer in random text is filled up); the rows are restored first."""
+        that finds fewer in random text is filled up); the rows are restored first. `with_models`: as
+        `Generator.step`'s."""
         self.engine.restore(self.rows[:num_rows])
-        return self.engine.step(num_draft_tokens, fill_drafts=True).observation
+        return self.engine.step(num_draft_tokens, fill_drafts=True, with_models=with_models).observation

@@ -34,6 +34,9 @@ class Drafts:
     probs: Tensor | None = None  # [sum(num_drafted), V] draft distribution, rows back to back; None = n-gram
     # token tree: [rows, max K] draft-local parent of each node (-1 = child of the pending token); None = chain
     parents: Tensor | None = None
+    # [rows] float64: the proposer's own estimate of how many of each row's drafts will be accepted (the suffix
+    # proposer's path probabilities summed); a cascade uses it to pass a row on to a later proposer. None = no estimate
+    scores: Tensor | None = None
 
 
 class ModelRunnerProtocol(Protocol):
@@ -67,6 +70,7 @@ class Proposer:
     """Base class: hooks that keep a proposer's per-slot state in step with the generator's slots."""
 
     needs_prefill = False
+    runs_model = False  # drafts by running a model (sequential forward passes)
 
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
         """Prompts were admitted at slots `[row_start, row_start + len(prompts))`; the generator fans them out to

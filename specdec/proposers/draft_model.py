@@ -25,6 +25,8 @@ class DraftModelProposer(Proposer):
 
     needs_prefill = True
 
+    runs_model = True
+
     def __init__(self, runner: ModelRunnerProtocol, num_speculative_tokens: int, target_vocab_size: int):
         if runner.vocab_size != target_vocab_size:
             raise ValueError(

@@ -1,29 +1,59 @@
 """Several proposers in one decode step: each row takes the first proposer, in priority order, that drafts for it.
 
 A row whose request names a proposer only asks that one. The others cascade: e.g. with ["ngram", "draft_model"] the
-n-gram lookup drafts for the rows where it finds a match and the draft model for the rest. Which proposer serves a row
-depends only on the row's history, never on the target's noise, so mixing them keeps verification lossless. Drafts of
-every proposer go into one `Drafts`, verified in the same forward; rows of a proposer without draft probabilities get
-one-hot q where another proposer has them (rejection sampling with a one-hot q is exactly the n-gram rule).
+n-gram lookup drafts for the rows where it finds a match and the draft model for the rest. A proposer that scores its
+drafts (`Drafts.scores`, the suffix proposer's expected accepted tokens) passes rows on to the next proposer of the
+cascade only where that one is expected to earn more, and only in a step where what they gain pays for running it:
+a row expects `1 + f * score` tokens from its own draft (`f`: how the scores have turned out so far, accepted over
+scored) and `E_next(k)` (bonus token included) from the next proposer's (its measured per-position acceptance); the
+rows where `E_next(k)` is larger are passed on if the step's expected tokens then grow by more than the next
+proposer's time relative to the rest of the step (`1 + rho`, measured whenever it runs: a draft model's passes cost
+about the same whatever the rows asked). With ["suffix", "draft_model"], suffix serves the rows where it has a
+confident draft and the draft model the rest, or suffix every row where the draft model would not pay.
+
+Which proposer serves a row depends on the row's history and on earlier steps' outcomes, never on this step's noise,
+so mixing them keeps verification lossless. Drafts of every proposer go into one `Drafts`, verified in the same
+forward; rows of a proposer without draft probabilities get one-hot q where another proposer has them (rejection
+sampling with a one-hot q is exactly the n-gram rule).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from specdec.auto_policy import AcceptanceStats
 from specdec.proposers.base import Drafts, ProposalBatch, Proposer
 
 
 class ProposerSet(Proposer):
-    """Proposers by name, in priority order, behind the single-proposer interface."""
+    """Proposers by name, in priority order, behind the single-proposer interface.
 
-    def __init__(self, proposers: dict[str, Proposer]):
+    Args:
+        proposers: name -> proposer, in priority order.
+        max_k: the most drafts a row is asked for (`num_speculative_tokens`): the depth of the acceptance measured for
+            each proposer.
+    """
+
+    def __init__(self, proposers: dict[str, Proposer], max_k: int = 1):
         assert proposers, "expected at least one proposer"
         self.proposers = proposers
         self.needs_prefill = any(p.needs_prefill for p in proposers.values())
+        self.max_k = max_k
+        self.pass_on = True  # False: the first proposer that drafts for a row serves it, whatever its score
+        self._forget()
+
+    def _forget(self) -> None:
+        # per proposer: its acceptance on the rows it was asked and served (or had nothing for), its time relative to
+        # the rest of the step's, and for a proposer that scores its drafts, how its scores turned out
+        self.acceptance = [AcceptanceStats(self.max_k) for _ in self.proposers]
+        self.relative_cost = [RelativeCost() for _ in self.proposers]
+        self.calibration = [ScoreCalibration() for _ in self.proposers]
+        self._last_step: tuple[Tensor, list[Tensor], list[Tensor], Tensor, list[float]] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -53,10 +83,36 @@ class ProposerSet(Proposer):
     def reset(self) -> None:
         for proposer in self.proposers.values():
             proposer.reset()
+        self._forget()
 
-    def propose(self, batch: ProposalBatch, requested: list[str | None] | None = None) -> tuple[Drafts, list[str]]:
+    def observe(self, num_accepted: list[int], seconds: float) -> None:
+        """The drafts of the last `propose` were verified: `num_accepted[i]` of row i's were accepted, and the step
+        took `seconds` in all (drafting included). Updates each proposer's measured acceptance, relative cost and
+        score calibration."""
+        if self._last_step is None:
+            return
+        served, asked_of, counted_of, scores, spent = self._last_step
+        self._last_step = None
+        accepted = torch.tensor(num_accepted)
+        rest = max(seconds - sum(spent), 1e-9)
+        for index, (asked, counted) in enumerate(zip(asked_of, counted_of)):
+            if bool((asked > 0).any()):
+                self.relative_cost[index].update(spent[index] / rest)
+            if bool(counted.any()):
+                mine = torch.where(served == index, accepted, 0)
+                self.acceptance[index].update(asked[counted].tolist(), mine[counted].tolist())
+            scored = (served == index) & ~torch.isnan(scores)
+            if bool(scored.any()):
+                self.calibration[index].update(scores[scored], accepted[scored])
+
+    def propose(
+        self, batch: ProposalBatch, requested: list[str | None] | None = None, with_models: bool | None = None
+    ) -> tuple[Drafts, list[str]]:
         """Drafts for every row, and per row the proposer that served it (or, if none had drafts, the last one
-        asked). `requested[i]` names the only proposer row i may use; None cascades through all."""
+        asked). `requested[i]` names the only proposer row i may use; None cascades through all. `with_models` (a
+        calibration times a cascade's steps both ways): True, a proposer that scores its drafts passes every row on
+        to the next one; False, proposers that run a model are asked for nothing; None, the rule of the module
+        docstring."""
         num_rows = len(batch.num_tokens)
         names = self.names
         only = torch.full((num_rows,), -1)  # per row: the index of the only proposer it may ask, -1 = any
@@ -65,21 +121,93 @@ class ProposerSet(Proposer):
         num_asked = torch.tensor(batch.num_asked)
         served = torch.full((num_rows,), -1)  # per row: the index of the proposer whose drafts it takes
         tried = torch.zeros(num_rows, dtype=torch.long)  # per row: the last proposer asked
+        scores = torch.full((num_rows,), float("nan"), dtype=torch.float64)  # the serving proposer's score, if any
+        spent = [0.0] * len(self.proposers)  # per proposer: seconds in `propose`
+        asked_of: list[Tensor] = []  # per proposer: the drafts asked of each row
+        counted_of: list[Tensor] = []  # per proposer: the rows its acceptance counts (served, or nothing drafted)
         results: dict[int, Drafts] = {}
         for index, (name, proposer) in enumerate(self.proposers.items()):
             asked = torch.where((served < 0) & ((only < 0) | (only == index)), num_asked, 0)
+            if proposer.runs_model and with_models is False:
+                asked = torch.zeros_like(asked)
+            asked_of.append(asked)
+            counted_of.append(asked > 0)
             if int(asked.max()) == 0:
                 proposer.update(batch.token_ids, batch.num_tokens)  # it drafts for nobody, but may learn the text
                 continue
             states = [s.setdefault(name, {}) for s in batch.states]
+            start = time.perf_counter()
             drafts = proposer.propose(dataclasses.replace(batch, num_asked=asked.tolist(), states=states))
+            spent[index] = time.perf_counter() - start
             results[index] = drafts
             tried = torch.where(asked > 0, index, tried)
-            served = torch.where((asked > 0) & (torch.tensor(drafts.num_drafted) > 0), index, served)
+            drafted = (asked > 0) & (torch.tensor(drafts.num_drafted) > 0)
+            takes = drafted
+            if drafts.scores is not None and self.pass_on:
+                if with_models is None:
+                    takes = drafted & self._confident(index, drafts.scores, asked, only)
+                elif with_models and index + 1 < len(self.proposers):  # every row that may cascade goes on
+                    takes = drafted & (only == index)
+                scores = torch.where(takes, drafts.scores.to(torch.float64), scores)
+                counted_of[-1] = counted_of[-1] & ~(drafted & ~takes)  # passed on: not this proposer's outcome
+            served = torch.where(takes, index, served)
+        self._last_step = (served, asked_of, counted_of, scores, spent)
         tried_names = [names[i] for i in tried.tolist()]
         if len(results) == 1:
             return next(iter(results.values())), tried_names
         return _combine(results, served), tried_names
+
+    def _confident(self, index: int, scores: Tensor, asked: Tensor, only: Tensor) -> Tensor:
+        """`[rows]` whether proposer `index` keeps each row: all of them, unless passing the rows on to the next
+        proposer where it is expected to earn more raises the step's expected tokens by more than its relative cost
+        (a row that names this proposer, or has no next one, always stays)."""
+        if index + 1 == len(self.proposers):
+            return torch.ones(len(scores), dtype=torch.bool)
+        free = ((only < 0) & (asked > 0)).numpy()  # rows that may cascade
+        own = np.where(asked.numpy() > 0, 1.0 + self.calibration[index].factor() * scores.double().numpy(), 1.0)
+        rival = self.acceptance[index + 1].expected_emitted()[asked.clamp(max=self.max_k).numpy()]
+        better = free & (rival > own)
+        gain = np.where(better, rival, own).sum() / own.sum()
+        if gain <= 1.0 + self.relative_cost[index + 1].ratio():
+            return torch.ones(len(scores), dtype=torch.bool)
+        return torch.from_numpy(~better)
+
+
+class RelativeCost:
+    """A proposer's drafting time over the rest of its step's time (everything but the proposers): decayed by `decay`
+    per step in which it drafted; 0 until measured."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.weighted = 0.0
+        self.weight = 0.0
+
+    def update(self, ratio: float) -> None:
+        self.weighted = self.decay * self.weighted + ratio
+        self.weight = self.decay * self.weight + 1.0
+
+    def ratio(self) -> float:
+        return self.weighted / self.weight if self.weight else 0.0
+
+
+class ScoreCalibration:
+    """How a proposer's scores (its own estimate of the drafts a row will have accepted) turn out: `factor()` is the
+    accepted drafts over the scores of the rows it served, each step's ratio weighing 1 once `rows_per_step` rows were
+    scored, decayed by `decay` per step; `prior_weight` steps' worth of a factor of 1 stand behind it."""
+
+    def __init__(self, decay: float = 0.8, prior_weight: float = 0.1, rows_per_step: int = 16):
+        self.decay, self.prior_weight, self.rows_per_step = decay, prior_weight, rows_per_step
+        self.accepted = 0.0
+        self.scored = 0.0
+
+    def update(self, scores: Tensor, num_accepted: Tensor) -> None:
+        """One step: the scores of the rows served and the drafts each had accepted."""
+        weight = min(len(scores) / self.rows_per_step, 1.0) / len(scores)
+        self.accepted = self.decay * self.accepted + weight * float(num_accepted.sum())
+        self.scored = self.decay * self.scored + weight * float(scores.sum())
+
+    def factor(self) -> float:
+        return (self.accepted + self.prior_weight) / (self.scored + self.prior_weight)
 
 
 def _combine(results: dict[int, Drafts], served: Tensor) -> Drafts:

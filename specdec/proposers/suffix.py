@@ -222,15 +222,16 @@ class SuffixProposer(Proposer):
         self._sync(rows, batch.token_ids.numpy(), np.asarray(batch.num_tokens, dtype=np.int64))
         asked = np.asarray(batch.num_asked, dtype=np.int64)
         if self.num_candidates == 1:
-            drafts, counts = self._chains(asked)
-            return Drafts(torch.from_numpy(drafts), counts.tolist())
-        cand_rows, tokens, lengths, scores = self._candidates(asked)
+            drafts, counts, scores = self._chains(asked)
+            return Drafts(torch.from_numpy(drafts), counts.tolist(), scores=torch.from_numpy(scores))
+        cand_rows, tokens, lengths, scores, _ = self._candidates(asked)
         return self._tree(num_rows, asked, cand_rows, tokens, scores)
 
     # ---- drafting ------------------------------------------------------------------------------------------------
 
     def _candidates(self, asked: np.ndarray):
-        """Every (row, trie, match length) walk worth trying: rows [C], tokens [C, K], lengths [C], scores [C]."""
+        """Every (row, trie, match length) walk worth trying: rows [C], tokens [C, K], lengths [C], scores [C] and the
+        path probability at each walk's end [C]."""
         rows = np.flatnonzero(asked > 0)
         depth = self.max_tree_depth
         nodes = self._frontiers[:, rows, 1:][list(self.sources)].reshape(-1, depth - 1)  # [S * R, D - 1]: m = 1..D-1
@@ -248,37 +249,43 @@ class SuffixProposer(Proposer):
         usable[:, 1:] &= ~(same & (limit[:, 1:] < limit[:, :-1]))
         which, m = np.nonzero(usable)
         width = int(asked.max(initial=0))
-        tokens, lengths, scores = self.index.walk(
+        tokens, lengths, scores, ends = self.index.walk(
             nodes[which, m], limit[which, m], self.min_token_prob, width, num_open=1
         )
         kept = lengths > 0
-        return owner[which][kept], tokens[kept], lengths[kept], scores[kept]
+        return owner[which][kept], tokens[kept], lengths[kept], scores[kept], ends[kept]
 
-    def _chains(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _chains(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each row's chain draft from the tries as they stand: the best one, continued where it stops short (with
-        `continue_short`). Tokens `[rows, K]` (-1 padded) and counts `[rows]`."""
-        drafts, counts = self._best(asked)
+        `continue_short`). Tokens `[rows, K]` (-1 padded), counts `[rows]` and scores `[rows]` (expected accepted
+        drafts: the path probabilities summed, a continuation's scaled by the probability of the path it continues)."""
+        drafts, counts, scores, ends = self._best(asked)
         if self.continue_short:
-            self._continue_short(drafts, counts, asked)
-        return drafts, counts
+            self._continue_short(drafts, counts, scores, ends, asked)
+        return drafts, counts, scores
 
-    def _best(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _best(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Each row's draft of highest score (ties: the later candidate, i.e. the longer match): tokens `[rows, K]`
-        (-1 padded) and counts `[rows]`."""
+        (-1 padded), counts `[rows]`, scores `[rows]` and the path probability at the draft's end `[rows]`."""
         drafts = np.full((len(asked), int(asked.max(initial=0))), -1, dtype=np.int64)
         counts = np.zeros(len(asked), dtype=np.int64)
-        rows, tokens, lengths, scores = self._candidates(asked)
+        best_scores, best_ends = np.zeros(len(asked)), np.ones(len(asked))
+        rows, tokens, lengths, scores, ends = self._candidates(asked)
         if rows.size:
             last = _best_of_each(rows, scores)
             drafts[rows[last]] = tokens[last, : drafts.shape[1]]
             counts[rows[last]] = lengths[last]
-        return drafts, counts
+            best_scores[rows[last]], best_ends[rows[last]] = scores[last], ends[last]
+        return drafts, counts, best_scores, best_ends
 
-    def _continue_short(self, drafts: np.ndarray, counts: np.ndarray, asked: np.ndarray) -> None:
+    def _continue_short(
+        self, drafts: np.ndarray, counts: np.ndarray, scores: np.ndarray, ends: np.ndarray, asked: np.ndarray
+    ) -> None:
         """A draft shorter than asked goes on from the context it ends in, the row's text followed by the draft: a
         second round of drafting whose match lengths are the draft's last tokens, or the whole draft plus up to
         `_CONTINUE_CONTEXT` tokens of the row's own text (longer ones add nothing measurable). Its path probability
-        starts again at 1. In place."""
+        starts again at 1; its score adds to the row's scaled by the probability of the path it continues (`ends`).
+        In place."""
         rows = np.flatnonzero((counts > 0) & (counts < asked))
         if rows.size == 0:
             return
@@ -307,19 +314,18 @@ class SuffixProposer(Proposer):
         limit = np.minimum(
             remaining[e], np.minimum(np.floor(match * self.max_spec_factor).astype(np.int64), depth - match)
         )
-        tokens, lengths, scores = self.index.walk(
-            node, limit, self.min_token_prob, int(remaining.max()), num_open=num_open
-        )
+        tokens, lengths, more, _ = self.index.walk(node, limit, self.min_token_prob, int(remaining.max()), num_open)
         ok = lengths > 0
-        e, match, tokens, lengths, scores = e[ok], match[ok], tokens[ok], lengths[ok], scores[ok]
+        e, match, tokens, lengths, more = e[ok], match[ok], tokens[ok], lengths[ok], more[ok]
         if e.size == 0:
             return
-        best = _best_of_each(e, scores, match)  # ties: the longer match
+        best = _best_of_each(e, more, match)  # ties: the longer match
         row, start, length = rows[e[best]], counts[rows[e[best]]], lengths[best]
         offsets = np.arange(tokens.shape[1])
         valid = offsets[None, :] < length[:, None]
         drafts[np.repeat(row, length), (start[:, None] + offsets)[valid]] = tokens[best][valid]
         counts[row] += length
+        scores[row] += ends[row] * more[best]
 
     def _tree(self, num_rows: int, asked: np.ndarray, rows, tokens, scores) -> Drafts:
         """The best `num_candidates` distinct drafts of each row merged into a token tree of at most K nodes."""

@@ -170,18 +170,21 @@ class SyntheticTimer:
         self.stalls = set(stalls)
         self.context = 0
         self.timed: list[tuple[int, int, int]] = []
+        self.modes: list[bool | None] = []  # `with_models` of each timed step
 
     def fill(self, context: int) -> None:
         self.context = context
 
-    def time_step(self, num_rows: int, num_draft_tokens: int) -> StepObservation:
+    def time_step(self, num_rows: int, num_draft_tokens: int, with_models: bool | None = None) -> StepObservation:
         key = (num_rows, num_draft_tokens, self.context)
         self.timed.append(key)
-        seconds = self.step_seconds(num_rows, num_draft_tokens + 1, num_draft_tokens, self.context)
+        self.modes.append(with_models)
+        passes = 0 if with_models is False else num_draft_tokens
+        seconds = self.step_seconds(num_rows, num_draft_tokens + 1, passes, self.context)
         if key in self.stalls:
             self.stalls.discard(key)
             seconds *= 20
-        return StepObservation(num_rows, num_draft_tokens + 1, num_draft_tokens, seconds, {}, self.context)
+        return StepObservation(num_rows, num_draft_tokens + 1, passes, seconds, {}, self.context)
 
 
 def test_calibration_times_a_stalled_step_again():
@@ -202,6 +205,31 @@ def test_calibration_times_a_stalled_step_again():
     AutoPolicy(MAX_K, {"draft_model": True}).calibrate(timer)
     kept = timer.timed[5:]
     assert len(kept) == len(set(kept)) == 2 * (6 * 4 + 5)
+
+
+def costly_passes(batch_size, width, passes, context):
+    """`kv_read_bound` with draft passes that each cost half a plain step."""
+    return kv_read_bound(batch_size, width, 0, context) + passes * 0.5 * kv_read_bound(batch_size, 1, 0, context)
+
+
+def test_a_cascade_that_runs_its_draft_model_in_some_steps_is_priced_by_how_often_it_does():
+    route = "suffix+draft_model"
+    timer = SyntheticTimer(costly_passes)
+    policy = AutoPolicy(MAX_K, {route: True}, optional_passes=frozenset([route]), hysteresis=0.0, explore_every=0)
+    policy.calibrate(timer)
+    assert {True, False} <= set(timer.modes)  # its steps timed with the draft passes and without
+    accepted = [0] * 6 + [1] * 4 + [2] * 2 + [3] * 2 + [4] * 2  # about 0.6 per position
+    for _ in range(100):  # in steps that ran the draft model: a pass costs more than its drafts earn
+        policy.observe(StepObservation(256, 5, 4, costly_passes(256, 5, 4, 300), {route: ([4] * 16, accepted)}, 300))
+    assert policy.choose(256, context=300).num_draft_tokens == 0
+    for _ in range(30):  # the same acceptance, now in steps where the first proposer served every row
+        policy.observe(StepObservation(256, 5, 0, costly_passes(256, 5, 0, 300), {route: ([4] * 16, accepted)}, 300))
+    assert policy.pass_share[route] < 0.01
+    assert policy.choose(256, context=300).num_draft_tokens >= 3
+    # a route that always runs its draft model is priced with its passes whatever it observes
+    always = AutoPolicy(MAX_K, {"draft_model": True})
+    always.observe(StepObservation(256, 5, 0, 0.0, {"draft_model": ([4] * 16, [2] * 16)}, 300))
+    assert always.pass_share["draft_model"] == 1.0
 
 
 def test_one_stalled_step_does_not_reprice_its_width():

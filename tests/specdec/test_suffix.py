@@ -291,12 +291,12 @@ def every_walk_drafts(proposer: SuffixProposer, asked: list[int]) -> list[list[i
                 limit = min(k, int(np.floor(m * proposer.max_spec_factor)), depth - m)
                 if node < 0 or index.count[node] < 2 or limit < 1:
                     continue
-                tokens, lengths, scores = index.walk(
+                tokens, lengths, scores, _ = index.walk(
                     np.array([node]), np.array([limit]), proposer.min_token_prob, max(asked), num_open=1
                 )
                 if lengths[0] > 0 and scores[0] >= best[0]:
                     best = (scores[0], tokens[0, : lengths[0]].tolist())
-        drafts.append(best[1])
+        drafts.append(best)
     return drafts
 
 
@@ -327,21 +327,26 @@ def test_drafts_equal_the_best_over_every_match_length(max_spec_factor):
     first round's drafts must be those of walking from every match length."""
     proposer, rows, asked = copied_texts_proposer(max_spec_factor)
     proposer.propose(proposal(rows, asked))  # takes the rows in
-    drafts, counts = proposer._best(np.array(asked))
+    drafts, counts, scores, _ = proposer._best(np.array(asked))
     expected = every_walk_drafts(proposer, asked)
-    assert sum(len(d) for d in expected) > 24  # most rows have a draft: the comparison is not vacuous
-    assert [drafts[i, :n].tolist() for i, n in enumerate(counts)] == expected
+    assert sum(len(d) for _, d in expected) > 24  # most rows have a draft: the comparison is not vacuous
+    assert [drafts[i, :n].tolist() for i, n in enumerate(counts)] == [d for _, d in expected]
+    assert scores == pytest.approx([max(s, 0.0) for s, _ in expected])  # a row without a draft scores 0
 
 
-def continued_drafts(proposer: SuffixProposer, asked: list[int], first: list[list[int]]) -> list[list[int]]:
+def continued_drafts(
+    proposer: SuffixProposer, asked: list[int], first: list[list[int]]
+) -> tuple[list[list[int]], list[float]]:
     """The second round, written out: a draft shorter than asked goes on with the best walk from the trie node of
     the last m tokens of (the row's text + the draft), m <= len(draft) + 3; the row's own occurrence is open where its
-    text itself ends with those m tokens; ties go to the longer m."""
+    text itself ends with those m tokens; ties go to the longer m. Returns the drafts and each continuation's score
+    (0 where none)."""
     index, depth = proposer.index, proposer.max_tree_depth
-    out = []
+    out, extra = [], []
     for row, (k, draft) in enumerate(zip(asked, first)):
         if not 0 < len(draft) < k:
             out.append(draft)
+            extra.append(0.0)
             continue
         response = proposer._responses[row, : proposer._num_inserted[row] - proposer._prompt_len[row]].tolist()
         text = [SEP] + response
@@ -358,13 +363,14 @@ def continued_drafts(proposer: SuffixProposer, asked: list[int], first: list[lis
                 if node < 0 or limit < 1:
                     continue
                 num_open = np.array([int(text[-m:] == context)])
-                tokens, lengths, scores = index.walk(
+                tokens, lengths, scores, _ = index.walk(
                     np.array([node]), np.array([limit]), proposer.min_token_prob, k, num_open=num_open
                 )
                 if lengths[0] > 0 and (scores[0], m) >= best[:2]:
                     best = (scores[0], m, tokens[0, : lengths[0]].tolist())
         out.append(draft + best[2])
-    return out
+        extra.append(max(best[0], 0.0))
+    return out, extra
 
 
 @pytest.mark.parametrize("max_spec_factor", [1.0, 0.5])
@@ -374,9 +380,12 @@ def test_short_drafts_go_on_from_the_context_they_end_in(max_spec_factor, vocab)
     for seed in (0, 1, 2, 13):  # with 2 tokens, seed 13 has a draft whose context is the row's own open ending
         proposer, rows, asked = copied_texts_proposer(max_spec_factor, vocab, seed)
         drafts = proposer.propose(proposal(rows, asked))
-        first, counts = proposer._best(np.array(asked))
+        first, counts, first_scores, ends = proposer._best(np.array(asked))
         first = [first[i, :n].tolist() for i, n in enumerate(counts)]
         got = [drafts.token_ids[i, :n].tolist() for i, n in enumerate(drafts.num_drafted)]
-        assert got == continued_drafts(proposer, asked, first)
+        expected, extra = continued_drafts(proposer, asked, first)
+        assert got == expected
+        # a continuation adds its expected accepted drafts, reached only if the whole first draft is accepted
+        assert drafts.scores.numpy() == pytest.approx(first_scores + ends * np.array(extra))
         extended += sum(len(g) > len(f) for g, f in zip(got, first))
     assert extended >= 8  # drafts went on: the comparison is not vacuous
