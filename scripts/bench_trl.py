@@ -5,13 +5,14 @@ run for the same number of optimiser steps from the same initial weights and see
 
 - TRL generate: `GRPOTrainer` without a rollout_func (transformers' `generate` on left-padded batches);
 - rollout, none: `trl_rollout_func()` (this library's generator, no speculation);
-- rollout, <method>: `trl_rollout_func(spec=...)` for each method asked (auto K).
+- rollout, <method>: `trl_rollout_func(spec=...)` for each method asked (auto K; `a+b`: the cascade `[a, b]`).
 
 Printed per backend: seconds per optimiser step, generation seconds per step (the trainer's `_generate`, which both
 paths go through), the ratios to TRL generate, and the mean reward. One torch thread.
 
     .venv/bin/python scripts/bench_trl.py                       # 10 steps, suffix and draft model
     .venv/bin/python scripts/bench_trl.py --steps 20 --methods suffix
+    .venv/bin/python scripts/bench_trl.py --steps 24 --no-baselines --methods suffix draft_model suffix+draft_model
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def run(name: str, rollout_func, recipe) -> dict:
     terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
     trainer = GRPOTrainer(
         model=inputs.model,
-        reward_funcs=[_trl_reward(t) for t in terms],
+        reward_funcs=[_trl_reward(t, recipe.rollout.non_finite_rewards_as_null) for t in terms],
         args=grpo_config(recipe, report_to="none"),
         train_dataset=dataset,
         processing_class=inputs.tokenizer,
@@ -91,7 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="recipes/grpo_quickstart.yaml")
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--methods", nargs="*", default=["suffix", "draft_model"])
+    parser.add_argument("--methods", nargs="*", default=["suffix", "draft_model"], help="'a+b' runs the cascade [a, b]")
     parser.add_argument("--no-baselines", action="store_true", help="skip TRL generate and rollout, none")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("overrides", nargs="*", help="recipe overrides key.sub=value")
@@ -109,8 +110,9 @@ def main() -> None:
         else [run("TRL generate", None, recipe), run("rollout, none", trl_rollout_func(), recipe)]
     )
     for method in args.methods:
-        changes = {"method": method, "num_speculative_tokens_per_batch_size": "auto"}
-        if method == "draft_model":
+        methods = method.split("+")  # "suffix+draft_model": the cascade ["suffix", "draft_model"]
+        changes = {"method": methods if len(methods) > 1 else method, "num_speculative_tokens_per_batch_size": "auto"}
+        if "draft_model" in methods:
             changes["model"] = "tiny-draft"
         spec = recipe_spec(recipe, **changes)
         rows.append(run(f"rollout, {method}", trl_rollout_func(spec=spec, max_batch_size=64), recipe))

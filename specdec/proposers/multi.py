@@ -153,6 +153,8 @@ class ProposerSet(Proposer):
             served = torch.where(takes, index, served)
         self._last_step = (served, asked_of, counted_of, scores, spent)
         tried_names = [names[i] for i in tried.tolist()]
+        if not results:  # every proposer asked for nothing (its model-running ones sat the step out)
+            return Drafts(torch.full((num_rows, 1), -1), [0] * num_rows), tried_names
         if len(results) == 1:
             return next(iter(results.values())), tried_names
         return _combine(results, served), tried_names
