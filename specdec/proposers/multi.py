@@ -89,7 +89,7 @@ class ProposerSet(Proposer):
         """The drafts of the last `propose` were verified: `num_accepted[i]` of row i's were accepted, and the step
         took `seconds` in all (drafting included). Updates each proposer's measured acceptance, relative cost and
         score calibration."""
-        if self._last_step is None:
+        if self._last_step is None or len(self.proposers) == 1:  # nothing to choose between
             return
         served, asked_of, counted_of, scores, spent = self._last_step
         self._last_step = None
