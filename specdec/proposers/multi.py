@@ -8,8 +8,9 @@ a row expects `1 + f * score` tokens from its own draft (`f`: how the scores hav
 scored) and `E_next(k)` (bonus token included) from the next proposer's (its measured per-position acceptance); the
 rows where `E_next(k)` is larger are passed on if the step's expected tokens then grow by more than the next
 proposer's time relative to the rest of the step (`1 + rho`, measured whenever it runs: a draft model's passes cost
-about the same whatever the rows asked). With ["suffix", "draft_model"], suffix serves the rows where it has a
-confident draft and the draft model the rest, or suffix every row where the draft model would not pay.
+about the same whatever the rows asked); otherwise the next proposer does not run, and a row without a draft of the
+first one goes undrafted. With ["suffix", "draft_model"], suffix serves the rows where it has a confident draft and
+the draft model the rest, or suffix alone the steps where the draft model would not pay.
 
 Which proposer serves a row depends on the row's history and on earlier steps' outcomes, never on this step's noise,
 so mixing them keeps verification lossless. Drafts of every proposer go into one `Drafts`, verified in the same
@@ -120,6 +121,7 @@ class ProposerSet(Proposer):
             only = torch.tensor([-1 if r is None else names.index(r) for r in requested], dtype=torch.long)
         num_asked = torch.tensor(batch.num_asked)
         served = torch.full((num_rows,), -1)  # per row: the index of the proposer whose drafts it takes
+        stopped = torch.zeros(num_rows, dtype=torch.bool)  # per row: its cascade ends here, drafts or not
         tried = torch.zeros(num_rows, dtype=torch.long)  # per row: the last proposer asked
         scores = torch.full((num_rows,), float("nan"), dtype=torch.float64)  # the serving proposer's score, if any
         spent = [0.0] * len(self.proposers)  # per proposer: seconds in `propose`
@@ -127,7 +129,7 @@ class ProposerSet(Proposer):
         counted_of: list[Tensor] = []  # per proposer: the rows its acceptance counts (served, or nothing drafted)
         results: dict[int, Drafts] = {}
         for index, (name, proposer) in enumerate(self.proposers.items()):
-            asked = torch.where((served < 0) & ((only < 0) | (only == index)), num_asked, 0)
+            asked = torch.where((served < 0) & ~stopped & ((only < 0) | (only == index)), num_asked, 0)
             if proposer.runs_model and with_models is False:
                 asked = torch.zeros_like(asked)
             asked_of.append(asked)
@@ -144,9 +146,14 @@ class ProposerSet(Proposer):
             drafted = (asked > 0) & (torch.tensor(drafts.num_drafted) > 0)
             takes = drafted
             if drafts.scores is not None and self.pass_on:
-                if with_models is None:
-                    takes = drafted & self._confident(index, drafts.scores, asked, only)
-                elif with_models and index + 1 < len(self.proposers):  # every row that may cascade goes on
+                last = index + 1 == len(self.proposers)
+                if with_models is None and not last:
+                    own, rival = self._expected(index, drafts.scores, asked, only)
+                    if self._pays(index + 1, own, rival):  # the next one runs for the rows where it earns more
+                        takes = drafted & torch.from_numpy(rival <= own)
+                    else:  # it does not run this step: no row goes on, not even one without a draft here
+                        stopped |= (asked > 0) & (only < 0)
+                elif with_models and not last:  # every row that may cascade goes on
                     takes = drafted & (only == index)
                 scores = torch.where(takes, drafts.scores.to(torch.float64), scores)
                 counted_of[-1] = counted_of[-1] & ~(drafted & ~takes)  # passed on: not this proposer's outcome
@@ -159,20 +166,17 @@ class ProposerSet(Proposer):
             return next(iter(results.values())), tried_names
         return _combine(results, served), tried_names
 
-    def _confident(self, index: int, scores: Tensor, asked: Tensor, only: Tensor) -> Tensor:
-        """`[rows]` whether proposer `index` keeps each row: all of them, unless passing the rows on to the next
-        proposer where it is expected to earn more raises the step's expected tokens by more than its relative cost
-        (a row that names this proposer, or has no next one, always stays)."""
-        if index + 1 == len(self.proposers):
-            return torch.ones(len(scores), dtype=torch.bool)
-        free = ((only < 0) & (asked > 0)).numpy()  # rows that may cascade
+    def _expected(self, index: int, scores: Tensor, asked: Tensor, only: Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """`[rows]` tokens each row expects this step from proposer `index`'s draft (1 + its calibrated score; 1 for a
+        row asked nothing) and from the next proposer's, where the row may cascade to it (else the same)."""
         own = np.where(asked.numpy() > 0, 1.0 + self.calibration[index].factor() * scores.double().numpy(), 1.0)
         rival = self.acceptance[index + 1].expected_emitted()[asked.clamp(max=self.max_k).numpy()]
-        better = free & (rival > own)
-        gain = np.where(better, rival, own).sum() / own.sum()
-        if gain <= 1.0 + self.relative_cost[index + 1].ratio():
-            return torch.ones(len(scores), dtype=torch.bool)
-        return torch.from_numpy(~better)
+        return own, np.where(((only < 0) & (asked > 0)).numpy(), rival, own)
+
+    def _pays(self, index: int, own: np.ndarray, rival: np.ndarray) -> bool:
+        """Whether running proposer `index` for the rows where it expects more (`rival`) than their own drafts (`own`)
+        raises the step's expected tokens by more than its time relative to the rest of the step."""
+        return float(np.maximum(own, rival).sum() / own.sum()) > 1.0 + self.relative_cost[index].ratio()
 
 
 class RelativeCost:

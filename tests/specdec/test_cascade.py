@@ -14,15 +14,16 @@ K = 4
 
 
 class Fixed(Proposer):
-    """Drafts `K` tokens of `token` for every row asked, with `scores` (None: an unscored proposer)."""
+    """Drafts `K` tokens of `token` for every row asked (none for the rows in `empty`), with `scores` (None: an
+    unscored proposer)."""
 
-    def __init__(self, token: int, scores: list[float] | None = None, seconds: float = 0.0):
-        self.token, self.scores, self.seconds, self.asked = token, scores, seconds, []
+    def __init__(self, token: int, scores: list[float] | None = None, seconds: float = 0.0, empty: tuple = ()):
+        self.token, self.scores, self.seconds, self.empty, self.asked = token, scores, seconds, empty, []
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         time.sleep(self.seconds)  # a drafting cost the cascade measures
         self.asked.append(list(batch.num_asked))
-        counts = [min(k, K) for k in batch.num_asked]
+        counts = [0 if i in self.empty else min(k, K) for i, k in enumerate(batch.num_asked)]
         token_ids = torch.tensor([[self.token] * c + [-1] * (K - c) for c in counts])
         scores = None if self.scores is None else torch.tensor(self.scores, dtype=torch.float64)
         return Drafts(token_ids, counts, scores=scores)
@@ -34,7 +35,7 @@ def batch(num_rows: int) -> ProposalBatch:
 
 def served_by(proposers: ProposerSet, num_rows: int, requested=None) -> list[str]:
     drafts, _ = proposers.propose(batch(num_rows), requested)
-    return ["scored" if t == 1 else "later" for t in drafts.token_ids[:, 0].tolist()]
+    return [{1: "scored", 2: "later", -1: "none"}[t] for t in drafts.token_ids[:, 0].tolist()]
 
 
 def test_a_scored_proposer_passes_on_the_rows_a_later_one_earns_more_on():
@@ -82,13 +83,13 @@ def test_reset_forgets_what_was_measured():
     assert served_by(proposers, 1) == ["later"]
 
 
-def costed(scores: list[float], ratio: float) -> ProposerSet:
+def costed(scores: list[float], ratio: float, empty: tuple = ()) -> ProposerSet:
     """A cascade whose next proposer has accepted every draft of one step of 2 rows and costs `ratio` times the rest
     of the step: rates 0.956, 0.980, 0.991, 0.996 (each position's prior is the rate before it), so 4.75 tokens
-    expected of a row asked for 4."""
-    proposers = ProposerSet({"suffix": Fixed(1, scores), "draft_model": Fixed(2)}, max_k=K)
-    proposers.propose(batch(2))
-    proposers.observe([K, K], seconds=1.0)
+    expected of a row asked for 4. The first proposer has no draft for the rows in `empty`."""
+    proposers = ProposerSet({"suffix": Fixed(1, scores, empty=empty), "draft_model": Fixed(2)}, max_k=K)
+    proposers.propose(batch(len(scores)))
+    proposers.observe([K] * len(scores), seconds=1.0)
     proposers.relative_cost[1] = RelativeCost()
     proposers.relative_cost[1].update(ratio)
     return proposers
@@ -106,3 +107,7 @@ def test_the_next_proposer_runs_only_where_what_it_gains_pays_for_its_time():
     assert served_by(costed([1.2, 0.4], ratio=2.0), 2) == ["scored", "scored"]  # for 3x: does not
     # a row whose own draft expects more (5.0) keeps it; the other one is passed on: 1.52x the tokens for 1.25x
     assert served_by(costed([4.0, 0.4], ratio=0.25), 2) == ["scored", "later"]
+    # a row without a draft of its own goes on where the next proposer runs, and stays undrafted where it does not
+    # (3 rows: 5.0 + 1.4 + 1 expected tokens, 5.0 + 4.75 + 4.75 with the next one: 1.96x)
+    assert served_by(costed([4.0, 0.4, 0.0], ratio=0.5, empty=(2,)), 3) == ["scored", "later", "later"]
+    assert served_by(costed([4.0, 0.4, 0.0], ratio=1.5, empty=(2,)), 3) == ["scored", "scored", "none"]
