@@ -334,7 +334,7 @@ class Generator:
             uniforms[:, -1].contiguous().to(self.device),
             self._race_keys(rows),
         )
-        kept, _ = self._commit(rows, result, in_cache=False)
+        kept, _, _ = self._commit(rows, result, in_cache=False)
         return kept
 
     # ---- one decode step: schedule, propose, forward, verify, commit --------------------------------------------
@@ -364,10 +364,11 @@ class Generator:
             rows = torch.arange(num_rows, device=self.device)
             lens = self.slots.cache_len[:num_rows].to(self.device)
             self.runner.cache.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
-        num_emitted, accepted = self._commit(slice(0, num_rows), result, in_cache=True)
+        num_emitted, accepted, emitted_ids = self._commit(slice(0, num_rows), result, in_cache=True)
         seconds = time.perf_counter() - start
         if drafts is not None and not fill_drafts:  # a calibration's filled drafts on random text earn nothing real
-            self.proposers.observe(accepted, seconds)  # a cascade learns which proposer earns what, at what cost
+            # a cascade learns which proposer earns what, at what cost
+            self.proposers.observe(accepted, seconds, emitted_ids)
         asked_list = asked.tolist()
         observation = None
         if self.policy is not None or num_draft_tokens is not None:
@@ -467,10 +468,11 @@ class Generator:
         s = self.slots
         return RaceKeys(s.seed[rows, 0], s.num_tokens[rows] - s.prompt_len[rows])
 
-    def _commit(self, rows: slice, result: VerifyResult, in_cache: bool) -> tuple[int, list[int]]:
+    def _commit(self, rows: slice, result: VerifyResult, in_cache: bool) -> tuple[int, list[int], Tensor]:
         """Bring the step's result to the host in ONE transfer and append it to the rows.
 
-        Returns the tokens kept (after stops and length caps) and the drafts accepted per row.
+        Returns the tokens kept (after stops and length caps), the drafts accepted per row and the emitted tokens
+        `[rows, max depth + 1]` on the host (row i's first `accepted[i] + 1` are its own).
         """
         packed = torch.cat(
             [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)], dim=1
@@ -480,7 +482,7 @@ class Generator:
         tokens = packed[:, 1 : 1 + width]
         logprobs = packed[:, 1 + width :].contiguous().view(torch.float64)
         kept = self.slots.commit(rows.start, num_emitted, tokens, logprobs, in_cache)
-        return int(kept.sum()), (num_emitted - 1).tolist()
+        return int(kept.sum()), (num_emitted - 1).tolist(), tokens
 
     def _route(self, seq: Sequence) -> str:
         """Where a row's drafts come from: the proposer its request names, or the configured cascade."""

@@ -54,7 +54,7 @@ class ProposerSet(Proposer):
         self.acceptance = [AcceptanceStats(self.max_k) for _ in self.proposers]
         self.relative_cost = [RelativeCost() for _ in self.proposers]
         self.calibration = [ScoreCalibration() for _ in self.proposers]
-        self._last_step: tuple[Tensor, list[Tensor], list[Tensor], Tensor, list[float]] | None = None
+        self._last_step: tuple[Tensor, list[Tensor], list[Tensor], dict, list[float]] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -86,13 +86,16 @@ class ProposerSet(Proposer):
             proposer.reset()
         self._forget()
 
-    def observe(self, num_accepted: list[int], seconds: float) -> None:
-        """The drafts of the last `propose` were verified: `num_accepted[i]` of row i's were accepted, and the step
-        took `seconds` in all (drafting included). Updates each proposer's measured acceptance, relative cost and
-        score calibration."""
+    def observe(self, num_accepted: list[int], seconds: float, emitted_ids: Tensor) -> None:
+        """The drafts of the last `propose` were verified: `num_accepted[i]` of row i's were accepted, row i emitted
+        `emitted_ids[i, :num_accepted[i] + 1]` (`[rows, W]`, host), and the step took `seconds` in all (drafting
+        included). Updates each proposer's measured acceptance, relative cost and score calibration: a scoring
+        proposer's drafts count on every row it drafted for, served or passed on, as the prefix that matches the
+        tokens emitted (the tokens plain decoding emits: exactly its accepted drafts where it served; where it did
+        not, at least that many)."""
         if self._last_step is None or len(self.proposers) == 1:  # nothing to choose between
             return
-        served, asked_of, counted_of, scores, spent = self._last_step
+        served, asked_of, counted_of, scored_drafts, spent = self._last_step
         self._last_step = None
         accepted = torch.tensor(num_accepted)
         rest = max(seconds - sum(spent), 1e-9)
@@ -102,9 +105,15 @@ class ProposerSet(Proposer):
             if bool(counted.any()):
                 mine = torch.where(served == index, accepted, 0)
                 self.acceptance[index].update(asked[counted].tolist(), mine[counted].tolist())
-            scored = (served == index) & ~torch.isnan(scores)
-            if bool(scored.any()):
-                self.calibration[index].update(scores[scored], accepted[scored])
+            if index in scored_drafts:
+                token_ids, num_drafted, scores = scored_drafts[index]
+                width = min(token_ids.shape[1], emitted_ids.shape[1])
+                valid = torch.arange(width)[None, :] <= accepted[:, None]  # the emitted tokens of each row
+                same = (token_ids[:, :width] == emitted_ids[:, :width]) & valid
+                matched = torch.minimum(same.long().cumprod(dim=1).sum(dim=1), num_drafted)
+                drafted = num_drafted > 0
+                if bool(drafted.any()):
+                    self.calibration[index].update(scores[drafted], matched[drafted])
 
     def propose(
         self, batch: ProposalBatch, requested: list[str | None] | None = None, with_models: bool | None = None
@@ -123,7 +132,7 @@ class ProposerSet(Proposer):
         served = torch.full((num_rows,), -1)  # per row: the index of the proposer whose drafts it takes
         stopped = torch.zeros(num_rows, dtype=torch.bool)  # per row: its cascade ends here, drafts or not
         tried = torch.zeros(num_rows, dtype=torch.long)  # per row: the last proposer asked
-        scores = torch.full((num_rows,), float("nan"), dtype=torch.float64)  # the serving proposer's score, if any
+        scored_drafts: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # per scoring proposer: tokens, counts, scores
         spent = [0.0] * len(self.proposers)  # per proposer: seconds in `propose`
         asked_of: list[Tensor] = []  # per proposer: the drafts asked of each row
         counted_of: list[Tensor] = []  # per proposer: the rows its acceptance counts (served, or nothing drafted)
@@ -155,10 +164,14 @@ class ProposerSet(Proposer):
                         stopped |= (asked > 0) & (only < 0)
                 elif with_models and not last:  # every row that may cascade goes on
                     takes = drafted & (only == index)
-                scores = torch.where(takes, drafts.scores.to(torch.float64), scores)
+                scored_drafts[index] = (
+                    drafts.token_ids.cpu(),
+                    torch.where(asked > 0, torch.tensor(drafts.num_drafted), 0),
+                    drafts.scores.to(torch.float64),
+                )
                 counted_of[-1] = counted_of[-1] & ~(drafted & ~takes)  # passed on: not this proposer's outcome
             served = torch.where(takes, index, served)
-        self._last_step = (served, asked_of, counted_of, scores, spent)
+        self._last_step = (served, asked_of, counted_of, scored_drafts, spent)
         tried_names = [names[i] for i in tried.tolist()]
         if not results:  # every proposer asked for nothing (its model-running ones sat the step out)
             return Drafts(torch.full((num_rows, 1), -1), [0] * num_rows), tried_names
@@ -198,7 +211,7 @@ class RelativeCost:
 
 class ScoreCalibration:
     """How a proposer's scores (its own estimate of the drafts a row will have accepted) turn out: `factor()` is the
-    accepted drafts over the scores of the rows it served, each step's ratio weighing 1 once `rows_per_step` rows were
+    accepted drafts over the scores of the rows it drafted for, each step weighing 1 once `rows_per_step` rows were
     scored, decayed by `decay` per step; `prior_weight` steps' worth of a factor of 1 stand behind it."""
 
     def __init__(self, decay: float = 0.8, prior_weight: float = 0.1, rows_per_step: int = 16):
@@ -207,7 +220,7 @@ class ScoreCalibration:
         self.scored = 0.0
 
     def update(self, scores: Tensor, num_accepted: Tensor) -> None:
-        """One step: the scores of the rows served and the drafts each had accepted."""
+        """One step: the scores of the rows drafted for and the drafts each had (or would have had) accepted."""
         weight = min(len(scores) / self.rows_per_step, 1.0) / len(scores)
         self.accepted = self.decay * self.accepted + weight * float(num_accepted.sum())
         self.scored = self.decay * self.scored + weight * float(scores.sum())

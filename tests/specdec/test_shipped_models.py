@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -36,3 +38,22 @@ def test_shipped_models_greedy_speculation_is_exact(shipped, method, k):
     assert drafted > 0 and accepted > 0
     if method == "draft_model":  # the shipped draft is trained to agree with the target
         assert accepted / drafted > 0.5
+
+
+def test_shipped_cascade_gives_rows_to_the_draft_model_first_and_to_suffix_once_it_has_the_history(shipped):
+    # ["suffix", "draft_model"] on the shipped models: on a first call suffix has only the rows in flight and the
+    # trained draft model earns more, so it serves most rows; a second identical greedy call finds every response in
+    # suffix's history, whose drafts then promise more than the draft model's (and cost no draft passes)
+    target, draft, prompts, params, plain = shipped
+    spec = SpecConfig(["suffix", "draft_model"], 4, model=draft)
+    gen = Generator(target, max_batch_size=4, max_seq_len=512, spec=spec)
+    served = []
+    for _ in range(2):
+        assert [o.token_ids for o in gen.generate(prompts, params)] == plain
+        counts = collections.Counter()
+        for record in gen.last_trace:
+            counts.update(record.rows_by_method or {})
+        served.append(counts)
+    first, second = served
+    assert first["draft_model"] > first["suffix"]
+    assert second["suffix"] > second["draft_model"]
