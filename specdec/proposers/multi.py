@@ -91,8 +91,8 @@ class ProposerSet(Proposer):
         `emitted_ids[i, :num_accepted[i] + 1]` (`[rows, W]`, host), and the step took `seconds` in all (drafting
         included). Updates each proposer's measured acceptance, relative cost and score calibration: a scoring
         proposer's drafts count on every row it drafted for, served or passed on, as the prefix that matches the
-        tokens emitted (the tokens plain decoding emits: exactly its accepted drafts where it served; where it did
-        not, at least that many)."""
+        tokens emitted (plain decoding's tokens, or tokens distributed as those under rejection sampling): where it
+        served, exactly its accepted drafts; elsewhere what it would have had accepted, cut at the tokens emitted."""
         if self._last_step is None or len(self.proposers) == 1:  # nothing to choose between
             return
         served, asked_of, counted_of, scored_drafts, spent = self._last_step
