@@ -169,7 +169,9 @@ class AutoPolicy:
         usable = int(caps.max(initial=0))
         seconds = self.step_times.predict(batch_size, ks + 1, passes, context)
         if share < 1.0:
-            seconds = share * seconds + (1.0 - share) * self.step_times.predict(batch_size, ks + 1, 0 * passes, context)
+            seconds = share * seconds + (1.0 - share) * self.step_times.predict(
+                batch_size, ks + 1, np.zeros_like(passes), context
+            )
         rate = emitted / np.maximum(seconds, 1e-9)
         best = int(np.argmax(rate[: usable + 1]))
         current = min(self.current, usable)

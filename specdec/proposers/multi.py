@@ -152,21 +152,15 @@ class ProposerSet(Proposer):
             spent[index] = time.perf_counter() - start
             results[index] = drafts
             tried = torch.where(asked > 0, index, tried)
-            drafted = (asked > 0) & (torch.tensor(drafts.num_drafted) > 0)
+            num_drafted = torch.tensor(drafts.num_drafted)
+            drafted = (asked > 0) & (num_drafted > 0)
             takes = drafted
             if drafts.scores is not None and self.pass_on:
-                last = index + 1 == len(self.proposers)
-                if with_models is None and not last:
-                    own, rival = self._expected(index, drafts.scores, asked, only)
-                    if self._pays(index + 1, own, rival):  # the next one runs for the rows where it earns more
-                        takes = drafted & torch.from_numpy(rival <= own)
-                    else:  # it does not run this step: no row goes on, not even one without a draft here
-                        stopped |= (asked > 0) & (only < 0)
-                elif with_models and not last:  # every row that may cascade goes on
-                    takes = drafted & (only == index)
+                keeps, stops = self._keeps(index, drafts.scores, asked, only, with_models)
+                takes, stopped = drafted & keeps, stopped | stops
                 scored_drafts[index] = (
                     drafts.token_ids.cpu(),
-                    torch.where(asked > 0, torch.tensor(drafts.num_drafted), 0),
+                    torch.where(asked > 0, num_drafted, 0),
                     drafts.scores.to(torch.float64),
                 )
                 counted_of[-1] = counted_of[-1] & ~(drafted & ~takes)  # passed on: not this proposer's outcome
@@ -178,6 +172,21 @@ class ProposerSet(Proposer):
         if len(results) == 1:
             return next(iter(results.values())), tried_names
         return _combine(results, served), tried_names
+
+    def _keeps(
+        self, index: int, scores: Tensor, asked: Tensor, only: Tensor, with_models: bool | None
+    ) -> tuple[Tensor, Tensor]:
+        """For scoring proposer `index`: `[rows]` the rows whose drafts it keeps, and `[rows]` the rows whose cascade
+        ends with it this step (drafted or not)."""
+        everyone = torch.ones(len(scores), dtype=torch.bool)
+        if index + 1 == len(self.proposers) or with_models is False:
+            return everyone, ~everyone
+        if with_models:  # a calibration's step with the model: every row that may cascade goes on
+            return only == index, ~everyone
+        own, rival = self._expected(index, scores, asked, only)
+        if self._pays(index + 1, own, rival):  # the next one runs for the rows where it earns more
+            return torch.from_numpy(rival <= own), ~everyone
+        return everyone, (asked > 0) & (only < 0)  # it does not run: no row goes on, not even one without a draft
 
     def _expected(self, index: int, scores: Tensor, asked: Tensor, only: Tensor) -> tuple[np.ndarray, np.ndarray]:
         """`[rows]` tokens each row expects this step from proposer `index`'s draft (1 + its calibrated score; 1 for a
