@@ -80,19 +80,22 @@ class SuffixIndex:
     def extend(self, frontier: np.ndarray, tokens: np.ndarray, delta: int = 1) -> np.ndarray:
         """Append `tokens [N]` to N sequences with frontiers `[N, D]`: every suffix count changes by `delta` (+1 on
         insert; -1 removes a sequence inserted before, whose nodes must exist). Returns the new frontiers."""
-        rows, cols = np.nonzero(frontier >= 0)
-        children = self._count(frontier[rows, cols], tokens[rows], delta)
-        new = np.full_like(frontier, -1)
+        depth = self.max_depth
+        flat = np.ascontiguousarray(frontier).ravel()
+        at = (flat >= 0).nonzero()[0]  # (row, m) pairs in row order, as flat indices
+        rows = at // depth
+        children = self._count(flat[at], tokens[rows], delta)
+        new = np.full(frontier.shape, -1, dtype=frontier.dtype)
         new[:, 0] = frontier[:, 0]
-        keep = cols < self.max_depth - 1  # depth-D nodes are counted, never extended
-        new[rows[keep], cols[keep] + 1] = children[keep]
+        keep = at - rows * depth < depth - 1  # depth-D nodes are counted, never extended
+        new.ravel()[at[keep] + 1] = children[keep]
         return new
 
     def insert(self, frontier: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, delta: int = 1) -> np.ndarray:
         """Append `tokens[i, :lengths[i]]` (`[N, T]`) to each sequence, in lockstep. Returns the new frontiers."""
         frontier = frontier.copy()
         for j in range(int(lengths.max(initial=0))):
-            rows = np.flatnonzero(lengths > j)
+            rows = (lengths > j).nonzero()[0]
             frontier[rows] = self.extend(frontier[rows], tokens[rows, j], delta)
         return frontier
 
@@ -115,11 +118,12 @@ class SuffixIndex:
     def child(self, parents: np.ndarray, tokens: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
         """The child of each of `parents [N]` (valid nodes) by its token, -1 where there is none. Reads only.
         `first`: the parents' first children, if the caller has read them already."""
-        parents, tokens = parents.astype(np.int64), tokens.astype(np.int64)
+        parents, tokens = parents.astype(np.int64, copy=False), tokens.astype(np.int64, copy=False)
         first = self.first[parents] if first is None else first
         # a node's first child sits in its record; only its later children (branches) go through the hash table
-        found = np.where((first >= 0) & (self.token[np.maximum(first, 0)] == tokens), first, -1).astype(np.int64)
-        ask = np.flatnonzero((found < 0) & self.branching[parents])
+        # (first -1 reads the last node's token, and is masked)
+        found = np.where((first >= 0) & (self.token[first] == tokens), first, -1).astype(np.int64)
+        ask = ((found < 0) & self.branching[parents]).nonzero()[0]
         if ask.size:
             found[ask] = self._lookup((parents[ask] << _TOKEN_BITS) | tokens[ask])
         return found
@@ -141,7 +145,7 @@ class SuffixIndex:
         prob = np.ones(num)
         node = start.astype(np.int64)
         base = self.count[node] - num_open  # the first step's denominator
-        alive = np.flatnonzero((max_len > 0) & (base > 0))
+        alive = ((max_len > 0) & (base > 0)).nonzero()[0]
         for j in range(width):
             if alive.size == 0:
                 break
@@ -164,18 +168,19 @@ class SuffixIndex:
     def _count(self, parents: np.ndarray, tokens: np.ndarray, delta: int) -> np.ndarray:
         """The child of each parent by its token (created on insert), its count changed by `delta`."""
         children = np.empty(len(parents), dtype=np.int64)
-        record = self.nodes[parents]  # [count, best, token, first] of each parent: one gather
+        record = self.nodes.take(parents, axis=0)  # [count, best, token, first] of each parent: one gather
         # fresh: the parent occurs once (a sequence's end) and never had a child, so the child is new and nobody else
         # creates it in this call: most nodes of a deep trie, added with no hashing and no comparing
         fresh = (record[:, 0] == 1) & (record[:, 3] < 0) if delta > 0 else np.zeros(len(parents), bool)
-        if fresh.any():
-            new_parents = parents[fresh]
-            ids = self._allocate(tokens[fresh].astype(np.int32))
+        new = fresh.nonzero()[0]
+        if new.size:
+            new_parents = parents[new]
+            ids = self._allocate(tokens[new].astype(np.int32))
             self.nodes[new_parents, 1] = ids
             self.nodes[new_parents, 3] = ids
             self.nodes[ids[0] : ids[-1] + 1, 0] = 1
-            children[fresh] = ids
-        shared = np.flatnonzero(~fresh)
+            children[new] = ids
+        shared = (~fresh).nonzero()[0] if new.size else np.arange(len(parents))
         if shared.size:
             old_parents = parents[shared]
             old_children = self._children(old_parents, tokens[shared].astype(np.int64), record[shared, 3], delta > 0)
@@ -191,14 +196,14 @@ class SuffixIndex:
     def _children(self, parents: np.ndarray, tokens: np.ndarray, first: np.ndarray, create: bool) -> np.ndarray:
         """`child`, and the children that are missing created (`create`; else they must all exist)."""
         found = self.child(parents, tokens, first)
-        missing = found < 0
-        if missing.any():
+        missing = (found < 0).nonzero()[0]
+        if missing.size:
             assert create, "expected every node of a removed sequence to exist"
             keys = (parents[missing].astype(np.int64) << _TOKEN_BITS) | tokens[missing]
             new_keys, inverse = np.unique(keys, return_inverse=True)  # sorted: grouped by parent
             new_parents = new_keys >> _TOKEN_BITS
             ids = self._allocate((new_keys & ((1 << _TOKEN_BITS) - 1)).astype(np.int32))
-            lead = np.r_[True, new_parents[1:] != new_parents[:-1]] & (self.first[new_parents] < 0)
+            lead = np.concatenate(([True], new_parents[1:] != new_parents[:-1])) & (self.first[new_parents] < 0)
             self.first[new_parents[lead]] = ids[lead]
             self._store(new_keys[~lead], ids[~lead])
             self.branching[new_parents[~lead]] = True
@@ -208,10 +213,10 @@ class SuffixIndex:
     def _raise_best(self, parents: np.ndarray, children: np.ndarray, best: np.ndarray) -> None:
         """best[p] = the child of largest count among the current best (`best`, before this call) and the children
         just counted."""
-        ask = np.flatnonzero(best != children)  # a child that is its parent's best already stays best
+        ask = (best != children).nonzero()[0]  # a child that is its parent's best already stays best
         parents, children, best = parents[ask], children[ask], best[ask]
         for _ in range(8):  # several children of one parent in one call: the last write may not be the largest
-            better = (best < 0) | (self.count[children] > self.count[np.maximum(best, 0)])
+            better = (best < 0) | (self.count[children] > self.count[best])  # (best -1 reads the last node)
             if not better.any():
                 return
             self.best[parents[better]] = children[better]
@@ -237,22 +242,22 @@ class SuffixIndex:
 
     def _lookup(self, keys: np.ndarray) -> np.ndarray:
         found = np.full(len(keys), -1, dtype=np.int64)
-        slots = self._slots(keys)
-        pending = np.arange(len(keys))
+        pending, slots = np.arange(len(keys)), self._slots(keys)
         mask = len(self._keys) - 1
         while pending.size:
-            stored = self._keys[slots[pending]]
-            hit = stored == keys[pending]
-            found[pending[hit]] = self._values[slots[pending[hit]]]
-            pending = pending[~hit & (stored != _EMPTY)]  # linear probing: go on past other keys
-            slots[pending] = (slots[pending] + 1) & mask
+            stored = self._keys[slots]
+            hit = stored == keys
+            if hit.any():
+                found[pending[hit]] = self._values[slots[hit]]
+            on = ~hit & (stored != _EMPTY)  # linear probing: go on past other keys
+            pending, keys, slots = pending[on], keys[on], (slots[on] + 1) & mask
         return found
 
     def _store(self, keys: np.ndarray, ids: np.ndarray) -> None:
         """Insert distinct keys that are not in the table."""
         self._num_keys += len(keys)
-        if 2 * self._num_keys > len(self._keys):  # load factor <= 1/2, and 1/4 after growing: probes stay short
-            self._rehash(4 * self._num_keys)
+        if 4 * self._num_keys > len(self._keys):  # load factor <= 1/4, and 1/8 after growing: probes stay short
+            self._rehash(8 * self._num_keys)
         slots = self._slots(keys)
         pending = np.arange(len(keys))
         mask = len(self._keys) - 1

@@ -125,6 +125,10 @@ class ProposerSet(Proposer):
         docstring."""
         num_rows = len(batch.num_tokens)
         names = self.names
+        if len(names) == 1 and not (self.proposers[names[0]].runs_model and with_models is False):
+            # one proposer, asked what the rows ask (a request can only name this one): nothing to route
+            states = [s.setdefault(names[0], {}) for s in batch.states]
+            return self.proposers[names[0]].propose(dataclasses.replace(batch, states=states)), [names[0]] * num_rows
         only = torch.full((num_rows,), -1)  # per row: the index of the only proposer it may ask, -1 = any
         if requested is not None:
             only = torch.tensor([-1 if r is None else names.index(r) for r in requested], dtype=torch.long)

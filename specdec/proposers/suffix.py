@@ -93,9 +93,13 @@ class SuffixProposer(Proposer):
         self._slot_prompt: list[bytes | None] = [None] * slots
         self._responses = np.zeros((slots, self._num_positions), dtype=np.int32)
         self._dead_tokens = 0  # tokens removed since the store was built: a rebuild frees their nodes
+        # finished rows' last tokens, inserted with the next step's (frontiers [2N, D], tokens [2N, L], lengths [2N])
+        self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._deferred_responses = 0  # the newest cached responses whose last tokens are still deferred
 
     def stats(self) -> dict:
         """The cached history's size: responses, their tokens, distinct prompts, trie nodes and bytes held."""
+        self.flush()
         return {
             "responses": len(self.history),
             "tokens": int(sum(len(r) for _, r in self.history)),
@@ -165,7 +169,8 @@ class SuffixProposer(Proposer):
     def begin(self) -> None:
         """A call starts: rows left in flight by an interrupted call (or the warm-up) are removed; a store that
         holds more dead tokens than live ones is rebuilt."""
-        stale = np.flatnonzero(self._in_flight)
+        self.flush()
+        stale = self._in_flight.nonzero()[0]
         if stale.size:
             self._remove_rows(stale)
         live = sum(len(r) for _, r in self.history) + sum(len(e.prompt) for e in self.prompts.values())
@@ -177,7 +182,7 @@ class SuffixProposer(Proposer):
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
         rows = np.arange(row_start, row_start + len(states))
         groups = group_of.cpu().numpy()
-        entries = [self._prompt_trie(np.asarray(p, dtype=np.int32)) for p in prompts]
+        entries = self._prompt_tries([np.asarray(p, dtype=np.int32) for p in prompts])
         for row, group in zip(rows.tolist(), groups.tolist()):
             entries[group].num_rows += 1
             self._slot_prompt[row] = entries[group].prompt.tobytes()
@@ -198,9 +203,10 @@ class SuffixProposer(Proposer):
         self._in_flight[moved_away] = False
 
     def finish(self, rows: list[int], token_ids: Tensor, num_tokens: list[int]) -> None:
-        """Rows finished: take in their last tokens and keep their responses as history."""
+        """Rows finished: keep their responses as history. Their last tokens go into the tries with the next step's
+        (one insertion per step instead of two; before anything drafts, counts or evicts)."""
         rows_np = np.asarray(rows, dtype=np.int64)
-        self._sync(rows_np, token_ids[rows].numpy(), np.asarray(num_tokens, dtype=np.int64))
+        self._sync(rows_np, token_ids[rows].numpy(), np.asarray(num_tokens, dtype=np.int64), defer=True)
         finished = []
         for row in rows:
             key = self._slot_prompt[row]
@@ -210,6 +216,7 @@ class SuffixProposer(Proposer):
             finished.append((key, self._responses[row, : self._num_inserted[row] - self._prompt_len[row]].copy()))
         self._in_flight[rows_np] = False
         self.history.extend(finished)
+        self._deferred_responses += len(finished)
         self._evict()
 
     def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
@@ -232,7 +239,7 @@ class SuffixProposer(Proposer):
     def _candidates(self, asked: np.ndarray):
         """Every (row, trie, match length) walk worth trying: rows [C], tokens [C, K], lengths [C], scores [C] and the
         path probability at each walk's end [C]."""
-        rows = np.flatnonzero(asked > 0)
+        rows = (asked > 0).nonzero()[0]
         depth = self.max_tree_depth
         nodes = self._frontiers[:, rows, 1:][list(self.sources)].reshape(-1, depth - 1)  # [S * R, D - 1]: m = 1..D-1
         owner = np.tile(rows, len(self.sources))
@@ -286,7 +293,7 @@ class SuffixProposer(Proposer):
         `_CONTINUE_CONTEXT` tokens of the row's own text (longer ones add nothing measurable). Its path probability
         starts again at 1; its score adds to the row's scaled by the probability of the path it continues (`ends`).
         In place."""
-        rows = np.flatnonzero((counts > 0) & (counts < asked))
+        rows = ((counts > 0) & (counts < asked)).nonzero()[0]
         if rows.size == 0:
             return
         depth, num_drafted = self.max_tree_depth, counts[rows]  # [E]
@@ -303,9 +310,10 @@ class SuffixProposer(Proposer):
         match = np.concatenate([num_drafted[e1] + c, m])
         keep = (match < depth) & (node >= 0)
         e, src, node, skip, match = e[keep], src[keep], node[keep], skip[keep], match[keep]
+        walked, path = num_drafted[e], drafts[rows[e]]  # each walker's draft
         for j in range(int(num_drafted.max())):
-            step = np.flatnonzero((skip <= j) & (j < num_drafted[e]) & (node >= 0))
-            node[step] = self.index.child(node[step], drafts[rows[e[step]], j])
+            step = ((skip <= j) & (j < walked) & (node >= 0)).nonzero()[0]
+            node[step] = self.index.child(node[step], path[step, j])
         found = node >= 0
         e, src, node, match = e[found], src[found], node[found], match[found]
         # the row's own text ends in this context (no continuation yet) only where it is the row's own suffix node
@@ -349,9 +357,10 @@ class SuffixProposer(Proposer):
         separators = np.full(2 * len(roots), self.separator)
         return self.index.extend(self.index.start(starts), separators).reshape(2, len(roots), -1)
 
-    def _sync(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray) -> None:
-        """Insert the tokens each row gained since the last call (`token_ids [len(rows), T]`)."""
-        rewound = np.flatnonzero(num_tokens < self._num_inserted[rows])
+    def _sync(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, defer: bool = False) -> None:
+        """Insert the tokens each row gained since the last call (`token_ids [len(rows), T]`), with the deferred
+        ones. `defer` (finishing rows): keep the tokens for the next insertion instead."""
+        rewound = (num_tokens < self._num_inserted[rows]).nonzero()[0]
         if rewound.size:  # a row rolled back (the warm-up's probes): start its response over
             slots = rows[rewound]
             roots = np.array([self.prompts[self._slot_prompt[s]].root for s in slots.tolist()])
@@ -359,35 +368,69 @@ class SuffixProposer(Proposer):
             self._num_inserted[slots] = self._prompt_len[slots]
         start = self._num_inserted[rows]
         lengths = num_tokens - start
-        grow = np.flatnonzero(lengths > 0)
+        grow = (lengths > 0).nonzero()[0]
         if grow.size == 0:
+            if not defer:
+                self.flush()
             return
         rows, start, lengths = rows[grow], start[grow], lengths[grow]
         offsets = np.arange(int(lengths.max()))
         cols = np.minimum(start[:, None] + offsets, token_ids.shape[1] - 1)
         new = token_ids[grow[:, None], cols]  # [G, max new]
-        both = self._frontiers[:, rows].reshape(2 * len(rows), -1)
-        both = self.index.insert(both, np.concatenate([new, new]), np.concatenate([lengths, lengths]))
-        self._frontiers[:, rows] = both.reshape(2, len(rows), -1)
         valid = offsets[None, :] < lengths[:, None]
         columns = (start - self._prompt_len[rows])[:, None] + offsets[None, :]
         self._responses[np.repeat(rows, lengths), columns[valid]] = new[valid]
         self._num_inserted[rows] = num_tokens[grow]
+        frontiers = self._frontiers[:, rows].reshape(2 * len(rows), -1)  # both tries
+        both = (frontiers, np.concatenate([new, new]), np.concatenate([lengths, lengths]))
+        if defer:
+            self._deferred.append(both)
+            return
+        self._frontiers[:, rows] = self._insert(*both).reshape(2, len(rows), -1)
 
-    def _prompt_trie(self, prompt: np.ndarray) -> _PromptTrie:
-        key = prompt.tobytes()
-        entry = self.prompts.get(key)
-        if entry is None:
-            entry = _PromptTrie(self.index.new_root(), prompt)
-            self.index.add_sequences(np.array([entry.root]), prompt[None].astype(np.int64), np.array([len(prompt)]))
-            self.prompts[key] = entry
-        return entry
+    def _insert(self, frontiers: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Insert `tokens [N, L]` (`lengths [N]`) after `frontiers [N, D]` together with the deferred rows' tokens
+        (one call per position for both); returns the N new frontiers."""
+        parts = [*self._deferred, (frontiers, tokens, lengths)]
+        self._deferred, self._deferred_responses = [], 0
+        if len(parts) > 1:
+            all_tokens = np.zeros((sum(len(t) for _, t, _ in parts), max(t.shape[1] for _, t, _ in parts)), np.int64)
+            first = 0
+            for _, part, _ in parts:  # each part's tokens in its rows' first columns (the rest is past the lengths)
+                all_tokens[first : first + len(part), : part.shape[1]] = part
+                first += len(part)
+            frontiers, tokens = np.concatenate([f for f, _, _ in parts]), all_tokens
+            lengths = np.concatenate([n for _, _, n in parts])
+        inserted = self.index.insert(frontiers, tokens, lengths)
+        return inserted[len(inserted) - len(parts[-1][0]) :]
+
+    def flush(self) -> None:
+        """Insert the finished rows' last tokens now (`finish` defers them to the next step's insertion): the tries
+        then hold exactly the cached responses and the rows in flight."""
+        if self._deferred:
+            depth = self.max_tree_depth
+            self._insert(np.zeros((0, depth), np.int32), np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
+        self._deferred_responses = 0
+
+    def _prompt_tries(self, prompts: list[np.ndarray]) -> list[_PromptTrie]:
+        """The trie of each prompt (`[P]` int32 arrays), created for those not seen before: all new prompts go into
+        their tries in one insertion."""
+        keys = [p.tobytes() for p in prompts]
+        new = {key: prompt for key, prompt in zip(keys, prompts) if key not in self.prompts}
+        if new:
+            entries = [_PromptTrie(self.index.new_root(), prompt) for prompt in new.values()]
+            lengths = np.array([len(e.prompt) for e in entries])
+            tokens = np.zeros((len(entries), int(lengths.max())), dtype=np.int64)
+            tokens[np.arange(tokens.shape[1])[None, :] < lengths[:, None]] = np.concatenate([e.prompt for e in entries])
+            self.index.add_sequences(np.array([e.root for e in entries]), tokens, lengths)
+            self.prompts.update(zip(new, entries))
+        return [self.prompts[key] for key in keys]
 
     def _add_history(self, responses: list[tuple[bytes, np.ndarray]]) -> None:
         """Insert finished responses (oldest first) into their prompt tries and the global trie."""
         if not responses:
             return
-        entries = [self._prompt_trie(np.frombuffer(k, dtype=np.int32)) for k, _ in responses]
+        entries = self._prompt_tries([np.frombuffer(k, dtype=np.int32) for k, _ in responses])
         for entry in entries:
             entry.num_responses += 1
         self._apply([e.root for e in entries], [r for _, r in responses], +1)
@@ -398,6 +441,8 @@ class SuffixProposer(Proposer):
         excess = len(self.history) - self.max_cached_requests
         if excess <= 0:
             return
+        if excess > len(self.history) - self._deferred_responses:  # removing a response needs all of it inserted
+            self.flush()
         evicted = [self.history.popleft() for _ in range(excess)]
         entries = [self.prompts[k] for k, _ in evicted]
         self._apply([e.root for e in entries], [r for _, r in evicted], -1)
@@ -437,4 +482,4 @@ def _best_of_each(groups: np.ndarray, *keys: np.ndarray) -> np.ndarray:
     """Per distinct value of `groups [N]`, the index of its largest `keys` (compared in order; last ties: the later
     index)."""
     order = np.lexsort((*reversed(keys), groups))
-    return order[np.r_[groups[order][1:] != groups[order][:-1], True]]
+    return order[np.append(groups[order][1:] != groups[order][:-1], True)]

@@ -61,6 +61,7 @@ def contents(proposer: SuffixProposer) -> tuple[dict[bytes, list[list[int]]], li
 
 
 def assert_counts_exact(proposer: SuffixProposer) -> None:
+    proposer.flush()  # finished rows' last tokens go in with the next step's
     by_prompt, everything = contents(proposer)
     depth = proposer.max_tree_depth
     assert trie_counts(proposer.index, proposer.global_root) == ngram_counts(everything, depth)
@@ -123,6 +124,27 @@ def test_prompt_lookup_and_other_prompts_both_draft():
     drafts = proposer.propose(proposal(rows, [3, 3]))
     assert drafts.token_ids.tolist() == [[13, 14, -1], [32, 33, 11]]  # row 1: "SEP 30 31" matched, 3 tokens
     assert_counts_exact(proposer)
+
+
+def test_a_finished_rows_last_tokens_draft_at_the_next_step_and_eviction_waits_for_them():
+    proposer = SuffixProposer(3, SEP, 4, 64, max_tree_depth=6, max_spec_factor=2.0, max_cached_requests=1)
+    prompt = [5, 6]
+    proposer.prefill(0, [prompt], torch.zeros(2, dtype=torch.long), [{}, {}])
+    proposer.propose(proposal([prompt + [1], prompt + [2]], [2, 2]))
+    # row 0 finishes with tokens the tries have not seen: "7 8 9" is inserted with the next step's tokens
+    finished = proposal([prompt + [1, 7, 8, 9], prompt + [2]], [0, 0])
+    proposer.finish([0], finished.token_ids, [6])
+    proposer.copy_rows(torch.tensor([1]), torch.tensor([0]), 8)
+    # the next step's row says "7 8": only the finished row's last tokens continue it
+    drafts = proposer.propose(proposal([prompt + [2, 7, 8]], [2]))
+    assert drafts.token_ids[0, :1].tolist() == [9]
+    assert_counts_exact(proposer)
+    # a cap below the rows finishing at once: a response is evicted whose last tokens were deferred; they go in first
+    proposer.prefill(1, [prompt], torch.zeros(1, dtype=torch.long), [{}])
+    rows = proposal([prompt + [2, 7, 8, 4], prompt + [3, 3]], [0, 0])
+    proposer.finish([0, 1], rows.token_ids, [6, 4])
+    assert [r.tolist() for _, r in proposer.history] == [[3, 3]]
+    assert_counts_exact(proposer)  # the tries hold the one cached response, exactly
 
 
 @pytest.mark.parametrize("num_candidates", [1, 3])
