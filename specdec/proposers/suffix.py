@@ -95,7 +95,7 @@ class SuffixProposer(Proposer):
         self._dead_tokens = 0  # tokens removed since the store was built: a rebuild frees their nodes
         # finished rows' last tokens, inserted with the next step's (frontiers [2N, D], tokens [2N, L], lengths [2N])
         self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._deferred_responses = 0  # the newest cached responses whose last tokens are still deferred
+        self._deferred_responses = 0  # the newest cached responses (none added after) whose last tokens are deferred
 
     def stats(self) -> dict:
         """The cached history's size: responses, their tokens, distinct prompts, trie nodes and bytes held."""
@@ -122,6 +122,7 @@ class SuffixProposer(Proposer):
                     ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.separator)
                 ):
                     raise ValueError(f"{name}[{i}] must be a list of token ids in [0, {self.separator})")
+        self.flush()  # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
         self._add_history(
             [
                 (np.asarray(p, dtype=np.int32).tobytes(), np.asarray(r, dtype=np.int32))

@@ -145,6 +145,12 @@ def test_a_finished_rows_last_tokens_draft_at_the_next_step_and_eviction_waits_f
     proposer.finish([0, 1], rows.token_ids, [6, 4])
     assert [r.tolist() for _, r in proposer.history] == [[3, 3]]
     assert_counts_exact(proposer)  # the tries hold the one cached response, exactly
+    # responses added while a finished row's last tokens wait: evicting that row's response still finds them inserted
+    proposer.prefill(0, [prompt], torch.zeros(1, dtype=torch.long), [{}])
+    proposer.finish([0], proposal([prompt + [7, 7]], [0]).token_ids, [4])
+    proposer.add_responses([prompt], [[1, 1]])
+    assert [r.tolist() for _, r in proposer.history] == [[1, 1]]
+    assert_counts_exact(proposer)
 
 
 @pytest.mark.parametrize("num_candidates", [1, 3])
