@@ -127,8 +127,7 @@ class ProposerSet(Proposer):
         names = self.names
         if len(names) == 1 and not (self.proposers[names[0]].runs_model and with_models is False):
             # one proposer, asked what the rows ask (a request can only name this one): nothing to route
-            states = [s.setdefault(names[0], {}) for s in batch.states]
-            return self.proposers[names[0]].propose(dataclasses.replace(batch, states=states)), [names[0]] * num_rows
+            return self._ask(names[0], batch, batch.num_asked), [names[0]] * num_rows
         only = torch.full((num_rows,), -1)  # per row: the index of the only proposer it may ask, -1 = any
         if requested is not None:
             only = torch.tensor([-1 if r is None else names.index(r) for r in requested], dtype=torch.long)
@@ -150,9 +149,8 @@ class ProposerSet(Proposer):
             if int(asked.max()) == 0:
                 proposer.update(batch.token_ids, batch.num_tokens)  # it drafts for nobody, but may learn the text
                 continue
-            states = [s.setdefault(name, {}) for s in batch.states]
             start = time.perf_counter()
-            drafts = proposer.propose(dataclasses.replace(batch, num_asked=asked.tolist(), states=states))
+            drafts = self._ask(name, batch, asked.tolist())
             spent[index] = time.perf_counter() - start
             results[index] = drafts
             tried = torch.where(asked > 0, index, tried)
@@ -176,6 +174,11 @@ class ProposerSet(Proposer):
         if len(results) == 1:
             return next(iter(results.values())), tried_names
         return _combine(results, served), tried_names
+
+    def _ask(self, name: str, batch: ProposalBatch, num_asked: list[int]) -> Drafts:
+        """Proposer `name`'s drafts for `batch` with `num_asked` per row, each row's state its own under `name`."""
+        states = [s.setdefault(name, {}) for s in batch.states]
+        return self.proposers[name].propose(dataclasses.replace(batch, num_asked=num_asked, states=states))
 
     def _keeps(
         self, index: int, scores: Tensor, asked: Tensor, only: Tensor, with_models: bool | None
