@@ -420,10 +420,7 @@ class SuffixProposer(Proposer):
         new = {key: prompt for key, prompt in zip(keys, prompts) if key not in self.prompts}
         if new:
             entries = [_PromptTrie(self.index.new_root(), prompt) for prompt in new.values()]
-            lengths = np.array([len(e.prompt) for e in entries])
-            tokens = np.zeros((len(entries), int(lengths.max())), dtype=np.int64)
-            tokens[np.arange(tokens.shape[1])[None, :] < lengths[:, None]] = np.concatenate([e.prompt for e in entries])
-            self.index.add_sequences(np.array([e.root for e in entries]), tokens, lengths)
+            self.index.add_sequences(np.array([e.root for e in entries]), *_padded([e.prompt for e in entries]))
             self.prompts.update(zip(new, entries))
         return [self.prompts[key] for key in keys]
 
@@ -471,12 +468,17 @@ class SuffixProposer(Proposer):
 
     def _apply(self, roots: list[int], responses: list[np.ndarray], delta: int) -> None:
         """Insert (+1) or remove (-1) whole responses, separator first, in their prompt tries and the global trie."""
-        lengths = np.array([1 + len(r) for r in responses], dtype=np.int64)
-        tokens = np.full((len(responses), int(lengths.max())), self.separator, dtype=np.int64)
-        for i, response in enumerate(responses):
-            tokens[i, 1 : 1 + len(response)] = response
+        tokens, lengths = _padded([np.concatenate(([self.separator], r)) for r in responses])
         starts = np.concatenate([np.asarray(roots), np.full(len(roots), self.global_root)])
         self.index.add_sequences(starts, np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]), delta)
+
+
+def _padded(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Token sequences as rows `[N, longest]` int64 (0 past each one's end) and their lengths `[N]`."""
+    lengths = np.array([len(q) for q in sequences], dtype=np.int64)
+    tokens = np.zeros((len(sequences), int(lengths.max(initial=0))), dtype=np.int64)
+    tokens[np.arange(tokens.shape[1])[None, :] < lengths[:, None]] = np.concatenate(sequences)
+    return tokens, lengths
 
 
 def _best_of_each(groups: np.ndarray, *keys: np.ndarray) -> np.ndarray:
