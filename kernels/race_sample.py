@@ -138,13 +138,14 @@ def race_sample(
 
 
 def _mix64_ref(z: Tensor) -> Tensor:
-    """The kernel's `_mix64`, in place on a copy (the reference's time is mostly these passes over memory)."""
-    z = z.clone()
-    z ^= (z >> 30).bitwise_and_(0x3FFFFFFFF)
+    """The kernel's `_mix64`, in place on `z` (every caller's own temporary; the reference's time is mostly these
+    passes over memory, so the shifts share one scratch tensor)."""
+    shifted = torch.empty_like(z)
+    z ^= torch.bitwise_right_shift(z, 30, out=shifted).bitwise_and_(0x3FFFFFFFF)
     z *= _MIX1
-    z ^= (z >> 27).bitwise_and_(0x1FFFFFFFFF)
+    z ^= torch.bitwise_right_shift(z, 27, out=shifted).bitwise_and_(0x1FFFFFFFFF)
     z *= _MIX2
-    z ^= (z >> 31).bitwise_and_(0x1FFFFFFFF)
+    z ^= torch.bitwise_right_shift(z, 31, out=shifted).bitwise_and_(0x1FFFFFFFF)
     return z
 
 
@@ -210,19 +211,19 @@ def race_sample_ref(
     for start in range(0, num_rows, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
         p = probs[rows]
-        bits = _bits(keys[rows], cols)  # [rows, vocab]: u = (bits + 1/2) 2^-53
-        # 2^53 (1 - u) = 2^53 - bits - 1/2, and the bound p / (1 - u) in units of 2^-53 (the order is the same)
-        room = (_BITS53 - bits).to(torch.float32).add_(0.5)
+        rest = _bits(keys[rows], cols).neg_().add_(_BITS53)  # [rows, vocab]: 2^53 - 1 - bits, u = (bits + 1/2) 2^-53
+        # 2^53 (1 - u) = rest + 1/2, and the bound p / (1 - u) in units of 2^-53 (the order is the same)
+        room = torch.add(rest, 0.5, out=torch.empty(rest.shape, dtype=torch.float32, device=rest.device))
         bound = p.to(torch.float32) / room
         first = bound.argmax(dim=1, keepdim=True)  # [rows, 1]
         # [rows, 1] its exact score
-        best = p.gather(1, first).to(torch.float64) / _neg_log_ref(_uniforms_of(bits.gather(1, first)))
+        best = p.gather(1, first).to(torch.float64) / _neg_log_ref(_uniforms_of(_BITS53 - rest.gather(1, first)))
         # a token whose bound reaches that score may beat it (or tie it with a lower id): score such rows in full
-        threshold = (best * (2.0**-53 / _BOUND_SLACK)).to(torch.float32)
-        contested = torch.nonzero((bound >= threshold).sum(dim=1) > 1)[:, 0]
+        threshold = (best[:, 0] * (2.0**-53 / _BOUND_SLACK)).to(torch.float32)
+        contested = torch.nonzero(bound.scatter_(1, first, 0.0).amax(dim=1) >= threshold)[:, 0]  # another bound
         winner = first[:, 0]
         if len(contested):
-            full = p[contested].to(torch.float64) / _neg_log_ref(_uniforms_of(bits[contested]))
+            full = p[contested].to(torch.float64) / _neg_log_ref(_uniforms_of(_BITS53 - rest[contested]))
             winner[contested] = full.argmax(dim=1)  # the first maximum
         out[rows] = winner
     return out
