@@ -11,11 +11,15 @@ shifts: the same bits in Triton, numpy and torch); `E_t = -ln(u_t)` uses a logar
 operations only (exponent from the bits, then a series for the mantissa), so the interpreter's numpy and torch's CPU
 kernels round it identically (their own `log` differ in the last bit for ~0.1% of inputs).
 
-The reference avoids most logarithms: `-ln(u) >= 1 - u`, so `p / (1 - u)` bounds a token's score from above. It takes
-the bounds in float32 (relative error below 2^-22, far inside the slack it allows), scores exactly only the token of
-the largest bound, and a row in which no other token's bound reaches that score is done; any other row is scored in
-full. The winner is the kernel's, always.
+The reference avoids most of the work: `-ln(u) >= 1 - u`, so `p / (1 - u)` bounds a token's score from above, and the
+bound needs only the top 23 of the 53 bits, which the hash's last round leaves as they are (it changes bits 32..0 of
+the 64). It takes the bounds in float32 from those bits (a lower bound of `1 - u`, so still an upper bound of the
+score), scores the token of the largest bound exactly, and a row in which no other token's bound reaches that score
+(less a slack far above the float32 and logarithm errors) is done; any other row is hashed in full and scored
+exactly, with the kernel's logarithm. The winner is the kernel's, always.
 """
+
+import sys
 
 import torch
 import triton
@@ -28,7 +32,10 @@ _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # as int64: multiplies wrap
 _MIX1 = 0xBF58476D1CE4E5B9 - 2**64
 _MIX2 = 0x94D049BB133111EB - 2**64
 _BITS53 = (1 << 53) - 1
-_BOUND_SLACK = 1.0 + 2.0**-16  # a float32 bound p / (1 - u) times this is above the score p / E whatever the rounding
+_BOUND_SLACK = 1.0 - 2.0**-16  # the share of a winner's score another token's float32 bound must reach to contest it
+_ONE_HIGH_BITS = 0x3F80000000000000  # float32 1.0 in the high 32 bits of an int64
+_TOP23_BELOW_ONE = 0x007FFFFFFFFFFFFF  # the 23 mantissa bits and the 32 below them
+_ARGMAX_BLOCK = 32  # the reference's first argmax: the block of the largest maximum, then the largest in that block
 _LN2 = 0.6931471805599453
 _SQRT2 = 1.4142135623730951
 # 1 / (2k + 1), k = 10..1: ln(m) = 2 s (1 + s^2 / 3 + s^4 / 5 + ...), s = (m - 1) / (m + 1), |s| < 0.172
@@ -137,16 +144,23 @@ def race_sample(
 # ---- pure torch --------------------------------------------------------------------------------------------------
 
 
-def _mix64_ref(z: Tensor) -> Tensor:
-    """The kernel's `_mix64`, in place on `z` (every caller's own temporary; the reference's time is mostly these
-    passes over memory, so the shifts share one scratch tensor)."""
-    shifted = torch.empty_like(z)
-    z ^= torch.bitwise_right_shift(z, 30, out=shifted).bitwise_and_(0x3FFFFFFFF)
-    z *= _MIX1
-    z ^= torch.bitwise_right_shift(z, 27, out=shifted).bitwise_and_(0x1FFFFFFFFF)
-    z *= _MIX2
-    z ^= torch.bitwise_right_shift(z, 31, out=shifted).bitwise_and_(0x1FFFFFFFF)
+def _mix_rounds_ref(z: Tensor, shifted: Tensor, rounds: range) -> Tensor:
+    """Rounds `rounds` (of 0, 1, 2) of the kernel's `_mix64`, in place on `z`, with `shifted` as scratch (the
+    reference's time is mostly these passes over memory)."""
+    for i in rounds:
+        shift, mask, multiplier = _MIX_ROUNDS[i]
+        z ^= torch.bitwise_right_shift(z, shift, out=shifted).bitwise_and_(mask)
+        if multiplier is not None:
+            z *= multiplier
     return z
+
+
+_MIX_ROUNDS = ((30, 0x3FFFFFFFF, _MIX1), (27, 0x1FFFFFFFFF, _MIX2), (31, 0x1FFFFFFFF, None))
+
+
+def _mix64_ref(z: Tensor) -> Tensor:
+    """The kernel's `_mix64`, in place on `z` (every caller's own temporary)."""
+    return _mix_rounds_ref(z, torch.empty_like(z), range(3))
 
 
 def _row_keys(seeds: Tensor, positions: Tensor) -> Tensor:
@@ -155,7 +169,12 @@ def _row_keys(seeds: Tensor, positions: Tensor) -> Tensor:
 
 def _bits(keys: Tensor, token_ids: Tensor) -> Tensor:
     """`[rows, tokens]` int64: the 53 random bits of each (row key, token)."""
-    return _mix64_ref(keys[:, None] + token_ids * _GOLDEN).bitwise_right_shift_(11).bitwise_and_(_BITS53)
+    return _finished_bits(_mix64_ref(keys[:, None] + token_ids * _GOLDEN))
+
+
+def _finished_bits(mixed: Tensor) -> Tensor:
+    """The 53 random bits of fully mixed hashes, in place."""
+    return mixed.bitwise_right_shift_(11).bitwise_and_(_BITS53)
 
 
 def _uniforms_of(bits: Tensor) -> Tensor:
@@ -204,29 +223,58 @@ def race_sample_ref(
     """Pure-torch `race_sample`: same arguments and output, runs on any device (rows in chunks of about 2^18
     elements, exact scores only where the bound of the module docstring cannot rule a token out)."""
     num_rows, vocab_size = _check_inputs(probs, seeds, positions)
-    cols = torch.arange(vocab_size, device=probs.device)
+    device = probs.device
+    token_offsets = torch.arange(vocab_size, device=device) * _GOLDEN
     keys = _row_keys(seeds, positions)
-    out = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
+    out = torch.empty(num_rows, dtype=torch.int64, device=device)
+    padded = -(-vocab_size // _ARGMAX_BLOCK) * _ARGMAX_BLOCK
     rows_per_chunk = max(1, _ELEMENTS_PER_CHUNK // max(vocab_size, 1))
     for start in range(0, num_rows, rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)
-        p = probs[rows]
-        rest = _bits(keys[rows], cols).neg_().add_(_BITS53)  # [rows, vocab]: 2^53 - 1 - bits, u = (bits + 1/2) 2^-53
-        # 2^53 (1 - u) = rest + 1/2, and the bound p / (1 - u) in units of 2^-53 (the order is the same)
-        room = torch.add(rest, 0.5, out=torch.empty(rest.shape, dtype=torch.float32, device=rest.device))
-        bound = p.to(torch.float32) / room
-        first = bound.argmax(dim=1, keepdim=True)  # [rows, 1]
-        # [rows, 1] its exact score
-        best = p.gather(1, first).to(torch.float64) / _neg_log_ref(_uniforms_of(_BITS53 - rest.gather(1, first)))
-        # a token whose bound reaches that score may beat it (or tie it with a lower id): score such rows in full
-        threshold = (best[:, 0] * (2.0**-53 / _BOUND_SLACK)).to(torch.float32)
-        contested = torch.nonzero(bound.scatter_(1, first, 0.0).amax(dim=1) >= threshold)[:, 0]  # another bound
-        winner = first[:, 0]
-        if len(contested):
-            full = p[contested].to(torch.float64) / _neg_log_ref(_uniforms_of(_BITS53 - rest[contested]))
-            winner[contested] = full.argmax(dim=1)  # the first maximum
-        out[rows] = winner
+        p = probs[rows].detach()  # [n, vocab] (a token id has no gradient)
+        n = p.shape[0]
+        mixed = keys[rows, None] + token_offsets  # [n, vocab] int64: the hashes, two rounds of three mixed below
+        scratch = torch.empty_like(mixed)
+        _mix_rounds_ref(mixed, scratch, range(2))
+        bound = torch.zeros(n, padded, dtype=torch.float32, device=device)  # padding bounds 0: never the first
+        torch.div(p, _room(mixed, scratch), out=bound[:, :vocab_size])
+        first = _first_argmax(bound)  # [n]
+        first_mixed = _mix_rounds_ref(
+            mixed.gather(1, first[:, None]), torch.empty(n, 1, dtype=torch.int64, device=device), range(2, 3)
+        )
+        # the first's score, to within an ulp or two (an uncontested row needs it only against the slack)
+        best = p.gather(1, first[:, None]).to(torch.float64) / -torch.log(_uniforms_of(_finished_bits(first_mixed)))
+        threshold = (best[:, 0] * _BOUND_SLACK).to(torch.float32)
+        contested = torch.nonzero(bound.scatter_(1, first[:, None], 0.0).amax(dim=1) >= threshold)[:, 0]
+        if len(contested):  # another token may beat the first (or tie it with a lower id): every exact score
+            full = _mix_rounds_ref(
+                mixed[contested], torch.empty(len(contested), vocab_size, dtype=torch.int64, device=device), range(2, 3)
+            )
+            noise = _neg_log_ref(_uniforms_of(_finished_bits(full)))
+            first[contested] = (p[contested].to(torch.float64) / noise).argmax(dim=1)  # the first maximum
+        out[rows] = first
     return out
+
+
+def _room(mixed: Tensor, scratch: Tensor) -> Tensor:
+    """`[n, vocab]` float32 lower bounds of `1 - u`, within 2^-23 of it, from hashes two rounds into mixing (the last
+    round leaves bits 63..33 as they are). Bits 63..41, the uniform's top 23, become the mantissa of a float32
+    `F = 1 + top 2^-23` in each high word: `1 - u >= (2^23 - 1 - top) 2^-23 = (2 - 2^-23) - F`, exactly, and
+    `1 - u >= 2^-54` (an all-ones top gives 0)."""
+    high = torch.bitwise_right_shift(mixed, 9, out=scratch).bitwise_and_(_TOP23_BELOW_ONE).bitwise_or_(_ONE_HIGH_BITS)
+    return torch.sub(2.0 - 2.0**-23, high.view(torch.float32)[:, 1 if _LITTLE_ENDIAN else 0 :: 2]).clamp_min_(2.0**-54)
+
+
+_LITTLE_ENDIAN = sys.byteorder == "little"  # which int32 of an int64 holds its high bits
+
+
+def _first_argmax(values: Tensor) -> Tensor:
+    """`[n]` the index of each row's first maximum of `values [n, k * _ARGMAX_BLOCK]`: the first block holding the
+    row's maximum, then the first maximum in it (torch's argmax over a long row is several times its amax)."""
+    n, width = values.shape
+    blocks = values.view(n, width // _ARGMAX_BLOCK, _ARGMAX_BLOCK)
+    block = blocks.amax(dim=2).argmax(dim=1)
+    return block * _ARGMAX_BLOCK + blocks[torch.arange(n, device=values.device), block].argmax(dim=1)
 
 
 def _check_inputs(probs: Tensor, seeds: Tensor, positions: Tensor) -> tuple[int, int]:

@@ -11,7 +11,17 @@ import triton
 import triton.language as tl
 from kernel_cases import MIN_P_VALUE, chi_square_p_value, sparse_distributions
 
-from kernels.race_sample import _neg_log, _neg_log_ref, race_exponentials_ref, race_sample, race_sample_ref
+from kernels.race_sample import (
+    _finished_bits,
+    _mix_rounds_ref,
+    _neg_log,
+    _neg_log_ref,
+    _room,
+    _uniforms_of,
+    race_exponentials_ref,
+    race_sample,
+    race_sample_ref,
+)
 
 torch.set_num_threads(1)
 
@@ -62,6 +72,23 @@ def test_reference_shortcut_is_the_full_race(dtype):
     noise = race_exponentials_ref(seeds, positions, torch.arange(vocab_size))
     full = (probs.to(torch.float64) / noise).argmax(dim=1)
     assert torch.equal(race_sample_ref(probs, seeds, positions), full)
+
+
+def test_reference_bound_room_is_a_tight_lower_bound_of_one_minus_u():
+    """The reference rules tokens out with `p / room`, `room` taken from a hash before its last mixing round: it must
+    never exceed `1 - u` (or a token could be ruled out wrongly) and stays within 2^-23 of it, on random hashes and on
+    the extremes (top bits all ones, where `1 - u` is below 2^-23, and all zeros; the last round flipping bit 32)."""
+    generator = torch.Generator().manual_seed(4)
+    mixed = torch.randint(-(2**63), 2**63 - 1, (64, 500), generator=generator)
+    low = torch.randint(0, 2**41, (64, 20), generator=generator)
+    mixed[:, :20] = low - 2**41  # bits 63..41 all ones
+    mixed[:, 20:40] = low  # all zeros
+    mixed[:, 40:60] = low | (1 << 63)  # bit 63 set: the last round flips bit 32
+    room = _room(mixed, torch.empty_like(mixed)).to(torch.float64)
+    finished = _mix_rounds_ref(mixed.clone(), torch.empty_like(mixed), range(2, 3))
+    one_minus_u = 1.0 - _uniforms_of(_finished_bits(finished))
+    assert bool((room <= one_minus_u).all()), "room above 1 - u: the bound could rule out a winning token"
+    assert bool((room > 0).all()) and bool((one_minus_u - room <= 2.0**-23).all())
 
 
 @triton.jit
