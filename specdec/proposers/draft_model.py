@@ -123,23 +123,28 @@ def _draft_distribution(logits: Tensor, sampling: RowSampling) -> Tensor:
     return target_probs(logits, processed_logprobs(logits, sampling), sampling)
 
 
-def _race_draft(logits: Tensor, sampling: RowSampling, race: RaceKeys, j: int, num_candidates: int = 16) -> Tensor:
+def _race_draft(logits: Tensor, sampling: RowSampling, race: RaceKeys, j: int, max_log_ratio: float = 12.0) -> Tensor:
     """Draft j of each row (`logits [rows, V]`): the race with the target's noise at the draft's position, over the
-    `num_candidates` most likely tokens of q only. Any draft is verified exactly, so this only has to agree with the
-    target's race as often as it can: the target's token is almost always among q's most likely ones, and hashing 16
-    tokens instead of the vocabulary keeps drafting cheap on a CPU. The race's winner maximises log q - log E."""
-    num_candidates = min(num_candidates, logits.shape[1])
-    if sampling.needs_filter:  # top-k / top-p: q itself, zero where they cut
-        top_q, candidates = _draft_distribution(logits, sampling).topk(num_candidates, dim=1)
-        log_q = top_q.to(torch.float64).log()
-    else:  # q = softmax(logits / T): same order as the logits, and log q = logits / T - a per-row constant
-        top_logits, candidates = logits.topk(num_candidates, dim=1)
-        log_q = top_logits.to(torch.float64) / sampling.divisors().to(torch.float64)[:, None]
-    seeds, positions = race.seeds.to(logits.device), race.positions.to(logits.device) + j
-    log_noise = race_exponentials_ref(seeds, positions, candidates).log()
+    tokens whose q is within a factor `e^-max_log_ratio` of the row's most likely one. Any draft is verified exactly,
+    so this only has to agree with the target's race as often as it can: a token that much less likely than the top
+    one rarely wins the race, and hashing the few tokens left instead of the vocabulary keeps drafting cheap on a
+    CPU. The race's winner maximises log q - log E (the first such token)."""
+    num_rows, vocab_size = logits.shape
+    if sampling.needs_filter:  # top-k / top-p: q itself, -inf where they cut
+        log_q = _draft_distribution(logits, sampling).log()
+    else:  # q = softmax(logits / T): log q = logits / T - a per-row constant, which the race ignores
+        log_q = logits / sampling.divisors()[:, None]
+    rows, candidates = torch.nonzero(log_q >= log_q.amax(dim=1, keepdim=True) - max_log_ratio, as_tuple=True)
+    scores = log_q[rows, candidates].to(torch.float64)
+    seeds, positions = race.seeds.to(logits.device)[rows], race.positions.to(logits.device)[rows] + j
+    log_noise = race_exponentials_ref(seeds, positions, candidates[:, None])[:, 0].log()
     if sampling.any_greedy:  # a greedy row's q is one-hot at its argmax: no noise, the top candidate wins
-        log_noise = torch.where((sampling.temperature == 0)[:, None], 0.0, log_noise)
-    return candidates.gather(1, (log_q - log_noise).argmax(dim=1, keepdim=True))[:, 0]
+        log_noise = torch.where(sampling.temperature[rows] == 0, 0.0, log_noise)
+    scores -= log_noise
+    best = torch.full((num_rows,), -torch.inf, dtype=torch.float64, device=logits.device)
+    best.scatter_reduce_(0, rows, scores, "amax")
+    winners = torch.where(scores == best[rows], candidates, vocab_size)
+    return torch.full_like(best, vocab_size, dtype=torch.long).scatter_reduce_(0, rows, winners, "amin")
 
 
 def _sample(probs: Tensor, uniforms: Tensor, sampling: RowSampling) -> Tensor:

@@ -59,6 +59,27 @@ def test_self_draft_accepts_everything_under_greedy():
     assert sum(r.num_accepted for r in decode) == sum(r.num_drafted for r in decode) > 0
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=20, seed=4, n=2),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=20, seed=5, n=2),
+        SamplingParams(temperature=4.0, max_new_tokens=20, seed=6, n=2),  # flat: every token a candidate
+    ],
+    ids=["t1", "t0.7-topk-topp", "t4"],
+)
+def test_self_draft_accepts_everything_under_exact_sampling(params):
+    """A draft model that is the target draws its drafts by the target's race at the same positions, so exact
+    verification accepts every one: a draft keyed by the wrong position, or a winner picked wrongly among its
+    candidates, is rejected here."""
+    model = make_model("qwen2")
+    prompts = random_prompts(5, seed=5)
+    gen = Generator(model, max_batch_size=10, max_seq_len=96, spec=spec_for("draft_model", 4, model))
+    gen.generate(prompts, params)
+    decode = [r for r in gen.last_trace if r.kind == "decode"]
+    assert sum(r.num_accepted for r in decode) == sum(r.num_drafted for r in decode) > 0
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
 @pytest.mark.parametrize(
     "params",
