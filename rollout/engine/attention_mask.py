@@ -33,9 +33,9 @@ def build_attention_mask(
     padding_query = key_index == 0  # [kv_len]
     if ancestors is None and sliding_window is None:
         # a chain sits right after its prefix (decode) or starts at 0 (prefill): a query sees every key up to its own
-        # slot, one compare instead of the scatter below
-        mask = key_index[None, None, :] <= write_positions[:, :, None]
-        return torch.where(valid[:, :, None], mask, padding_query)[:, None]
+        # slot, a padding query (its slot taken as 0) key 0: one compare instead of the scatter below
+        last_key = torch.where(valid, write_positions, 0)
+        return (key_index[None, None, :] <= last_key[:, :, None])[:, None]
     if ancestors is None:
         ancestors = torch.ones(num_block, num_block, dtype=torch.bool, device=device).tril().expand(num_rows, -1, -1)
     ancestors = ancestors & valid[:, None, :] & valid[:, :, None]

@@ -323,7 +323,7 @@ class Generator:
         self.slots.admit(row_start, sequences)
         self.num_active += len(sequences)
         rows = slice(row_start, row_start + len(sequences))
-        uniforms = self.slots.uniforms(rows, torch.zeros(len(sequences), dtype=torch.long))
+        uniforms = self._uniforms(rows, torch.zeros(len(sequences), dtype=torch.long))
         result = verify(
             logits[group_of],
             torch.zeros(len(sequences), dtype=torch.long, device=self.device),
@@ -348,7 +348,7 @@ class Generator:
         num_rows = self.num_active
         context = int(self.slots.cache_len[:num_rows].max())  # rows attend over the longest row's cache (padded)
         decision, asked = self._schedule(num_rows, num_draft_tokens, context)
-        uniforms = self.slots.uniforms(slice(0, num_rows), asked)
+        uniforms = self._uniforms(slice(0, num_rows), asked)
         sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
         race = self._race_keys(slice(0, num_rows))  # shared by the draft model and the verifier
         drafts, served = self._propose(num_rows, asked, sampling, uniforms, race, with_models)
@@ -446,13 +446,16 @@ class Generator:
     ) -> VerifyResult:
         """Flatten to the verifier's layout (row i's nodes, pending token first, rows back to back) and verify."""
         fed = torch.arange(layout.width)[None, :] < torch.tensor(layout.num_nodes)[:, None]
-        flat_index = (torch.arange(num_rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
-        flat_index = flat_index.to(self.device)
+        node_logits, node_ids = logits.reshape(num_rows * layout.width, -1), input_ids.reshape(-1)
+        if sum(layout.num_nodes) < num_rows * layout.width:  # rows of fewer nodes: gather (a full batch is a view)
+            flat_index = (torch.arange(num_rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
+            flat_index = flat_index.to(self.device)
+            node_logits, node_ids = node_logits[flat_index], node_ids[flat_index]
         half = uniforms.shape[1] // 2  # node j > 0 takes the row's accept uniform j - 1
         node_uniforms = torch.cat([torch.zeros(num_rows, 1, dtype=torch.float64), uniforms[:, half : 2 * half]], 1)
         return verify(
-            logits.reshape(num_rows * layout.width, -1)[flat_index],
-            input_ids.reshape(-1)[flat_index],
+            node_logits,
+            node_ids,
             layout,
             drafts.probs if drafts is not None else None,
             sampling,
@@ -460,6 +463,14 @@ class Generator:
             uniforms[:, -1].contiguous().to(self.device),
             race,
         )
+
+    def _uniforms(self, rows: slice, asked: Tensor) -> Tensor:
+        """`[rows, 2K + 1]` the rows' uniforms for rejection sampling (`SlotState.uniforms`); zeros under exact
+        verification, whose randomness is the race's, keyed by position, so that the rows' streams are not drawn."""
+        if self.exact:
+            max_k = int(asked.max()) if asked.numel() else 0
+            return torch.zeros(rows.stop - rows.start, 2 * max_k + 1, dtype=torch.float64)
+        return self.slots.uniforms(rows, asked)
 
     def _race_keys(self, rows: slice) -> RaceKeys | None:
         """Each row's sample seed and the completion position of the token its root draws (None: rejection)."""
