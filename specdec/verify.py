@@ -52,11 +52,17 @@ def verify(
     node_uniforms: Tensor,  # [num_nodes] float64 acceptance uniform of each node (the root's is unused)
     sample_uniforms: Tensor,  # [rows] float64
     race: RaceKeys | None = None,  # given: exact verification of one-hot drafts (draft_probs must be None)
+    logit_rows: Tensor | None = None,  # [num_nodes] the row of target_logits holding each node; None: row i
 ) -> VerifyResult:
-    """Verify each row's drafts against the target and emit the accepted ones plus one more token per row."""
+    """Verify each row's drafts against the target and emit the accepted ones plus one more token per row.
+
+    `logit_rows` lets `target_logits` be the model's padded output (`[rows * width, V]`, a view): exact verification
+    reads only the nodes it walks from it; the chain and tree kernels take the nodes gathered back to back."""
     if race is not None and not sampling.all_greedy:
         assert draft_probs is None, "expected one-hot drafts: exact verification takes no draft probabilities"
-        return verify_exact(target_logits, node_token_ids, layout, sampling, race)
+        return verify_exact(target_logits, node_token_ids, layout, sampling, race, logit_rows=logit_rows)
+    if logit_rows is not None:
+        target_logits = target_logits[logit_rows]
     device = target_logits.device
     num_nodes = torch.tensor(layout.num_nodes, device=device)
     if layout.is_chain:
@@ -162,6 +168,7 @@ def verify_exact(
     sampling: RowSampling,  # per row
     race: RaceKeys,
     race_every_node: bool | None = None,
+    logit_rows: Tensor | None = None,  # [num_nodes] the row of target_logits holding each node; None: row i
 ) -> VerifyResult:
     """Walk each row's tree from the root: draw the race's token at the current node (position: root position +
     depth); a child holding that token is accepted and the walk moves to it, else the row stops. The row emits the
@@ -184,7 +191,7 @@ def verify_exact(
     def draw(nodes: Tensor, node_rows: Tensor, node_depths: Tensor | int) -> tuple[Tensor, Tensor]:
         """The race's token at each of `nodes` (global indices; rows `node_rows`, depths `node_depths`) under its
         row's processing, and its float64 log-prob."""
-        node_logits = target_logits[nodes]
+        node_logits = target_logits[nodes if logit_rows is None else logit_rows[nodes]]
         node_sampling = sampling.select(node_rows)
         node_logprobs = processed_logprobs(node_logits, node_sampling)
         drawn = op(
@@ -195,11 +202,11 @@ def verify_exact(
         return drawn, node_logprobs.gather(1, drawn[:, None])[:, 0].to(torch.float64)
 
     if race_every_node is None:
-        race_every_node = target_logits.numel() <= _SMALL_STEP_ELEMENTS
+        race_every_node = len(node_token_ids) * target_logits.shape[1] <= _SMALL_STEP_ELEMENTS
     if race_every_node:
         depths = layout.depths.to(device) if layout.depths is not None else torch.arange(width, device=device)[None, :]
         node_rows = torch.arange(rows, device=device)[:, None].expand(rows, width)[fed]  # [num_nodes]
-        every = torch.arange(target_logits.shape[0], device=device)
+        every = torch.arange(len(node_token_ids), device=device)
         all_drawn, all_drawn_logprobs = draw(every, node_rows, depths.expand(rows, width)[fed])
     out = torch.full((rows, max_depth + 1), -1, dtype=torch.long, device=device)
     logprobs = torch.zeros(rows, max_depth + 1, dtype=torch.float64, device=device)

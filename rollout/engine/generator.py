@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import os
 import threading
 import time
@@ -370,9 +371,10 @@ class Generator:
             # a cascade learns which proposer earns what, at what cost
             self.proposers.observe(accepted, seconds, emitted_ids)
         asked_list = asked.tolist()
+        drafting = [k > 0 for k in asked_list]
         observation = None
         if self.policy is not None or num_draft_tokens is not None:
-            observation = self._observation(asked_list, served, accepted, layout, seconds, context)
+            observation = self._observation(asked_list, drafting, served, accepted, layout, seconds, context)
             if num_draft_tokens is None:
                 self.policy.observe(observation)
         depths, position = torch.tensor(layout.row_depths), torch.arange(layout.max_depth)
@@ -388,7 +390,7 @@ class Generator:
             accepted_per_position=(torch.tensor(accepted)[:, None] > position).sum(0).tolist(),
             predicted_gain=decision.predicted_gain,
             measuring=decision.measuring,
-            rows_by_method=dict(collections.Counter(m for m, k in zip(served, asked_list) if k > 0)),
+            rows_by_method=_count_by(served, drafting),
         )
         return record, observation
 
@@ -399,7 +401,7 @@ class Generator:
         if num_draft_tokens is not None:
             decision = Decision(num_draft_tokens)
         elif self.policy is not None:
-            routes = [self._route(self.slots.sequences[row]) for row in range(num_rows)]
+            routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]]
             decision = self.policy.choose(num_rows, caps.tolist(), routes, context)
         return decision, caps.clamp(0, decision.num_draft_tokens)
 
@@ -444,17 +446,18 @@ class Generator:
     def _verify(
         self, num_rows, input_ids, logits, layout: DraftLayout, drafts, sampling, uniforms, race: RaceKeys | None
     ) -> VerifyResult:
-        """Flatten to the verifier's layout (row i's nodes, pending token first, rows back to back) and verify."""
+        """Verify in the verifier's layout: row i's nodes, pending token first, rows back to back (the logits stay the
+        model's padded output, each node's row named by `logit_rows` when some row is narrower than the widest)."""
         fed = torch.arange(layout.width)[None, :] < torch.tensor(layout.num_nodes)[:, None]
-        node_logits, node_ids = logits.reshape(num_rows * layout.width, -1), input_ids.reshape(-1)
-        if sum(layout.num_nodes) < num_rows * layout.width:  # rows of fewer nodes: gather (a full batch is a view)
-            flat_index = (torch.arange(num_rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
-            flat_index = flat_index.to(self.device)
-            node_logits, node_ids = node_logits[flat_index], node_ids[flat_index]
+        node_ids, logit_rows = input_ids.reshape(-1), None
+        if sum(layout.num_nodes) < num_rows * layout.width:  # rows of fewer nodes (a full batch is back to back)
+            logit_rows = (torch.arange(num_rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
+            logit_rows = logit_rows.to(self.device)
+            node_ids = node_ids[logit_rows]
         half = uniforms.shape[1] // 2  # node j > 0 takes the row's accept uniform j - 1
         node_uniforms = torch.cat([torch.zeros(num_rows, 1, dtype=torch.float64), uniforms[:, half : 2 * half]], 1)
         return verify(
-            node_logits,
+            logits.reshape(num_rows * layout.width, -1),  # a view: verification reads the nodes it needs
             node_ids,
             layout,
             drafts.probs if drafts is not None else None,
@@ -462,6 +465,7 @@ class Generator:
             node_uniforms[:, : layout.width][fed].to(self.device),
             uniforms[:, -1].contiguous().to(self.device),
             race,
+            logit_rows,
         )
 
     def _uniforms(self, rows: slice, asked: Tensor) -> Tensor:
@@ -499,15 +503,18 @@ class Generator:
         """Where a row's drafts come from: the proposer its request names, or the configured cascade."""
         return seq.params.spec.method or self._default_route
 
-    def _observation(self, asked, served, accepted, layout, seconds, context: int) -> StepObservation:
-        """What the step cost and what each route's drafts earned."""
+    def _observation(self, asked, drafting, served, accepted, layout, seconds, context: int) -> StepObservation:
+        """What the step cost and what each route's drafts earned (`drafting[i]`: row i was asked for drafts)."""
+        routes = [self._route(seq) for seq in self.slots.sequences[: len(asked)]]
         num_asked: dict[str, tuple[list[int], list[int]]] = {}
-        for row, (k, a) in enumerate(zip(asked, accepted)):
-            if k > 0:
-                lists = num_asked.setdefault(self._route(self.slots.sequences[row]), ([], []))
-                lists[0].append(k)
-                lists[1].append(a)
-        passes = max((k for k, s in zip(asked, served) if k > 0 and s == "draft_model"), default=0)
+        distinct = _distinct(routes)
+        for route in distinct:
+            rows = drafting if len(distinct) == 1 else [d and r == route for d, r in zip(drafting, routes)]
+            if any(rows):
+                num_asked[route] = (list(itertools.compress(asked, rows)), list(itertools.compress(accepted, rows)))
+        passes = 0
+        if "draft_model" in served:
+            passes = max((k for k, s in zip(asked, served) if k > 0 and s == "draft_model"), default=0)
         return StepObservation(len(asked), layout.width, passes, seconds, num_asked, context)
 
     # ---- release -------------------------------------------------------------------------------------------------
@@ -541,3 +548,16 @@ class Generator:
             s.move(movers, holes, longest)
         self.num_active = remaining
         return done
+
+
+def _distinct(values: list) -> list:
+    """The distinct values in first-seen order (one pass in C when they are all the same)."""
+    if values and values.count(values[0]) == len(values):
+        return [values[0]]
+    return list(dict.fromkeys(values))
+
+
+def _count_by(values: list, keep: list[bool]) -> dict:
+    """How many kept entries hold each value, in first-seen order (the step record's rows by proposer)."""
+    kept = list(itertools.compress(values, keep))
+    return {value: kept.count(value) for value in _distinct(kept)}

@@ -97,12 +97,12 @@ class ModelRunner:
         """
         width = input_ids.shape[1]
         offsets = torch.arange(width)
-        lens = torch.tensor(cache_lens)
-        valid = offsets[None, :] < torch.tensor(num_inputs)[:, None]
+        lens, counts = torch.tensor(cache_lens), torch.tensor(num_inputs)
+        valid = offsets[None, :] < counts[:, None]
         slots = lens[:, None] + offsets
         positions = torch.where(valid, lens[:, None] + (offsets if depths is None else depths), 0)
         write_positions = torch.where(valid, slots, self.scratch_position)
-        kv_len = max(c + n for c, n in zip(cache_lens, num_inputs))
+        kv_len = int((lens + counts).max())
         tensors = self._to_device(positions, write_positions, valid, lens)
         if ancestors is not None:
             ancestors = ancestors.to(self.device)
