@@ -33,9 +33,13 @@ def build_attention_mask(
     padding_query = key_index == 0  # [kv_len]
     if ancestors is None and sliding_window is None:
         # a chain sits right after its prefix (decode) or starts at 0 (prefill): a query sees every key up to its own
-        # slot, a padding query (its slot taken as 0) key 0: one compare instead of the scatter below
+        # slot, a padding query (its slot taken as 0) key 0. Row q of `stairs` is kv_len - q ones then zeros (a view
+        # sliding over one [ones, zeros] vector): gathering rows costs a copy, where comparing every key costs ~15x
         last_key = torch.where(valid, write_positions, 0)
-        return (key_index[None, None, :] <= last_key[:, :, None])[:, None]
+        ones_then_zeros = torch.arange(2 * kv_len, device=device) < kv_len
+        stairs = ones_then_zeros.as_strided((kv_len, kv_len), (1, 1))  # [q, key]: key < kv_len - q
+        mask = stairs.index_select(0, (kv_len - 1 - last_key).reshape(-1))
+        return mask.view(num_rows, 1, num_block, kv_len)
     if ancestors is None:
         ancestors = torch.ones(num_block, num_block, dtype=torch.bool, device=device).tril().expand(num_rows, -1, -1)
     ancestors = ancestors & valid[:, None, :] & valid[:, :, None]
