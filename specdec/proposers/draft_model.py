@@ -69,7 +69,7 @@ class DraftModelProposer(Proposer):
             if batch.sampling.all_greedy:
                 tokens = step_logits.argmax(dim=-1)
             elif batch.race is not None:  # the race the target draws with, over q
-                tokens = _race_draft(step_logits, batch.sampling, batch.race, j)
+                tokens = _race_draft(step_logits, batch.sampling, batch.race, j, 16 if step_logits.is_cuda else None)
             else:  # rejection sampling needs q at every draft
                 probs = _draft_distribution(step_logits, batch.sampling)
                 tokens = _sample(probs, uniforms[:, j], batch.sampling)
@@ -123,19 +123,33 @@ def _draft_distribution(logits: Tensor, sampling: RowSampling) -> Tensor:
     return target_probs(logits, processed_logprobs(logits, sampling), sampling)
 
 
-def _race_draft(logits: Tensor, sampling: RowSampling, race: RaceKeys, j: int, max_log_ratio: float = 12.0) -> Tensor:
-    """Draft j of each row (`logits [rows, V]`): the race with the target's noise at the draft's position, over the
-    tokens whose q is within a factor `e^-max_log_ratio` of the row's most likely one. Any draft is verified exactly,
-    so this only has to agree with the target's race as often as it can: a token that much less likely than the top
-    one rarely wins the race, and hashing the few tokens left instead of the vocabulary keeps drafting cheap on a
-    CPU. The race's winner maximises log q - log E (the first such token)."""
+def _race_draft(
+    logits: Tensor,
+    sampling: RowSampling,
+    race: RaceKeys,
+    j: int,
+    num_candidates: int | None,
+    max_log_ratio: float = 12.0,
+) -> Tensor:
+    """Draft j of each row (`logits [rows, V]`): the race with the target's noise at the draft's position, over q's
+    likely tokens only. Any draft is verified exactly, so this only has to agree with the target's race as often as it
+    can: a token far less likely than the top one rarely wins the race, and hashing a few tokens instead of the
+    vocabulary keeps drafting cheap. The candidates are q's `num_candidates` most likely tokens (fixed-size: on a GPU,
+    counting candidates would cost a device sync) or, for None, the tokens whose q is within a factor
+    `e^-max_log_ratio` of the row's top one (on a CPU: one or two per row on the shipped task, where `topk` costs
+    several times more). The race's winner maximises log q - log E (the first such token)."""
     num_rows, vocab_size = logits.shape
     if sampling.needs_filter:  # top-k / top-p: q itself, -inf where they cut
         log_q = _draft_distribution(logits, sampling).log()
     else:  # q = softmax(logits / T): log q = logits / T - a per-row constant, which the race ignores
         log_q = logits / sampling.divisors()[:, None]
-    rows, candidates = torch.nonzero(log_q >= log_q.amax(dim=1, keepdim=True) - max_log_ratio, as_tuple=True)
-    scores = log_q[rows, candidates].to(torch.float64)
+    if num_candidates is not None:
+        scores, candidates = log_q.topk(min(num_candidates, vocab_size), dim=1)
+        rows = torch.arange(num_rows, device=logits.device).repeat_interleave(candidates.shape[1])
+        scores, candidates = scores.reshape(-1).to(torch.float64), candidates.reshape(-1)
+    else:
+        rows, candidates = torch.nonzero(log_q >= log_q.amax(dim=1, keepdim=True) - max_log_ratio, as_tuple=True)
+        scores = log_q[rows, candidates].to(torch.float64)
     seeds, positions = race.seeds.to(logits.device)[rows], race.positions.to(logits.device)[rows] + j
     log_noise = race_exponentials_ref(seeds, positions, candidates[:, None])[:, 0].log()
     if sampling.any_greedy:  # a greedy row's q is one-hot at its argmax: no noise, the top candidate wins

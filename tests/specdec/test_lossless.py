@@ -16,6 +16,8 @@ from kernels.rejection_sample import rejection_sample_ref
 from rollout import Generator, SamplingParams
 from specdec.config import SpecConfig
 from specdec.processing import RowSampling, processed_logprobs
+from specdec.proposers.draft_model import _race_draft
+from specdec.verify import RaceKeys
 
 
 def spec_for(method: str, k: int, draft=None, verification: str = "exact") -> SpecConfig:
@@ -78,6 +80,23 @@ def test_self_draft_accepts_everything_under_exact_sampling(params):
     gen.generate(prompts, params)
     decode = [r for r in gen.last_trace if r.kind == "decode"]
     assert sum(r.num_accepted for r in decode) == sum(r.num_drafted for r in decode) > 0
+
+
+@pytest.mark.parametrize("num_candidates", [None, 23])
+def test_a_draft_race_over_candidates_is_the_full_race_when_they_hold_every_likely_token(num_candidates):
+    """A draft model races over q's likely tokens only (the most likely few, or those within e^-12 of the top one);
+    where those are every token (flat q, a small vocabulary) its draft is the full race's token over q."""
+    generator = torch.Generator().manual_seed(6)
+    num_rows, vocab_size = 200, 23
+    logits = torch.randn(num_rows, vocab_size, generator=generator, dtype=torch.float64)
+    temperature = torch.full((num_rows,), 1.5, dtype=torch.float64)
+    sampling = RowSampling(
+        temperature, torch.zeros(num_rows, dtype=torch.long), torch.ones(num_rows), False, False, False
+    )
+    race = RaceKeys(torch.randint(0, 2**62, (num_rows,), generator=generator), torch.randint(0, 300, (num_rows,)))
+    q = torch.softmax(logits / 1.5, dim=-1)
+    full = race_sample_ref(q, race.seeds, race.positions + 2)
+    assert torch.equal(_race_draft(logits, sampling, race, 2, num_candidates), full)
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
