@@ -44,7 +44,7 @@ class RaceKeys:
 
 
 def verify(
-    target_logits: Tensor,  # [num_nodes, V]: one target row per node, each row's root (pending token) first
+    target_logits: Tensor,  # [num_nodes, V], a row per node, each row's root first (or any rows: logit_rows)
     node_token_ids: Tensor,  # [num_nodes] (the root's entry is unused)
     layout: DraftLayout,
     draft_probs: Tensor | None,  # [num_nodes - rows, V] q of every non-root node, rows back to back; None = n-gram
@@ -162,7 +162,7 @@ def verify_tree(
 
 
 def verify_exact(
-    target_logits: Tensor,  # [num_nodes, V]: one target row per node, the root (pending token) first in each row
+    target_logits: Tensor,  # [num_nodes, V], a row per node, each row's root first (or any rows: logit_rows)
     node_token_ids: Tensor,  # [num_nodes] (the root's entry is unused)
     layout: DraftLayout,
     sampling: RowSampling,  # per row

@@ -127,7 +127,8 @@ def test_rejection_verification_is_still_available_and_differs_pathwise():
 @pytest.mark.parametrize("tree", [False, True])
 def test_racing_every_node_at_once_draws_what_racing_depth_by_depth_draws(tree):
     """Exact verification races a small step's nodes in one draw and a large step's path depth by depth; both must
-    emit the same tokens, log-probs and accepted nodes (greedy, plain and top-k/top-p rows in one step)."""
+    emit the same tokens, log-probs and accepted nodes (greedy, plain and top-k/top-p rows in one step), whether the
+    nodes' logits come back to back or are read in place from the model's padded output."""
     generator = torch.Generator().manual_seed(0)
     num_drafted = [4, 0, 3, 4, 1, 4]
     rows, vocab = len(num_drafted), 37
@@ -156,8 +157,16 @@ def test_racing_every_node_at_once_draws_what_racing_depth_by_depth_draws(tree):
     results = [
         verify_exact(logits[fed], tokens[fed], layout, sampling, race, race_every_node=every) for every in (True, False)
     ]
-    assert torch.equal(results[0].output_token_ids, results[1].output_token_ids)
-    assert torch.equal(results[0].num_emitted, results[1].num_emitted)
-    assert torch.equal(results[0].accepted_nodes, results[1].accepted_nodes)
-    torch.testing.assert_close(results[0].logprobs, results[1].logprobs, rtol=0, atol=1e-12)
+    # the same nodes read in place from the padded logits (as the generator passes them), both ways of racing
+    logit_rows = (torch.arange(rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
+    padded = logits.reshape(rows * layout.width, vocab)
+    results += [
+        verify_exact(padded, tokens[fed], layout, sampling, race, race_every_node=every, logit_rows=logit_rows)
+        for every in (True, False)
+    ]
+    for other in results[1:]:
+        assert torch.equal(results[0].output_token_ids, other.output_token_ids)
+        assert torch.equal(results[0].num_emitted, other.num_emitted)
+        assert torch.equal(results[0].accepted_nodes, other.accepted_nodes)
+        torch.testing.assert_close(results[0].logprobs, other.logprobs, rtol=0, atol=1e-12)
     assert int((results[0].num_emitted > 2).sum()) >= 3  # walks went past the first drafts: not vacuous
