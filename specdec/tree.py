@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -90,6 +91,7 @@ class DraftLayout:
     """
 
     num_nodes: list[int]  # per row: 1 + draft tokens
+    node_counts: Tensor  # [rows] int64 on the host: num_nodes as a tensor (converting a list costs ~0.1 ms a step)
     parents: Tensor  # [rows, width] kernel-local parent of each node, -1 for the root and padding
     row_depths: list[int]  # per row: depth of its deepest node (= draft tokens for a chain)
     is_chain: bool
@@ -109,13 +111,14 @@ def layout_drafts(num_drafted: list[int], draft_parents: Tensor | None) -> Draft
     """Build the layout from per-row draft counts and draft-local parents `[rows, >= max count]` (-1 = child of the
     pending token); `draft_parents` None means every row is a chain."""
     num_nodes = [1 + n for n in num_drafted]
+    node_counts = torch.from_numpy(np.array(num_nodes, dtype=np.int64))  # (torch.tensor of a list is ~6x slower)
     width = max(num_nodes)
-    valid = torch.arange(width)[None, :] < torch.tensor(num_nodes)[:, None]
+    valid = torch.arange(width)[None, :] < node_counts[:, None]
     chain = torch.where(valid, torch.arange(-1, width - 1)[None, :], -1)
     if draft_parents is not None and width > 1:
         parents = torch.where(valid, with_root(draft_parents[:, : width - 1].cpu()), -1)
         if not bool((parents == chain).all()):
             depths, ancestors = depths_and_ancestors(parents, num_nodes)
             row_depths = depths.max(dim=1).values.tolist()
-            return DraftLayout(num_nodes, parents, row_depths, False, depths, ancestors)
-    return DraftLayout(num_nodes, chain, list(num_drafted), True)
+            return DraftLayout(num_nodes, node_counts, parents, row_depths, False, depths, ancestors)
+    return DraftLayout(num_nodes, node_counts, chain, list(num_drafted), True)

@@ -64,7 +64,7 @@ def verify(
     if logit_rows is not None:
         target_logits = target_logits[logit_rows]
     device = target_logits.device
-    num_nodes = torch.tensor(layout.num_nodes, device=device)
+    num_nodes = layout.node_counts.to(device)
     if layout.is_chain:
         # draft nodes = every node but each row's root; indexed on the host (a device mask would sync to count)
         is_draft = torch.ones(sum(layout.num_nodes), dtype=torch.bool)
@@ -83,7 +83,7 @@ def verify(
             sample_uniforms,
         )
     assert draft_probs is None, "expected n-gram trees: tree verification takes no draft probabilities"
-    parents = layout.parents[torch.arange(layout.width)[None, :] < torch.tensor(layout.num_nodes)[:, None]]
+    parents = layout.parents[torch.arange(layout.width)[None, :] < layout.node_counts[:, None]]
     return verify_tree(
         target_logits,
         node_token_ids,
@@ -178,7 +178,7 @@ def verify_exact(
     `_SMALL_STEP_ELEMENTS`) every node in one draw, where the per-depth calls would cost more than the extra nodes.
     Both draw the same tokens."""
     device = target_logits.device
-    num_nodes = torch.tensor(layout.num_nodes)
+    num_nodes = layout.node_counts
     rows, width, max_depth = len(layout.num_nodes), layout.width, layout.max_depth
     op = race_sample if target_logits.is_cuda else race_sample_ref
     fed = (torch.arange(width)[None, :] < num_nodes[:, None]).to(device)  # [rows, width]

@@ -365,7 +365,8 @@ class Generator:
             rows = torch.arange(num_rows, device=self.device)
             lens = self.slots.cache_len[:num_rows].to(self.device)
             self.runner.cache.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
-        num_emitted, accepted, emitted_ids = self._commit(slice(0, num_rows), result, in_cache=True)
+        num_emitted, accepted_per_row, emitted_ids = self._commit(slice(0, num_rows), result, in_cache=True)
+        accepted = accepted_per_row.tolist()
         seconds = time.perf_counter() - start
         if drafts is not None and not fill_drafts:  # a calibration's filled drafts on random text earn nothing real
             # a cascade learns which proposer earns what, at what cost
@@ -377,7 +378,8 @@ class Generator:
             observation = self._observation(asked_list, drafting, served, accepted, layout, seconds, context)
             if num_draft_tokens is None:
                 self.policy.observe(observation)
-        depths, position = torch.tensor(layout.row_depths), torch.arange(layout.max_depth)
+        depths = layout.node_counts - 1 if layout.is_chain else torch.tensor(layout.row_depths)
+        position = torch.arange(layout.max_depth)
         record = StepRecord(
             "decode",
             num_rows,
@@ -387,7 +389,7 @@ class Generator:
             num_emitted,
             seconds,
             drafted_per_position=(depths[:, None] > position).sum(0).tolist(),
-            accepted_per_position=(torch.tensor(accepted)[:, None] > position).sum(0).tolist(),
+            accepted_per_position=(accepted_per_row[:, None] > position).sum(0).tolist(),
             predicted_gain=decision.predicted_gain,
             measuring=decision.measuring,
             rows_by_method=_count_by(served, drafting),
@@ -439,8 +441,8 @@ class Generator:
         if layout.width > 1:  # drafts stay where the proposer made them (a draft model's on the device): no round trip
             draft_ids = drafts.token_ids[:, : layout.width - 1].to(self.device).clamp(min=0)
             input_ids = torch.cat([input_ids, draft_ids], dim=1)
-        cache_lens = self.slots.cache_len[:num_rows].tolist()
-        logits = self.runner.decode(0, input_ids, layout.num_nodes, cache_lens, layout.depths, layout.ancestors)
+        cache_lens = self.slots.cache_len[:num_rows]
+        logits = self.runner.decode(0, input_ids, layout.node_counts, cache_lens, layout.depths, layout.ancestors)
         return input_ids, logits
 
     def _verify(
@@ -448,7 +450,7 @@ class Generator:
     ) -> VerifyResult:
         """Verify in the verifier's layout: row i's nodes, pending token first, rows back to back (the logits stay the
         model's padded output, each node's row named by `logit_rows` when some row is narrower than the widest)."""
-        fed = torch.arange(layout.width)[None, :] < torch.tensor(layout.num_nodes)[:, None]
+        fed = torch.arange(layout.width)[None, :] < layout.node_counts[:, None]
         node_ids, logit_rows = input_ids.reshape(-1), None
         if sum(layout.num_nodes) < num_rows * layout.width:  # rows of fewer nodes (a full batch is back to back)
             logit_rows = (torch.arange(num_rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
@@ -483,11 +485,11 @@ class Generator:
         s = self.slots
         return RaceKeys(s.seed[rows, 0], s.num_tokens[rows] - s.prompt_len[rows])
 
-    def _commit(self, rows: slice, result: VerifyResult, in_cache: bool) -> tuple[int, list[int], Tensor]:
+    def _commit(self, rows: slice, result: VerifyResult, in_cache: bool) -> tuple[int, Tensor, Tensor]:
         """Bring the step's result to the host in ONE transfer and append it to the rows.
 
-        Returns the tokens kept (after stops and length caps), the drafts accepted per row and the emitted tokens
-        `[rows, max depth + 1]` on the host (row i's first `accepted[i] + 1` are its own).
+        Returns the tokens kept (after stops and length caps), the drafts accepted per row `[rows]` and the emitted
+        tokens `[rows, max depth + 1]`, both on the host (row i's first `accepted[i] + 1` are its own).
         """
         packed = torch.cat(
             [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)], dim=1
@@ -497,7 +499,7 @@ class Generator:
         tokens = packed[:, 1 : 1 + width]
         logprobs = packed[:, 1 + width :].contiguous().view(torch.float64)
         kept = self.slots.commit(rows.start, num_emitted, tokens, logprobs, in_cache)
-        return int(kept.sum()), (num_emitted - 1).tolist(), tokens
+        return int(kept.sum()), num_emitted - 1, tokens
 
     def _route(self, seq: Sequence) -> str:
         """Where a row's drafts come from: the proposer its request names, or the configured cascade."""

@@ -83,21 +83,22 @@ class ModelRunner:
         self,
         row_start: int,
         input_ids: Tensor,
-        num_inputs: list[int],
-        cache_lens: list[int],
+        num_inputs: list[int] | Tensor,
+        cache_lens: list[int] | Tensor,
         depths: Tensor | None = None,
         ancestors: Tensor | None = None,
     ) -> Tensor:
         """Feed each row `num_inputs[i]` tokens (`input_ids [rows, S]`, right-padded) after its `cache_lens[i]`
         committed ones; return logits `[rows, S, V]`. Token s is written at position `cache_lens[i] + s`; the
-        caller commits by raising its lengths.
+        caller commits by raising its lengths. The counts come as lists or `[rows]` int64 host tensors (read during
+        the call only).
 
         Without `depths`/`ancestors` the tokens form a causal chain. For a token tree, `depths [rows, S]` gives
         each node's depth (position id = cache length + depth) and `ancestors [rows, S, S]` which nodes it sees.
         """
         width = input_ids.shape[1]
         offsets = torch.arange(width)
-        lens, counts = torch.tensor(cache_lens), torch.tensor(num_inputs)
+        lens, counts = torch.as_tensor(cache_lens), torch.as_tensor(num_inputs)  # host tensors or lists
         valid = offsets[None, :] < counts[:, None]
         slots = lens[:, None] + offsets
         positions = torch.where(valid, lens[:, None] + (offsets if depths is None else depths), 0)

@@ -53,8 +53,8 @@ class ModelRunnerProtocol(Protocol):
         self,
         row_start: int,
         input_ids: Tensor,
-        num_inputs: list[int],
-        cache_lens: list[int],
+        num_inputs: list[int] | Tensor,
+        cache_lens: list[int] | Tensor,
         depths: Tensor | None = None,
         ancestors: Tensor | None = None,
     ) -> Tensor:

@@ -7,6 +7,7 @@ match the committed history, so its cache length is the base plus that matching 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,15 +52,14 @@ class DraftModelProposer(Proposer):
         num_rows = len(batch.num_tokens)
         max_k = max(batch.num_asked)
         device = self.runner.device
-        num_tokens = torch.tensor(batch.num_tokens)
-        asked = torch.tensor(batch.num_asked)
+        num_tokens, asked = _longs(batch.num_tokens), _longs(batch.num_asked)
         # catch up: feed every row the committed tokens its draft cache lacks (the pending token at least)
         cache_lens = _reconciled(batch.states, batch.token_ids, num_tokens)
         num_inputs = num_tokens - cache_lens
         offsets = torch.arange(int(num_inputs.max()))
         columns = (cache_lens[:, None] + offsets).clamp(max=batch.token_ids.shape[1] - 1)
         input_ids = torch.where(offsets < num_inputs[:, None], batch.token_ids.gather(1, columns), 0)
-        logits = self.runner.decode(0, input_ids, num_inputs.tolist(), cache_lens.tolist())
+        logits = self.runner.decode(0, input_ids, num_inputs, cache_lens)
         step_logits = logits[torch.arange(num_rows, device=device), (num_inputs - 1).to(device)]
         cache_lens = num_tokens.clone()
         draft_ids = torch.full((num_rows, max_k), -1, dtype=torch.long, device=device)
@@ -77,7 +77,7 @@ class DraftModelProposer(Proposer):
             draft_ids[:, j] = torch.where((asked > j).to(device), tokens, -1)
             if j + 1 < max_k:  # the last draft is never fed: verification decides whether it is kept
                 feeding = (asked > j + 1).long()
-                step_logits = self.runner.decode(0, tokens[:, None], feeding.tolist(), cache_lens.tolist())[:, 0]
+                step_logits = self.runner.decode(0, tokens[:, None], feeding, cache_lens)[:, 0]
                 cache_lens += feeding
         # one transfer: the next step reconciles against these on the host
         host_drafts = draft_ids[:, : max(max_k - 1, 0)].cpu().tolist()
@@ -99,14 +99,14 @@ def _reconciled(states: list[dict], token_ids: Tensor, num_tokens: Tensor) -> Te
     history (`token_ids [rows, T]`, `num_tokens [rows]`, the pending token last) stay, the rest are dropped by a
     lower length. The states' cached drafts are consumed."""
     cached = [s["cached_drafts"] for s in states]
-    lengths = torch.tensor([len(c) for c in cached])
-    previous = torch.tensor([s["cache_len"] for s in states])
+    lengths = _longs([len(c) for c in cached])
+    previous = _longs([s["cache_len"] for s in states])
     width = int(lengths.max()) if len(cached) else 0
     # rows without cached drafts keep their length, never past the committed tokens (the pending one is not cached)
     reconciled = torch.minimum(previous, num_tokens - 1)
     if width:
-        bases = torch.tensor([s["base"] for s in states])
-        drafts = torch.tensor([c + [-1] * (width - len(c)) for c in cached])
+        bases = _longs([s["base"] for s in states])
+        drafts = _longs([c + [-1] * (width - len(c)) for c in cached])
         offsets = torch.arange(width)
         history = token_ids.gather(1, (bases[:, None] + offsets).clamp(max=token_ids.shape[1] - 1))
         # a cached draft counts while it is inside the committed tokens (before the pending one) and matches them
@@ -116,6 +116,12 @@ def _reconciled(states: list[dict], token_ids: Tensor, num_tokens: Tensor) -> Te
     for state in states:
         state["cached_drafts"] = []
     return reconciled
+
+
+def _longs(values: list) -> Tensor:
+    """int64 host tensor of a (nested) list of ints (through numpy: `torch.tensor` of a list of 1024 ints took ~6x
+    longer here, and a step converts several)."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 def _draft_distribution(logits: Tensor, sampling: RowSampling) -> Tensor:
