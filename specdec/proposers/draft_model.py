@@ -20,8 +20,10 @@ from specdec.verify import RaceKeys
 class DraftModelProposer(Proposer):
     """Drafts with a model run through `runner` (the target's runner protocol, implemented in `rollout/`).
 
-    Per-row state (in `ProposalBatch.states`): `cache_len` (tokens in the draft cache), `base` (position of the
-    first token fed after the last proposal) and `cached_drafts` (draft tokens whose KV the cache holds).
+    Per-slot state in host tensors, rows as the generator's slots (`copy_rows` moves them): `cache_len` (tokens in
+    the draft cache), `base` (position of the first token fed after the last proposal) and the draft tokens from there
+    whose KV the cache holds (`cached`, `num_cached`). A row put back by the engine's restore needs nothing more:
+    reconciling never keeps more than the row's committed tokens, and the cache saw those as they are.
     """
 
     needs_prefill = True
@@ -36,17 +38,39 @@ class DraftModelProposer(Proposer):
             )
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
+        self._cache_len = torch.zeros(0, dtype=torch.long)  # [slots]
+        self._base = torch.zeros(0, dtype=torch.long)  # [slots]
+        self._num_cached = torch.zeros(0, dtype=torch.long)  # [slots]
+        self._cached = torch.full((0, 1), -1, dtype=torch.long)  # [slots, >= K - 1]
 
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
         self.runner.prefill(row_start, prompts)
         if len(states) > len(prompts):
             dst = torch.arange(row_start, row_start + len(states), device=group_of.device)
             self.runner.copy_rows(row_start + group_of, dst, max(len(p) for p in prompts))
-        for state, group in zip(states, group_of.tolist()):
-            state.update(cache_len=len(prompts[group]), base=0, cached_drafts=[])
+        rows = slice(row_start, row_start + len(states))
+        self._reserve(rows.stop, 1)
+        self._cache_len[rows] = _longs([len(p) for p in prompts])[group_of.cpu()]
+        self._base[rows] = 0
+        self._num_cached[rows] = 0
 
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
         self.runner.copy_rows(src, dst, num_positions)
+        src, dst = src.cpu(), dst.cpu()
+        for field in (self._cache_len, self._base, self._num_cached, self._cached):
+            field[dst] = field[src]
+
+    def _reserve(self, num_slots: int, width: int) -> None:
+        """Grow the per-slot state to `num_slots` rows and `width` cached drafts."""
+        grow, widen = max(num_slots - len(self._cache_len), 0), max(width - self._cached.shape[1], 0)
+        if grow:
+            zeros = torch.zeros(grow, dtype=torch.long)
+            self._cache_len, self._base = torch.cat([self._cache_len, zeros]), torch.cat([self._base, zeros])
+            self._num_cached = torch.cat([self._num_cached, zeros])
+        if grow or widen:
+            cached = torch.full((len(self._cache_len), self._cached.shape[1] + widen), -1, dtype=torch.long)
+            cached[: len(self._cached), : self._cached.shape[1]] = self._cached
+            self._cached = cached
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         num_rows = len(batch.num_tokens)
@@ -54,7 +78,8 @@ class DraftModelProposer(Proposer):
         device = self.runner.device
         num_tokens, asked = _longs(batch.num_tokens), _longs(batch.num_asked)
         # catch up: feed every row the committed tokens its draft cache lacks (the pending token at least)
-        cache_lens = _reconciled(batch.states, batch.token_ids, num_tokens)
+        self._reserve(num_rows, max_k - 1)
+        cache_lens = self._reconciled(batch.token_ids, num_tokens)
         num_inputs = num_tokens - cache_lens
         offsets = torch.arange(int(num_inputs.max()))
         columns = (cache_lens[:, None] + offsets).clamp(max=batch.token_ids.shape[1] - 1)
@@ -79,12 +104,11 @@ class DraftModelProposer(Proposer):
                 feeding = (asked > j + 1).long()
                 step_logits = self.runner.decode(0, tokens[:, None], feeding, cache_lens)[:, 0]
                 cache_lens += feeding
-        # one transfer: the next step reconciles against these on the host
-        host_drafts = draft_ids[:, : max(max_k - 1, 0)].cpu().tolist()
-        for state, length, base, k, drafts in zip(
-            batch.states, cache_lens.tolist(), batch.num_tokens, batch.num_asked, host_drafts
-        ):
-            state.update(cache_len=length, base=base, cached_drafts=drafts[: k - 1] if k > 1 else [])
+        # one transfer: the next step reconciles against these on the host (the last draft was never fed)
+        self._cache_len[:num_rows], self._base[:num_rows] = cache_lens, num_tokens
+        self._num_cached[:num_rows] = (asked - 1).clamp(min=0)
+        if max_k > 1:
+            self._cached[:num_rows, : max_k - 1] = draft_ids[:, : max_k - 1].cpu()
         if batch.race is not None:  # exact verification: a draft is checked against the target's race, as one-hot
             return Drafts(draft_ids, list(batch.num_asked))
         # rows back to back, each row's positions j < K_i, matching the verifier's flattened layout
@@ -93,29 +117,26 @@ class DraftModelProposer(Proposer):
         flat_probs = stacked[keep] if stacked is not None else None
         return Drafts(draft_ids, list(batch.num_asked), flat_probs)
 
-
-def _reconciled(states: list[dict], token_ids: Tensor, num_tokens: Tensor) -> Tensor:
-    """`[rows]` each row's draft-cache length after reconciling: the cached draft tokens that match the committed
-    history (`token_ids [rows, T]`, `num_tokens [rows]`, the pending token last) stay, the rest are dropped by a
-    lower length. The states' cached drafts are consumed."""
-    cached = [s["cached_drafts"] for s in states]
-    lengths = _longs([len(c) for c in cached])
-    previous = _longs([s["cache_len"] for s in states])
-    width = int(lengths.max()) if len(cached) else 0
-    # rows without cached drafts keep their length, never past the committed tokens (the pending one is not cached)
-    reconciled = torch.minimum(previous, num_tokens - 1)
-    if width:
-        bases = _longs([s["base"] for s in states])
-        drafts = _longs([c + [-1] * (width - len(c)) for c in cached])
-        offsets = torch.arange(width)
-        history = token_ids.gather(1, (bases[:, None] + offsets).clamp(max=token_ids.shape[1] - 1))
-        # a cached draft counts while it is inside the committed tokens (before the pending one) and matches them
-        comparable = offsets[None, :] < torch.minimum(lengths, num_tokens - 1 - bases)[:, None]
-        matched = ((history == drafts) & comparable).long().cumprod(dim=1).sum(dim=1)
-        reconciled = torch.where(lengths > 0, bases + matched, reconciled)
-    for state in states:
-        state["cached_drafts"] = []
-    return reconciled
+    def _reconciled(self, token_ids: Tensor, num_tokens: Tensor) -> Tensor:
+        """`[rows]` each row's draft-cache length after reconciling: the cached draft tokens that match the committed
+        history (`token_ids [rows, T]`, `num_tokens [rows]`, the pending token last) stay, the rest are dropped by a
+        lower length, and never more than the committed tokens (a row rolled back has fewer than its cache saw). The
+        cached drafts are consumed."""
+        num_rows = len(num_tokens)
+        lengths, previous = self._num_cached[:num_rows], self._cache_len[:num_rows]
+        width = int(lengths.max()) if num_rows else 0
+        # the pending token is never cached
+        reconciled = torch.minimum(previous, num_tokens - 1)
+        if width:
+            bases, drafts = self._base[:num_rows], self._cached[:num_rows, :width]
+            offsets = torch.arange(width)
+            history = token_ids.gather(1, (bases[:, None] + offsets).clamp(max=token_ids.shape[1] - 1))
+            # a cached draft counts while it is inside the committed tokens (before the pending one) and matches them
+            comparable = offsets[None, :] < torch.minimum(lengths, num_tokens - 1 - bases)[:, None]
+            matched = ((history == drafts) & comparable).long().cumprod(dim=1).sum(dim=1)
+            reconciled = torch.where(lengths > 0, torch.minimum(bases + matched, num_tokens - 1), reconciled)
+        self._num_cached[:num_rows] = 0
+        return reconciled
 
 
 def _longs(values: list) -> Tensor:

@@ -82,6 +82,24 @@ def test_self_draft_accepts_everything_under_exact_sampling(params):
     assert sum(r.num_accepted for r in decode) == sum(r.num_drafted for r in decode) > 0
 
 
+def test_a_moved_row_keeps_its_draft_state():
+    """The draft model's per-slot state (cache length, cached drafts) follows its row when the row moves into a hole.
+    A long prompt with a short completion finishes first and the short prompt's row moves into its slot; a draft model
+    that is the target accepts every draft (greedy) only if the moved row's draft cache length is its own: the
+    finished row's would claim positions the moved row never fed its draft model."""
+    model = make_model("qwen2")
+    prompts = [random_prompts(1, max_len=3, seed=10)[0] * 14, random_prompts(1, max_len=3, seed=11)[0]]
+    params = [SamplingParams(temperature=0, max_new_tokens=m) for m in (5, 40)]
+    gen = Generator(model, max_batch_size=2, max_seq_len=128, spec=spec_for("draft_model", 3, model))
+    proposer = gen.proposers.proposers["draft_model"]
+    moves, copy_rows = [], proposer.copy_rows
+    proposer.copy_rows = lambda src, dst, n: (moves.append(dst.tolist()), copy_rows(src, dst, n))
+    gen.generate(prompts, params)
+    decode = [r for r in gen.last_trace if r.kind == "decode"]
+    assert moves == [[0]]  # the second row moved into the first's slot once
+    assert sum(r.num_accepted for r in decode) == sum(r.num_drafted for r in decode) > 0
+
+
 @pytest.mark.parametrize("num_candidates", [None, 23])
 def test_a_draft_race_over_candidates_is_the_full_race_when_they_hold_every_likely_token(num_candidates):
     """A draft model races over q's likely tokens only (the most likely few, or those within e^-12 of the top one);
