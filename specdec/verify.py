@@ -68,7 +68,7 @@ def verify(
     if layout.is_chain:
         # draft nodes = every node but each row's root; indexed on the host (a device mask would sync to count)
         is_draft = torch.ones(sum(layout.num_nodes), dtype=torch.bool)
-        is_draft[torch.tensor([0] + layout.num_nodes[:-1]).cumsum(0)] = False
+        is_draft[torch.cumsum(layout.node_counts, 0) - layout.node_counts] = False  # each row's first node
         drafts = torch.nonzero(is_draft)[:, 0].to(device)
         counts = num_nodes - 1
         return verify_chain(
