@@ -29,8 +29,6 @@ def build_attention_mask(
     """
     num_rows, num_block = write_positions.shape
     device = write_positions.device
-    key_index = torch.arange(kv_len, device=device)
-    padding_query = key_index == 0  # [kv_len]
     if ancestors is None and sliding_window is None:
         # a chain sits right after its prefix (decode) or starts at 0 (prefill): a query sees every key up to its own
         # slot, a padding query (its slot taken as 0) key 0. Row q of `stairs` is kv_len - q ones then zeros (a view
@@ -40,6 +38,8 @@ def build_attention_mask(
         stairs = ones_then_zeros.as_strided((kv_len, kv_len), (1, 1))  # [q, key]: key < kv_len - q
         mask = stairs.index_select(0, (kv_len - 1 - last_key).reshape(-1))
         return mask.view(num_rows, 1, num_block, kv_len)
+    key_index = torch.arange(kv_len, device=device)
+    padding_query = key_index == 0  # [kv_len]
     if ancestors is None:
         ancestors = torch.ones(num_block, num_block, dtype=torch.bool, device=device).tril().expand(num_rows, -1, -1)
     ancestors = ancestors & valid[:, None, :] & valid[:, :, None]
