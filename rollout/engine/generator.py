@@ -348,7 +348,9 @@ class Generator:
         start = time.perf_counter()
         num_rows = self.num_active
         context = int(self.slots.cache_len[:num_rows].max())  # rows attend over the longest row's cache (padded)
-        decision, asked = self._schedule(num_rows, num_draft_tokens, context)
+        observed = self.policy is not None or num_draft_tokens is not None  # a policy learns from the step
+        routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]] if observed else []
+        decision, asked = self._schedule(num_rows, num_draft_tokens, context, routes)
         uniforms = self._uniforms(slice(0, num_rows), asked)
         sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
         race = self._race_keys(slice(0, num_rows))  # shared by the draft model and the verifier
@@ -374,8 +376,8 @@ class Generator:
         asked_list = asked.tolist()
         drafting = [k > 0 for k in asked_list]
         observation = None
-        if self.policy is not None or num_draft_tokens is not None:
-            observation = self._observation(asked_list, drafting, served, accepted, layout, seconds, context)
+        if observed:
+            observation = self._observation(asked_list, drafting, routes, served, accepted, layout, seconds, context)
             if num_draft_tokens is None:
                 self.policy.observe(observation)
         depths = layout.node_counts - 1 if layout.is_chain else torch.tensor(layout.row_depths)
@@ -396,14 +398,16 @@ class Generator:
         )
         return record, observation
 
-    def _schedule(self, num_rows: int, num_draft_tokens: int | None, context: int) -> tuple[Decision, Tensor]:
-        """The step's K (the policy's, or the caller's) and `[rows]` the drafts asked of each row under its caps."""
+    def _schedule(
+        self, num_rows: int, num_draft_tokens: int | None, context: int, routes: list[str]
+    ) -> tuple[Decision, Tensor]:
+        """The step's K (the policy's, given each row's route, or the caller's) and `[rows]` the drafts asked of
+        each row under its caps."""
         caps = self.slots.draft_caps(num_rows)
         decision = Decision(0)
         if num_draft_tokens is not None:
             decision = Decision(num_draft_tokens)
         elif self.policy is not None:
-            routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]]
             decision = self.policy.choose(num_rows, caps.tolist(), routes, context)
         return decision, caps.clamp(0, decision.num_draft_tokens)
 
@@ -505,9 +509,9 @@ class Generator:
         """Where a row's drafts come from: the proposer its request names, or the configured cascade."""
         return seq.params.spec.method or self._default_route
 
-    def _observation(self, asked, drafting, served, accepted, layout, seconds, context: int) -> StepObservation:
-        """What the step cost and what each route's drafts earned (`drafting[i]`: row i was asked for drafts)."""
-        routes = [self._route(seq) for seq in self.slots.sequences[: len(asked)]]
+    def _observation(self, asked, drafting, routes, served, accepted, layout, seconds, context: int) -> StepObservation:
+        """What the step cost and what each route's drafts earned (`drafting[i]`: row i was asked for drafts,
+        `routes[i]` its route)."""
         num_asked: dict[str, tuple[list[int], list[int]]] = {}
         distinct = _distinct(routes)
         for route in distinct:
