@@ -80,15 +80,15 @@ class SuffixIndex:
     def extend(self, frontier: np.ndarray, tokens: np.ndarray, delta: int = 1) -> np.ndarray:
         """Append `tokens [N]` to N sequences with frontiers `[N, D]`: every suffix count changes by `delta` (+1 on
         insert; -1 removes a sequence inserted before, whose nodes must exist). Returns the new frontiers."""
-        depth = self.max_depth
         flat = np.ascontiguousarray(frontier).ravel()
         at = (flat >= 0).nonzero()[0]  # (row, m) pairs in row order, as flat indices
-        rows = at // depth
-        children = self._count(flat[at], tokens[rows], delta)
-        new = np.full(frontier.shape, -1, dtype=frontier.dtype)
+        children = self._count(flat[at], tokens[at // self.max_depth], delta)
+        # the child of column m goes to column m + 1; a depth-D node (the last column's child) is counted, never
+        # extended: it lands in the next row's column 0, which the roots then overwrite (one spare past the last row)
+        new = np.full(flat.size + 1, -1, dtype=frontier.dtype)
+        new[at + 1] = children
+        new = new[:-1].reshape(frontier.shape)
         new[:, 0] = frontier[:, 0]
-        keep = at - rows * depth < depth - 1  # depth-D nodes are counted, never extended
-        new.ravel()[at[keep] + 1] = children[keep]
         return new
 
     def insert(self, frontier: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, delta: int = 1) -> np.ndarray:
@@ -96,7 +96,10 @@ class SuffixIndex:
         frontier = frontier.copy()
         for j in range(int(lengths.max(initial=0))):
             rows = (lengths > j).nonzero()[0]
-            frontier[rows] = self.extend(frontier[rows], tokens[rows, j], delta)
+            if rows.size == len(frontier):  # every sequence goes on
+                frontier = self.extend(frontier, tokens[:, j], delta)
+            else:
+                frontier[rows] = self.extend(frontier[rows], tokens[rows, j], delta)
         return frontier
 
     def add_sequences(self, roots: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, delta: int = 1) -> None:
@@ -194,20 +197,35 @@ class SuffixIndex:
         return children
 
     def _children(self, parents: np.ndarray, tokens: np.ndarray, first: np.ndarray, create: bool) -> np.ndarray:
-        """`child`, and the children that are missing created (`create`; else they must all exist)."""
-        found = self.child(parents, tokens, first)
-        missing = (found < 0).nonzero()[0]
-        if missing.size:
-            assert create, "expected every node of a removed sequence to exist"
-            keys = (parents[missing].astype(np.int64) << _TOKEN_BITS) | tokens[missing]
-            new_keys, inverse = np.unique(keys, return_inverse=True)  # sorted: grouped by parent
-            new_parents = new_keys >> _TOKEN_BITS
-            ids = self._allocate((new_keys & ((1 << _TOKEN_BITS) - 1)).astype(np.int32))
-            lead = np.concatenate(([True], new_parents[1:] != new_parents[:-1])) & (self.first[new_parents] < 0)
-            self.first[new_parents[lead]] = ids[lead]
-            self._store(new_keys[~lead], ids[~lead])
-            self.branching[new_parents[~lead]] = True
-            found[missing] = ids[inverse]
+        """`child`, and the children that are missing created (`create`; else they must all exist). Entries that ask
+        for the same new child get the same node."""
+        if not create:
+            found = self.child(parents, tokens, first)
+            assert (found >= 0).all(), "expected every node of a removed sequence to exist"
+            return found
+        parents, tokens = parents.astype(np.int64, copy=False), tokens.astype(np.int64, copy=False)
+        found = np.where((first >= 0) & (self.token[first] == tokens), first, -1).astype(np.int64)
+        rest = (found < 0).nonzero()[0]
+        if rest.size:
+            parents, tokens = parents[rest], tokens[rest]
+            ids = np.empty(rest.size, dtype=np.int64)
+            hashed = np.ones(rest.size, dtype=bool)
+            orphans = (first[rest] < 0).nonzero()[0]
+            if orphans.size:  # a parent without children takes the token of the last entry naming it as its first
+                owners = parents[orphans]
+                self.nodes[owners, 1] = orphans  # `best`, -1 in a parent without children, names entries meanwhile
+                lead = self.nodes[owners, 1]
+                leads = orphans[lead == orphans]
+                self.nodes[parents[leads], 3] = self._allocate(tokens[leads].astype(np.int32))
+                self.nodes[owners, 1] = -1
+                same = orphans[tokens[lead] == tokens[orphans]]
+                ids[same] = self.first[parents[same]]
+                hashed[same] = False
+            hashed = hashed.nonzero()[0]
+            if hashed.size:  # a parent's other children are in the hash table: found there, or created and stored
+                ids[hashed] = self._find_or_claim((parents[hashed] << _TOKEN_BITS) | tokens[hashed], tokens[hashed])
+                self.branching[parents[hashed]] = True
+            found[rest] = ids
         return found
 
     def _raise_best(self, parents: np.ndarray, children: np.ndarray, best: np.ndarray) -> None:
@@ -252,6 +270,36 @@ class SuffixIndex:
             on = ~hit & (stored != _EMPTY)  # linear probing: go on past other keys
             pending, keys, slots = pending[on], keys[on], (slots[on] + 1) & mask
         return found
+
+    def _find_or_claim(self, keys: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The children of `keys` (parent << 21 | token): those in the table, and one new node per distinct key that
+        is not, created and stored. Equal keys probe in step (same slots, same table), so the entries that read their
+        key back from a free slot just written share it; the last of them written to the slot's value creates the
+        node."""
+        bound = self._num_keys + len(keys)  # if every key is new
+        if 2 * bound > len(self._keys):  # room for them all: the table never fills up while probing
+            self._rehash(8 * bound)
+        ids = np.empty(len(keys), dtype=np.int64)
+        pending, slots = np.arange(len(keys)), self._slots(keys)
+        mask = len(self._keys) - 1
+        while pending.size:
+            stored = self._keys[slots]
+            free = stored == _EMPTY
+            self._keys[slots[free]] = keys[free]
+            mine = self._keys[slots] == keys
+            new = (mine & free).nonzero()[0]
+            if new.size:
+                claimed = slots[new]
+                self._values[claimed] = new
+                creators = new[self._values[claimed] == new]
+                self._values[slots[creators]] = self._allocate(tokens[creators].astype(np.int32))
+                self._num_keys += len(creators)
+            ids[pending[mine]] = self._values[slots[mine]]
+            on = ~mine  # linear probing: go on past other keys
+            pending, keys, tokens, slots = pending[on], keys[on], tokens[on], (slots[on] + 1) & mask
+        if 4 * self._num_keys > len(self._keys):  # load factor <= 1/4 between calls, as `_store` keeps it
+            self._rehash(8 * self._num_keys)
+        return ids
 
     def _store(self, keys: np.ndarray, ids: np.ndarray) -> None:
         """Insert distinct keys that are not in the table."""

@@ -243,11 +243,12 @@ class SuffixProposer(Proposer):
         rows = (asked > 0).nonzero()[0]
         depth = self.max_tree_depth
         nodes = self._frontiers[:, rows, 1:][list(self.sources)].reshape(-1, depth - 1)  # [S * R, D - 1]: m = 1..D-1
-        owner = np.tile(rows, len(self.sources))
-        match = np.arange(1, depth)[None, :]
-        limit = np.minimum(asked[owner][:, None], np.floor(match * self.max_spec_factor).astype(np.int64))
-        limit = np.minimum(limit, depth - match)
-        counts = np.where(nodes >= 0, self.index.count[np.maximum(nodes, 0)], 0)
+        owner = np.concatenate([rows] * len(self.sources))
+        # a match of m tokens drafts at most floor(m * max_spec_factor) and depth - m tokens, and what the row asked
+        match = np.arange(1, depth)
+        limit = np.minimum(np.floor(match * self.max_spec_factor).astype(np.int64), depth - match)
+        limit = np.minimum(asked[owner][:, None], limit)
+        counts = np.where(nodes >= 0, self.index.count[nodes], 0)  # (a -1 reads the last node, and is masked)
         # a node seen once is the row's own occurrence: nothing followed it yet
         usable = (counts >= 2) & (limit >= 1)
         # an m-gram as frequent as the (m+1)-gram that ends with it occurs only there: both have the same continuations,
@@ -300,9 +301,10 @@ class SuffixProposer(Proposer):
         depth, num_drafted = self.max_tree_depth, counts[rows]  # [E]
         # walkers through the draft, each (row e, source trie, start node, draft tokens skipped, match length at the
         # end): the row's last c tokens then the whole draft (c = 0: from the root), or the draft's last m tokens
-        grid = np.arange(len(rows)), np.array(self.sources)
-        e1, src1, c = (a.ravel() for a in np.meshgrid(*grid, np.arange(self._CONTINUE_CONTEXT + 1), indexing="ij"))
-        e2, src2, m = (a.ravel() for a in np.meshgrid(*grid, np.arange(1, drafts.shape[1]), indexing="ij"))
+        sources = np.array(self.sources)
+        e1, src1, c = np.indices((len(rows), len(sources), self._CONTINUE_CONTEXT + 1)).reshape(3, -1)
+        e2, src2, m = np.indices((len(rows), len(sources), drafts.shape[1] - 1)).reshape(3, -1)
+        src1, src2, m = sources[src1], sources[src2], m + 1
         short = m < num_drafted[e2]
         e2, src2, m = e2[short], src2[short], m[short]
         e, src = np.concatenate([e1, e2]), np.concatenate([src1, src2])

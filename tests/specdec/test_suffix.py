@@ -89,6 +89,23 @@ def test_index_counts_every_ngram_and_forgets_removed_sequences():
             assert index.count[best] > 0
 
 
+def test_many_sequences_through_one_node_store_count_exactly():
+    # thousands of nodes (keys of parents past 2^10 overflow 32 bits), parents whose first child is made in the call,
+    # and many sequences asking for the same new child at once (few tokens, long sequences); counted one token at a
+    # time as rows in flight are, from a store too small at first
+    rng = np.random.default_rng(2)
+    sequences = [rng.integers(0, 6, size=rng.integers(40, 120)).tolist() for _ in range(30)]
+    lengths = np.array([len(s) for s in sequences])
+    tokens = np.zeros((len(sequences), lengths.max()), dtype=np.int64)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = s
+    index = SuffixIndex(max_depth=7, capacity=64)
+    root = index.new_root()
+    index.insert(index.start(np.full(len(sequences), root)).astype(np.int32), tokens, lengths)
+    assert index.num_nodes > 4096
+    assert trie_counts(index, root) == ngram_counts(sequences, 7)
+
+
 def proposal(token_lists: list[list[int]], asked: list[int]) -> ProposalBatch:
     width = max(len(t) for t in token_lists)
     token_ids = torch.zeros(len(token_lists), width, dtype=torch.long)
