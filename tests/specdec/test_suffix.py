@@ -92,18 +92,23 @@ def test_index_counts_every_ngram_and_forgets_removed_sequences():
 def test_many_sequences_through_one_node_store_count_exactly():
     # thousands of nodes (keys of parents past 2^10 overflow 32 bits), parents whose first child is made in the call,
     # and many sequences asking for the same new child at once (few tokens, long sequences); counted one token at a
-    # time as rows in flight are, from a store too small at first
+    # time as rows in flight are, from a node store and a hash table too small at first (the table grows between
+    # chunks of one call's keys)
     rng = np.random.default_rng(2)
     sequences = [rng.integers(0, 6, size=rng.integers(40, 120)).tolist() for _ in range(30)]
     lengths = np.array([len(s) for s in sequences])
     tokens = np.zeros((len(sequences), lengths.max()), dtype=np.int64)
     for i, s in enumerate(sequences):
         tokens[i, : len(s)] = s
-    index = SuffixIndex(max_depth=7, capacity=64)
+    index = SuffixIndex(max_depth=7, capacity=64, table_capacity=64)
     root = index.new_root()
     index.insert(index.start(np.full(len(sequences), root)).astype(np.int32), tokens, lengths)
-    assert index.num_nodes > 4096
+    assert index.num_nodes > 4096 and len(index._keys) > 64
     assert trie_counts(index, root) == ngram_counts(sequences, 7)
+    by_depth = SuffixIndex(max_depth=7, capacity=64, table_capacity=64)  # a call's keys by the thousand
+    root = by_depth.new_root()
+    by_depth.add_sequences(np.full(len(sequences), root), tokens, lengths)
+    assert trie_counts(by_depth, root) == ngram_counts(sequences, 7)
 
 
 def proposal(token_lists: list[list[int]], asked: list[int]) -> ProposalBatch:
