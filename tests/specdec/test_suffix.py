@@ -27,6 +27,15 @@ def ngram_counts(sequences: list[list[int]], depth: int) -> collections.Counter:
     return counts
 
 
+def padded(sequences: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token sequences as rows `[N, longest]` (0 past each end) and their lengths `[N]`."""
+    lengths = np.array([len(s) for s in sequences])
+    tokens = np.zeros((len(sequences), lengths.max()), dtype=np.int64)
+    for i, s in enumerate(sequences):
+        tokens[i, : len(s)] = s
+    return tokens, lengths
+
+
 def trie_counts(index: SuffixIndex, root: int) -> collections.Counter:
     """Every n-gram of the trie under `root` with a nonzero count, by walking first children and the hash table."""
     keys = index._keys[index._keys >= 0]
@@ -74,10 +83,7 @@ def test_index_counts_every_ngram_and_forgets_removed_sequences():
     index = SuffixIndex(max_depth=5)
     root = index.new_root()
     sequences = [rng.integers(0, 4, size=rng.integers(1, 30)).tolist() for _ in range(12)]
-    lengths = np.array([len(s) for s in sequences])
-    tokens = np.zeros((len(sequences), lengths.max()), dtype=np.int64)
-    for i, s in enumerate(sequences):
-        tokens[i, : len(s)] = s
+    tokens, lengths = padded(sequences)
     index.insert(index.start(np.full(len(sequences), root)), tokens, lengths)
     assert trie_counts(index, root) == ngram_counts(sequences, 5)
     index.insert(index.start(np.full(5, root)), tokens[:5], lengths[:5], delta=-1)
@@ -96,10 +102,7 @@ def test_many_sequences_through_one_node_store_count_exactly():
     # chunks of one call's keys)
     rng = np.random.default_rng(2)
     sequences = [rng.integers(0, 6, size=rng.integers(40, 120)).tolist() for _ in range(30)]
-    lengths = np.array([len(s) for s in sequences])
-    tokens = np.zeros((len(sequences), lengths.max()), dtype=np.int64)
-    for i, s in enumerate(sequences):
-        tokens[i, : len(s)] = s
+    tokens, lengths = padded(sequences)
     index = SuffixIndex(max_depth=7, capacity=64, table_capacity=64)
     root = index.new_root()
     index.insert(index.start(np.full(len(sequences), root)).astype(np.int32), tokens, lengths)
@@ -309,10 +312,7 @@ def test_trees_from_a_cascade_are_refused():
 def test_whole_sequences_added_by_depth_match_token_by_token_insertion():
     rng = np.random.default_rng(1)
     sequences = [rng.integers(0, 5, size=rng.integers(1, 40)).tolist() for _ in range(9)]
-    lengths = np.array([len(s) for s in sequences])
-    tokens = np.zeros((len(sequences), lengths.max()), dtype=np.int64)
-    for i, s in enumerate(sequences):
-        tokens[i, : len(s)] = s
+    tokens, lengths = padded(sequences)
     by_token, by_depth = SuffixIndex(max_depth=6), SuffixIndex(max_depth=6)
     a, b = by_token.new_root(), by_depth.new_root()
     by_token.insert(by_token.start(np.full(9, a)), tokens, lengths)
