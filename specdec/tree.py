@@ -111,7 +111,7 @@ def layout_drafts(num_drafted: list[int], draft_parents: Tensor | None) -> Draft
     """Build the layout from per-row draft counts and draft-local parents `[rows, >= max count]` (-1 = child of the
     pending token); `draft_parents` None means every row is a chain."""
     num_nodes = [1 + n for n in num_drafted]
-    node_counts = torch.from_numpy(np.array(num_nodes, dtype=np.int64))  # (torch.tensor of a list is ~6x slower)
+    node_counts = host_longs(num_nodes)
     width = max(num_nodes)
     valid = torch.arange(width)[None, :] < node_counts[:, None]
     chain = torch.where(valid, torch.arange(-1, width - 1)[None, :], -1)
@@ -122,3 +122,9 @@ def layout_drafts(num_drafted: list[int], draft_parents: Tensor | None) -> Draft
             row_depths = depths.max(dim=1).values.tolist()
             return DraftLayout(num_nodes, node_counts, parents, row_depths, False, depths, ancestors)
     return DraftLayout(num_nodes, node_counts, chain, list(num_drafted), True)
+
+
+def host_longs(values: list) -> Tensor:
+    """int64 host tensor of a (nested) list of ints, through numpy: `torch.tensor` of a list of 1024 ints took ~6x
+    longer here, and a decode step converts several."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))

@@ -7,13 +7,13 @@ match the committed history, so its cache length is the base plus that matching 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from kernels.race_sample import race_exponentials_ref
 from specdec.processing import RowSampling, processed_logprobs, target_probs
 from specdec.proposers.base import Drafts, ModelRunnerProtocol, ProposalBatch, Proposer
+from specdec.tree import host_longs
 from specdec.verify import RaceKeys
 
 
@@ -50,7 +50,7 @@ class DraftModelProposer(Proposer):
             self.runner.copy_rows(row_start + group_of, dst, max(len(p) for p in prompts))
         rows = slice(row_start, row_start + len(states))
         self._reserve(rows.stop, 1)
-        self._cache_len[rows] = _longs([len(p) for p in prompts])[group_of.cpu()]
+        self._cache_len[rows] = host_longs([len(p) for p in prompts])[group_of.cpu()]
         self._base[rows] = 0
         self._num_cached[rows] = 0
 
@@ -76,7 +76,7 @@ class DraftModelProposer(Proposer):
         num_rows = len(batch.num_tokens)
         max_k = max(batch.num_asked)
         device = self.runner.device
-        num_tokens, asked = _longs(batch.num_tokens), _longs(batch.num_asked)
+        num_tokens, asked = host_longs(batch.num_tokens), host_longs(batch.num_asked)
         # catch up: feed every row the committed tokens its draft cache lacks (the pending token at least)
         self._reserve(num_rows, max_k - 1)
         cache_lens = self._reconciled(batch.token_ids, num_tokens)
@@ -137,12 +137,6 @@ class DraftModelProposer(Proposer):
             reconciled = torch.where(lengths > 0, torch.minimum(bases + matched, num_tokens - 1), reconciled)
         self._num_cached[:num_rows] = 0
         return reconciled
-
-
-def _longs(values: list) -> Tensor:
-    """int64 host tensor of a (nested) list of ints (through numpy: `torch.tensor` of a list of 1024 ints took ~6x
-    longer here, and a step converts several)."""
-    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 def _draft_distribution(logits: Tensor, sampling: RowSampling) -> Tensor:
