@@ -279,25 +279,19 @@ class SuffixIndex:
         is not, created and stored. In chunks that cannot take the table past load 1/2 even if every key is new; it
         grows after a chunk that left it above 1/4, as `_store` grows it (so by the keys stored, not the keys asked)."""
         if 2 * (self._num_keys + len(keys)) <= len(self._keys):  # room for all (a step's keys, as a rule)
-            ids = self._probe(keys, tokens)
-            if 4 * self._num_keys > len(self._keys):
-                self._rehash(8 * self._num_keys)
-            return ids
+            return self._probe(keys, tokens)
         ids = np.empty(len(keys), dtype=np.int64)
         done = 0
         while done < len(keys):
-            room = len(self._keys) // 2 - self._num_keys
-            end = min(len(keys), done + max(room, 1))
+            end = min(len(keys), done + max(len(self._keys) // 2 - self._num_keys, 1))
             ids[done:end] = self._probe(keys[done:end], tokens[done:end])
-            if 4 * self._num_keys > len(self._keys):
-                self._rehash(8 * self._num_keys)
             done = end
         return ids
 
     def _probe(self, keys: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """`_find_or_claim` for keys that fit. Equal keys probe in step (same slots, same table), so the entries that
-        read their key back from a free slot just written share it; the last of them written to the slot's value
-        creates the node."""
+        """`_find_or_claim` for keys that fit; the table grows after them if they left it above load 1/4. Equal keys
+        probe in step (same slots, same table), so the entries that read their key back from a free slot just written
+        share it; the last of them written to the slot's value creates the node."""
         ids = np.empty(len(keys), dtype=np.int64)
         pending, slots = np.arange(len(keys)), self._slots(keys)
         mask = len(self._keys) - 1
@@ -316,6 +310,8 @@ class SuffixIndex:
             ids[pending[mine]] = self._values[slots[mine]]
             on = ~mine  # linear probing: go on past other keys
             pending, keys, tokens, slots = pending[on], keys[on], tokens[on], (slots[on] + 1) & mask
+        if 4 * self._num_keys > len(self._keys):  # load factor <= 1/4 between calls, as `_store` keeps it
+            self._rehash(8 * self._num_keys)
         return ids
 
     def _store(self, keys: np.ndarray, ids: np.ndarray) -> None:
