@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, DynamicCache, Qwen2Config
 
+from rollout.engine.model_runner import cache_keyword
 from specdec.proposers import NgramProposer
 
 
@@ -121,13 +122,14 @@ def main() -> None:
         f"{'seq_len':>7} {'tokens':>8} {'hits':>5} {'forward ms':>10} {'propose ms':>10} {'% fwd':>6} {'% floor':>7} "
         f"{'cands ms':>8} {'% fwd':>6} {'% floor':>7} {'dense torch ms':>14} {'dense/propose':>13}"
     )
+    keyword = cache_keyword(model)  # `cache` from transformers 5.24, `past_key_values` before
     for seq_len in args.seq_lens:
         with torch.inference_mode():
             cache = DynamicCache(config=config)
-            model(input_ids=torch.randint(0, config.vocab_size, (num_rows, seq_len)), past_key_values=cache)
+            model(input_ids=torch.randint(0, config.vocab_size, (num_rows, seq_len)), **{keyword: cache})
 
             def step(cache: DynamicCache = cache) -> None:
-                model(input_ids=next_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=next_ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
                 cache.crop(-1)
 
             forward_ms = median_ms(step, max(5, args.num_repeats // 3))

@@ -304,3 +304,50 @@ def test_a_bad_recipe_is_reported_before_torch_is_imported(tmp_path):
     assert result.stderr.strip() == (
         "rollout run: error: sampling: n (0) must be an integer >= 1: the number of completions per prompt"
     )
+
+
+WARNING_REWARDS = """
+import warnings
+
+import transformers
+
+
+def warns(completions, **kw):
+    warnings.warn("an old keyword is deprecated", FutureWarning)
+    transformers.utils.logging.get_logger("transformers.some_model").warning("a transformers notice")
+    return [1.0] * len(completions)
+
+
+def warns_then_fails(completions, **kw):
+    warnings.warn("an old keyword is deprecated", FutureWarning)
+    raise ValueError("this reward cannot score")
+"""
+
+
+LOG = "warnings.log"
+
+
+def _cli(tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    """`rollout` in its own process (as a user runs it: Python's warnings reach stderr unless routed)."""
+    code = "import sys; from rollout.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_library_warnings_go_to_the_run_log_never_into_the_one_line_error(tmp_path):
+    (tmp_path / "warning_rewards.py").write_text(WARNING_REWARDS)
+    small = [*SMALL, "spec.method=null", "logging.wandb_mode=disabled", "logging.progress=false"]
+    done = _cli(tmp_path, "run", QUICKSTART, *small, "rewards=[{name: 'warning_rewards:warns'}]", "output_dir=a")
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "a" / "warnings.log").read_text()
+    assert "FutureWarning: an old keyword is deprecated" in log and "a transformers notice" in log
+    # the run says where its warnings went, in one line of its own
+    count = log.count(" WARNING: ")  # one Python warning (once per place in the code), one notice per reward call
+    assert done.stderr.strip().splitlines() == [f"rollout run: {count} library warnings in {pathlib.Path('a', LOG)}"]
+    failed = _cli(
+        tmp_path, "run", QUICKSTART, *small, "rewards=[{name: 'warning_rewards:warns_then_fails'}]", "output_dir=b"
+    )
+    assert failed.returncode == 2
+    lines = failed.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rollout run: error:") and "cannot score" in lines[0], lines
+    assert "FutureWarning: an old keyword is deprecated" in (tmp_path / "b" / "warnings.log").read_text()

@@ -19,6 +19,7 @@ RUN_FILES = (
     "train.jsonl",
     "train.png",
     "bench.json",
+    "warnings.log",
 )
 RUN_FOLDERS = ("wandb", "trainer", "model", "ranks")
 

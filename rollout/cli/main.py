@@ -17,11 +17,13 @@ import pathlib
 import signal
 import sys
 
+from rollout.cli.library_log import capture_library_warnings, route_transformers
 from rollout.distributed import VANISHED, Ranks, RankStopped, start_ranks
 
 
 def _setup(recipe_path: str, overrides: list[str]):
-    """Load the recipe, then set torch threads and quiet the model loaders' progress bars."""
+    """Load the recipe, then set torch threads, quiet the model loaders' progress bars and send transformers' log
+    warnings to the run's log."""
     from rollout.cli.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
@@ -31,7 +33,7 @@ def _setup(recipe_path: str, overrides: list[str]):
     if recipe.threads > 0:
         torch.set_num_threads(recipe.threads)
     transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    route_transformers()
     return recipe
 
 
@@ -185,8 +187,17 @@ def _on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status. Under `accelerate launch` (WORLD_SIZE above 1) every process
-    runs it as one rank: the first rank to fail prints the one error line, naming itself; the others stop quietly."""
+    runs it as one rank: the first rank to fail prints the one error line, naming itself; the others stop quietly.
+    Library warnings go to the run's `warnings.log` (`rollout.cli.library_log`), never between those lines."""
     args = build_parser().parse_args(argv)
+    with capture_library_warnings() as log:
+        status = _main(args)
+        if status == 0:
+            log.report(args.command)
+    return status
+
+
+def _main(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     args.ranks = Ranks()
     succeeded = False

@@ -32,6 +32,7 @@ import sys
 
 from rollout.batch import RolloutBatch
 from rollout.cli.files import append_lines, prepare_output_dir, read_jsonl, write_atomic
+from rollout.cli.library_log import attach_library_log
 from rollout.cli.plots import plot_steps
 from rollout.phases import PHASES, SUMMARY_KEYS, straggler_ratio, summarize, summarize_ranks
 from rollout.rewards import mean_reward
@@ -78,6 +79,7 @@ class RunTracker:
             self._check_resumable(config)
         else:
             self.output_dir = prepare_output_dir(output_dir, overwrite)
+        attach_library_log(self.output_dir)  # the folder is this run's now: library warnings go to its log
         self.config = config or {}
         self.num_table_rows = num_table_rows
         self.plot = plot

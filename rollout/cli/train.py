@@ -24,6 +24,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
 from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
+from rollout.cli.library_log import attach_library_log
 from rollout.cli.ranked import signals_ignored
 from rollout.cli.recipe import Recipe, recipe_dict
 from rollout.cli.runs import load_inputs, on_rank_device, recipe_spec, stop_reason
@@ -69,6 +70,7 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None) -> dict | None:
     if ranks.is_main:
         try:
             output_dir = prepare_output_dir(recipe.output_dir, recipe.overwrite, resumable=False)
+            attach_library_log(output_dir)
         except (ValueError, OSError) as err:
             error = err
     if ranks.broadcast(None if error is None else str(error)) is not None:  # every rank stops; rank 0 says why

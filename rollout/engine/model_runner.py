@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import Tensor
@@ -40,6 +41,7 @@ class ModelRunner:
         self.num_layers = len(layer_types) if layer_types is not None else config.num_hidden_layers
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.cache_keyword = cache_keyword(model)
         _probe(self)
         self.cache = SlotKVCache(self.num_layers, num_slots, num_positions)
 
@@ -140,13 +142,31 @@ class ModelRunner:
                 input_ids=input_ids,
                 position_ids=positions,
                 attention_mask=attention_mask,
-                past_key_values=cache,
                 use_cache=True,
+                **{self.cache_keyword: cache},
                 logits_to_keep=1 if last_only else 0,
             )
         finally:
             cache.finish()
         return out.logits
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which `model.forward` takes a KV cache in the installed transformers: `cache` from 5.24,
+    `past_key_values` before (5.24 still takes the old name, with a deprecation warning on every call). A wrapper
+    whose forward passes keyword arguments through (PEFT's) is looked through to the model it wraps."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        parameters = inspect.signature(model.forward).parameters
+        for name in ("cache", "past_key_values"):
+            if name in parameters:
+                return name
+        inner = getattr(model, "get_base_model", None)
+        if inner is None:
+            break
+        model = inner()
+    return "past_key_values"
 
 
 def _check_supported(model: PreTrainedModel) -> str:
