@@ -1,11 +1,11 @@
 """Tensor ops for sampling and verification: Triton kernels, their launchers and a pure-torch reference for each."""
 
-from kernels.greedy_verify import greedy_verify, greedy_verify_ref
-from kernels.kv_compact import compact_kv_, compact_kv_ref_
-from kernels.race_sample import race_sample, race_sample_ref
-from kernels.rejection_sample import rejection_sample, rejection_sample_ref
-from kernels.tree_greedy_verify import tree_greedy_verify, tree_greedy_verify_ref
-from kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
+from rollout_kernels.greedy_verify import greedy_verify, greedy_verify_ref
+from rollout_kernels.kv_compact import compact_kv_, compact_kv_ref_
+from rollout_kernels.race_sample import race_sample, race_sample_ref
+from rollout_kernels.rejection_sample import rejection_sample, rejection_sample_ref
+from rollout_kernels.tree_greedy_verify import tree_greedy_verify, tree_greedy_verify_ref
+from rollout_kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
 
 __all__ = [
     "compact_kv_",

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._layout import block_size_for
+from rollout_kernels._layout import block_size_for
 
 
 def compute_dtype_for(dtype: torch.dtype) -> tl.dtype:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._layout import (
+from rollout_kernels._layout import (
     LOGIT_DTYPES,
     PLACEHOLDER_TOKEN_ID,
     block_size_for,
@@ -21,7 +21,7 @@ from kernels._layout import (
     empty_outputs,
     padded_drafts,
 )
-from kernels._triton_common import _chain_row, _row_argmax, compute_dtype_for
+from rollout_kernels._triton_common import _chain_row, _row_argmax, compute_dtype_for
 
 
 # Greedy rule for a row with drafts d_0..d_{K-1} and target rows t_0..t_K:

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._layout import LOGIT_DTYPES, MAX_BLOCK_SIZE, check_kernel_device, check_tensor
+from rollout_kernels._layout import LOGIT_DTYPES, MAX_BLOCK_SIZE, check_kernel_device, check_tensor
 
 CACHE_DTYPES = LOGIT_DTYPES
 

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._layout import PROB_DTYPES, block_size_for, check_kernel_device, check_tensor
+from rollout_kernels._layout import PROB_DTYPES, block_size_for, check_kernel_device, check_tensor
 
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # as int64: multiplies wrap
 _MIX1 = 0xBF58476D1CE4E5B9 - 2**64

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._layout import (
+from rollout_kernels._layout import (
     PLACEHOLDER_TOKEN_ID,
     PROB_DTYPES,
     block_size_for,
@@ -22,7 +22,7 @@ from kernels._layout import (
     empty_outputs,
     padded_drafts,
 )
-from kernels._triton_common import _chain_row, _inverse_cdf, _weights_total, inverse_cdf_ref
+from rollout_kernels._triton_common import _chain_row, _inverse_cdf, _weights_total, inverse_cdf_ref
 
 
 @triton.jit

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._layout import (
+from rollout_kernels._layout import (
     LOGIT_DTYPES,
     NODE_BLOCK_SIZE,
     block_size_for,
@@ -21,7 +21,7 @@ from kernels._layout import (
     tree_outputs_ref,
     walk_tree_ref,
 )
-from kernels._triton_common import _row_argmax, _tree_row, compute_dtype_for
+from rollout_kernels._triton_common import _row_argmax, _tree_row, compute_dtype_for
 
 
 # Greedy rule from the root v = 0: t = argmax(target row of v); if a child of v holds t (the first in index order),

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels._layout import (
+from rollout_kernels._layout import (
     NODE_BLOCK_SIZE,
     PROB_DTYPES,
     block_size_for,
@@ -24,7 +24,7 @@ from kernels._layout import (
     tree_outputs_ref,
     walk_tree_ref,
 )
-from kernels._triton_common import _inverse_cdf, _tree_row, _weights_total, inverse_cdf_ref
+from rollout_kernels._triton_common import _inverse_cdf, _tree_row, _weights_total, inverse_cdf_ref
 
 
 @triton.jit

@@ -27,11 +27,11 @@ from functools import partial
 
 import torch
 
-from kernels.race_sample import race_sample, race_sample_ref
-from kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from rollout import Generator, SamplingParams
 from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
+from rollout_kernels.race_sample import race_sample, race_sample_ref
+from rollout_kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from specdec.config import SpecConfig
 from specdec.processing import RowSampling
 from specdec.tree import layout_drafts

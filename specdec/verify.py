@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.greedy_verify import greedy_verify, greedy_verify_ref
-from kernels.race_sample import race_sample, race_sample_ref
-from kernels.rejection_sample import rejection_sample, rejection_sample_ref
-from kernels.tree_greedy_verify import tree_greedy_verify, tree_greedy_verify_ref
-from kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
+from rollout_kernels.greedy_verify import greedy_verify, greedy_verify_ref
+from rollout_kernels.race_sample import race_sample, race_sample_ref
+from rollout_kernels.rejection_sample import rejection_sample, rejection_sample_ref
+from rollout_kernels.tree_greedy_verify import tree_greedy_verify, tree_greedy_verify_ref
+from rollout_kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
 from specdec.processing import RowSampling, processed_logprobs, target_probs
 from specdec.tree import DraftLayout
 

@@ -119,10 +119,10 @@ def on_gpu(launcher):
 
 
 if torch.cuda.is_available():
-    import kernels
+    import rollout_kernels
 
     for name in LAUNCHERS:
-        setattr(kernels, name, on_gpu(getattr(kernels, name)))
+        setattr(rollout_kernels, name, on_gpu(getattr(rollout_kernels, name)))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -9,10 +9,13 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("kernels", "specdec", "rollout")
+# the import name of each top-level folder (`kernels/` installs as `rollout_kernels`: Hugging Face's `kernels`
+# package owns the name `kernels`)
+FOLDERS = {"kernels": "rollout_kernels", "specdec": "specdec", "rollout": "rollout"}
+PACKAGES = tuple(FOLDERS.values())
 # lowest first: a module may import its own layer and the layers below it, never one above
 LAYERS = [
-    ("kernels", ("kernels",)),
+    ("kernels", ("rollout_kernels",)),
     ("specdec", ("specdec",)),
     ("models", ("rollout.models",)),
     ("engine", ("rollout.engine",)),
@@ -23,6 +26,7 @@ LAYERS = [
 
 def module_name(path: pathlib.Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts[0] = FOLDERS[parts[0]]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -39,8 +43,8 @@ def layer_of(module: str) -> int:
 
 def modules() -> dict[str, pathlib.Path]:
     found = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
+    for folder in FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
             found[module_name(path)] = path
     return found
 
@@ -101,7 +105,7 @@ def test_no_two_files_import_each_other():
 
 def test_the_engine_and_the_loop_import_no_command_line_dependencies():
     code = (
-        "import sys; import rollout.engine.generator, rollout.loop, rollout.batch, specdec, kernels; "
+        "import sys; import rollout.engine.generator, rollout.loop, rollout.batch, specdec, rollout_kernels; "
         "print(' '.join(m for m in ('wandb', 'matplotlib', 'omegaconf', 'datasets', 'trl') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kernels.kv_compact import compact_kv_, compact_kv_ref_
+from rollout_kernels.kv_compact import compact_kv_, compact_kv_ref_
 
 
 class SlotLayer(CacheLayerMixin):

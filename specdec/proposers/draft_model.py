@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.race_sample import race_exponentials_ref
+from rollout_kernels.race_sample import race_exponentials_ref
 from specdec.processing import RowSampling, processed_logprobs, target_probs
 from specdec.proposers.base import Drafts, ModelRunnerProtocol, ProposalBatch, Proposer
 from specdec.tree import host_longs

@@ -11,7 +11,7 @@ from kernel_cases import DRAFT_COUNTS
 from kernel_cases import LOGIT_DTYPES as DTYPES
 from kernel_cases import assert_kernel_matches_reference as assert_matches
 
-from kernels import greedy_verify, greedy_verify_ref
+from rollout_kernels import greedy_verify, greedy_verify_ref
 
 torch.set_num_threads(1)
 

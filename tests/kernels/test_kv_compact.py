@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from kernels import compact_kv_, compact_kv_ref_
+from rollout_kernels import compact_kv_, compact_kv_ref_
 
 torch.set_num_threads(1)
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from kernel_cases import MIN_P_VALUE, chi_square_p_value, sparse_distributions
 
-from kernels.race_sample import (
+from rollout_kernels.race_sample import (
     _finished_bits,
     _mix_rounds_ref,
     _neg_log,

@@ -17,7 +17,7 @@ from kernel_cases import (
 )
 from kernel_cases import assert_kernel_matches_reference as assert_matches
 
-from kernels import rejection_sample, rejection_sample_ref
+from rollout_kernels import rejection_sample, rejection_sample_ref
 
 torch.set_num_threads(1)
 

@@ -13,7 +13,7 @@ from kernel_cases import LOGIT_DTYPES as DTYPES
 from kernel_cases import TREE_SHAPES, assert_tree_walk, children_of, random_parents, tree_layout
 from kernel_cases import assert_kernel_matches_reference as assert_matches
 
-from kernels import greedy_verify, tree_greedy_verify, tree_greedy_verify_ref
+from rollout_kernels import greedy_verify, tree_greedy_verify, tree_greedy_verify_ref
 
 torch.set_num_threads(1)
 

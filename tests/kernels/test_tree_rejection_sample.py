@@ -24,7 +24,7 @@ from kernel_cases import TREE_SHAPES as COMMON_TREE_SHAPES
 from kernel_cases import assert_kernel_matches_reference as assert_matches
 from scipy.stats import chisquare
 
-from kernels import rejection_sample, tree_rejection_sample, tree_rejection_sample_ref
+from rollout_kernels import rejection_sample, tree_rejection_sample, tree_rejection_sample_ref
 
 torch.set_num_threads(1)
 

@@ -11,9 +11,9 @@ from scipy.stats import chisquare
 from test_generator import teacher_forced_logprobs
 
 import specdec.verify
-from kernels.race_sample import race_sample_ref
-from kernels.rejection_sample import rejection_sample_ref
 from rollout import Generator, SamplingParams
+from rollout_kernels.race_sample import race_sample_ref
+from rollout_kernels.rejection_sample import rejection_sample_ref
 from specdec.config import SpecConfig
 from specdec.processing import RowSampling, processed_logprobs
 from specdec.proposers.draft_model import _race_draft

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.rejection_sample import rejection_sample_ref
+from rollout_kernels.rejection_sample import rejection_sample_ref
 from specdec.auto_policy import AcceptanceStats, AutoPolicy, StepObservation
 from specdec.step_time import StepTimeTable
 
