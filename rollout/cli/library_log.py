@@ -77,7 +77,7 @@ def capture_library_warnings():
             import transformers
 
             tl = transformers.utils.logging
-            tl.remove_handler(log)
+            tl.get_logger().removeHandler(log)  # not tl.remove_handler: 5.0's asserts the opposite of what it should
             tl.enable_default_handler()
             tl.set_verbosity(log.transformers_verbosity)
 
@@ -93,7 +93,7 @@ def route_transformers(log: LibraryLog | None = None) -> None:
     log.transformers_verbosity = tl.get_verbosity()
     tl.disable_default_handler()
     tl.set_verbosity_warning()
-    tl.add_handler(log)
+    tl.get_logger().addHandler(log)
 
 
 def current_log() -> LibraryLog | None:

@@ -56,6 +56,8 @@ class SlotLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.cache.num_positions
 
+    get_max_cache_shape = get_max_length  # its name before transformers 5.x renamed it
+
 
 class _Step:
     """Where the current forward writes: slot range start, `[rows, S]` positions, and the key length it reads."""
