@@ -56,8 +56,8 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", key: str 
     """Load a causal LM and its tokenizer from a shipped short name, a local folder or a hub id.
 
     Args:
-        name: "tiny-target" / "tiny-draft" (see `rollout.models.zoo`), a folder with a transformers model, or
-            "org/name".
+        name: a zoo name ("tiny-target", "tiny-draft", or a widened one such as "tiny-target-1b": see
+            `rollout.models.zoo`), a folder with a transformers model, or "org/name".
         dtype: one of `DTYPES`.
         device: "cpu", "cuda", "cuda:1", ... or "auto".
         key: the recipe key that named the model, quoted in errors.
@@ -67,11 +67,11 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", key: str 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        kind = _kind(name, zoo.MODEL_NAMES)
+        kind = _kind(name, zoo.ALL_NAMES)
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(f"{key}: {err}") from None
-    if kind == "short":
-        model, tokenizer = zoo.load_model(name, DTYPES[dtype])
+    if kind == "short":  # a widened model is built on the device: its random init is much faster on a GPU
+        model, tokenizer = zoo.load_model(name, DTYPES[dtype], device=resolve_device(device))
     else:
         local = kind == "path"
         model = AutoModelForCausalLM.from_pretrained(name, dtype=DTYPES[dtype], local_files_only=local)
@@ -81,14 +81,14 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", key: str 
 
 def draft_model_spec(name, dtype: str, device: str):
     """What `SpecConfig.model` gets: a shipped name or a local path as is (the generator loads it in the target's
-    dtype); a hub id loaded here, since the generator loads only local models."""
+    dtype); a hub id or a widened zoo name loaded here, since the generator loads only folders."""
     if name is None or not isinstance(name, str):
         return name
     try:
-        kind = _kind(name, zoo.MODEL_NAMES)
+        kind = _kind(name, zoo.ALL_NAMES)
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(f"spec.model: {err}") from None
-    if kind != "hub":
+    if kind != "hub" and name not in zoo.WIDENED_NAMES:
         return name
     model, _ = load_model(name, dtype, device, key="spec.model")
     return model

@@ -82,9 +82,14 @@ def default_route(spec: SpecConfig) -> str:
 
 
 def load_draft_model(model, target: ModelRunner) -> PreTrainedModel:
-    """A loaded model as is; a shipped short name or a local path loaded in the target's dtype, on its device."""
+    """A loaded model as is; a zoo name (shipped or widened) or a local path loaded in the target's dtype, on its
+    device."""
     if isinstance(model, PreTrainedModel):
         return model.eval()
+    from rollout.models import zoo
+
+    if str(model) in zoo.WIDENED_NAMES:
+        return zoo.load_model(str(model), target.dtype, device=target.device)[0]
     draft = AutoModelForCausalLM.from_pretrained(_draft_path(model), dtype=target.dtype, attn_implementation="sdpa")
     return draft.to(target.device).eval()
 
@@ -96,6 +101,13 @@ def draft_kv_bytes_per_slot(spec: SpecConfig | None, itemsize: int, num_position
         return 0
     if isinstance(spec.model, torch.nn.Module):
         return kv_cache_bytes(spec.model, 1, num_positions)
+    from rollout.models import zoo
+    from rollout.models.widen import WIDENED, wide_config
+
+    if str(spec.model) in zoo.WIDENED_NAMES:  # its shape is known without building it
+        base, shape = WIDENED[str(spec.model)]
+        config = wide_config(AutoConfig.from_pretrained(zoo.model_path(base)), shape)
+        return kv_cache_bytes_from_config(config, itemsize, 1, num_positions)
     config = AutoConfig.from_pretrained(_draft_path(spec.model))
     return kv_cache_bytes_from_config(config, itemsize, 1, num_positions)
 
@@ -108,5 +120,5 @@ def _draft_path(model) -> pathlib.Path:
 
     path = zoo.model_path(model) if str(model) in zoo.MODEL_NAMES else pathlib.Path(model)
     if not path.exists():
-        raise ValueError(f"spec.model ({model!r}) is neither a shipped model ({', '.join(zoo.MODEL_NAMES)}) nor a path")
+        raise ValueError(f"spec.model ({model!r}) is neither a zoo model ({', '.join(zoo.ALL_NAMES)}) nor a path")
     return path
