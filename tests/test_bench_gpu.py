@@ -1,0 +1,91 @@
+"""scripts/bench_gpu.py, the GPU benchmark, at its CPU defaults: every row runs, the JSON holds each with a finite
+tokens/s, and the table comes last. (On CUDA the same code paths run at full size; only the CUDA-only measurements
+are n/a here.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_gpu.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_cpu_defaults_run_every_row_and_print_the_table_last(tmp_path):
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_gpu.json").read_text())
+    header, rows = report["header"], report["rows"]
+    for key in ("card", "versions", "commit", "command", "copy_bandwidth_bytes_per_s", "kv_bytes_per_token"):
+        assert header[key], f"expected the header to hold {key}"
+    assert header["versions"]["torch"] and header["versions"]["transformers"]
+
+    module = load_script()
+    has_trl = importlib.util.find_spec("trl") is not None
+    by_id = {row_id: [r for r in rows if r["id"] == row_id] for row_id in module.ROWS}
+    for row_id, found in by_id.items():
+        assert found, f"expected a row {row_id!r} in the JSON"
+        if row_id == "trl" and not has_trl:
+            assert found[0]["error"].startswith("ImportError: skipped"), found[0]
+            continue
+        for row in found:
+            assert "error" not in row, row
+            assert math.isfinite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, row
+            assert row["unit_seconds"] > 0
+    for row_id in ("none", "suffix", "suffix+draft", "draft", "suffix_k4", "ngram", "suffix_k2", "suffix_k1"):
+        first, second = by_id[row_id]
+        assert (first["rollout"], second["rollout"]) == ("1st", "2nd")
+        assert set(first["tokens_per_s_per_phase"]) == {"prefill", "bulk", "tail"}
+        assert 0 <= first["acceptance_rate"] <= 1 and first["kv_cache_bytes"] > 0
+        assert first["idle_share"] is None and first["syncs_per_step"] is None  # CUDA only
+    assert {r["vs_none"] for r in by_id["none"]} == {1.0}
+    assert by_id["hf_generate"][0]["vs_hf_generate"] == 1.0
+    assert by_id["suffix_k4"][1]["mean_k"] == 4.0
+
+    table = done.stdout.rstrip().splitlines()[-len(rows) - 1 :]
+    assert table[0].startswith("row") and "tok/s" in table[0], done.stdout[-3000:]
+    assert [line[:34].rstrip() for line in table[1:]] == [r["name"] for r in rows]
+
+
+def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, capsys):
+    import transformers
+
+    module = load_script()
+    verbosity = transformers.utils.logging.get_verbosity()
+    try:  # in-process, so as to be quick: main quiets transformers' logging, which is put back after
+        out = module.main(
+            ["--device", "cpu", "--rows", "none", "draft", "--draft", "no-such-model", "--out", str(tmp_path)]
+        )
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+        transformers.utils.logging.enable_progress_bar()
+    draft = [r for r in out["rows"] if r["id"] == "draft"]
+    assert len(draft) == 1 and "did not load" in draft[0]["error"] and "no-such-model" in draft[0]["error"]
+    assert all(math.isfinite(r["tokens_per_s"]) for r in out["rows"] if r["id"] == "none")
+    saved = json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert [r["name"] for r in saved["rows"]] == [r["name"] for r in out["rows"]]
+    assert draft[0]["error"] in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_union_length_counts_overlapping_device_intervals_once():
+    module = load_script()
+    assert module.union_length([]) == 0.0
+    assert module.union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]) == 4.0
+    assert module.union_length([(4.0, 6.0), (0.0, 1.0), (0.5, 4.5)]) == 6.0
