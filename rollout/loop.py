@@ -48,6 +48,8 @@ class Rollout:
         non_finite_rewards_as_null: False: a NaN or infinite reward stops the call, naming the reward and the
             prompt; True: the sample's reward is None, its advantage 0, and the summary counts it in
             `num_null_rewards`.
+        kv_layout: the generator's KV layout: "auto" (paged on a GPU, slots on a CPU), "paged" or "slots" (see
+            `Generator`).
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class Rollout:
         system_prompt: str | None = None,
         tail_fraction: float = 0.25,
         non_finite_rewards_as_null: bool = False,
+        kv_layout: str = "auto",
     ):
         self.non_finite_rewards_as_null = bool(non_finite_rewards_as_null)
         self.tokenizer = tokenizer
@@ -80,7 +83,9 @@ class Rollout:
         self._chat_args = (tokenizer, prompt_column, None, True, system_prompt)
         PhaseLabeler(tail_fraction)  # checks the value now rather than on the first call
         self.tail_fraction = tail_fraction
-        self.generator = Generator(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec)
+        self.generator = Generator(
+            model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec, kv_layout=kv_layout
+        )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0
 

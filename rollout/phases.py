@@ -62,11 +62,21 @@ def summarize(steps: Iterable[dict]) -> dict:
       sum(decode batch_size); a decode step emits 1 + this many tokens per row before stops. 0.0 for prefill.
     - `num_steps`: the number of steps.
 
-    A phase with no steps has zeros everywhere.
+    A phase with no steps has zeros everywhere. Steps of a paged KV cache add `kv_cache` to the result: the most KV
+    blocks rows held after any step (`peak_blocks_used`) against the blocks the pool had then (`blocks_allocated`),
+    and the rows preempted for lack of blocks (`num_preempted`).
     """
     steps = list(steps)
     phases = {phase: _stats([s for s in steps if s["phase"] == phase]) for phase in PHASES}
-    return {"phases": phases, "total": _stats(steps)}
+    summary = {"phases": phases, "total": _stats(steps)}
+    paged = [s for s in steps if s.get("kv_blocks_used") is not None]
+    if paged:
+        summary["kv_cache"] = {
+            "peak_blocks_used": max(s["kv_blocks_used"] for s in paged),
+            "blocks_allocated": max(s["kv_blocks_allocated"] for s in paged),
+            "num_preempted": sum(s.get("num_preempted", 0) for s in paged),
+        }
+    return summary
 
 
 def summarize_ranks(steps: Iterable[dict], wall_seconds: list[list[float]]) -> dict:

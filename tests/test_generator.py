@@ -400,3 +400,17 @@ def test_a_chain_mask_is_the_general_mask_with_causal_ancestors():
         causal = torch.ones(5, 5, dtype=torch.bool).tril().expand(len(prefix), -1, -1)
         general = build_attention_mask(prefix, write_positions, valid, positions, kv_len, causal)
         assert torch.equal(build_attention_mask(prefix, write_positions, valid, positions, kv_len), general)
+
+
+def test_the_public_engine_steps_outside_inference_mode_after_a_generate_call():
+    model = make_model("llama")
+    prompts = random_prompts(3, seed=12)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)
+    gen = Generator(model, max_batch_size=4, max_seq_len=32)
+    expected = [o.token_ids for o in gen.generate(prompts, params)]  # its state tensors now came from inference mode
+    sequences = gen.add_requests(prompts, params)
+    while gen.has_unfinished:
+        out = gen.step()
+        gen.restore(gen.snapshot())
+    assert out.record.kind == "decode"
+    assert [s.completion().token_ids for s in sequences] == expected

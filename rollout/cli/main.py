@@ -73,6 +73,12 @@ def _run(args: argparse.Namespace) -> None:
                 f"{total['tokens_per_s']:.0f} tokens/s, K {total['mean_k']:.2f}, accept {total['acceptance_rate']:.2f}"
             )
     print(format_table(summary))
+    if "kv_cache" in summary:
+        kv = summary["kv_cache"]
+        print(
+            f"KV blocks: peak {kv['peak_blocks_used']} used of {kv['blocks_allocated']} allocated, "
+            f"{kv['num_preempted']} rows preempted"
+        )
     if "ranks" in summary:
         for rank in summary["ranks"]:
             total = rank["total"]

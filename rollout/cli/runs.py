@@ -115,11 +115,7 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
     SIGTERM), the folder keeps what finished and a summary marked incomplete, and the exception goes on up."""
     inputs = load_inputs(recipe)
     rollout = make_rollout(recipe, inputs, recipe_spec(recipe))
-    gen = rollout.generator
-    print(
-        f"KV cache {gen.kv_cache_bytes / 2**20:.1f} MiB ({gen.max_batch_size} slots x {inputs.max_seq_len} tokens)",
-        flush=True,
-    )
+    print(kv_cache_header(rollout.generator, inputs.max_seq_len), flush=True)
     log = recipe.logging
     tracker = make_tracker(recipe)
     rows = list(inputs.data)
@@ -154,6 +150,15 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
         raise
     progress.close()
     return tracker.finish(), tracker
+
+
+def kv_cache_header(gen, max_seq_len: int) -> str:
+    """The run header's KV-cache line: the planned bytes, and how they are laid out."""
+    size = f"KV cache {gen.kv_cache_bytes / 2**20:.1f} MiB"
+    if gen.runner.paged:
+        cache = gen.runner.cache
+        return f"{size} (paged: {cache.max_blocks} blocks of {cache.block_size} tokens, {gen.max_batch_size} slots)"
+    return f"{size} ({gen.max_batch_size} slots x {max_seq_len} tokens)"
 
 
 def make_tracker(recipe: Recipe) -> RunTracker:

@@ -26,8 +26,8 @@ class SlotLayer(CacheLayerMixin):
         self.cache = cache
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        shape_k = (self.cache.num_slots, key_states.shape[1], self.cache.num_positions + 1, key_states.shape[3])
-        shape_v = (self.cache.num_slots, value_states.shape[1], self.cache.num_positions + 1, value_states.shape[3])
+        shape_k = (self.cache.num_slots, key_states.shape[1], self.cache.capacity + 1, key_states.shape[3])
+        shape_v = (self.cache.num_slots, value_states.shape[1], self.cache.capacity + 1, value_states.shape[3])
         # zeros, never empty: a masked NaN still poisons attention (0 x NaN)
         self.keys = torch.zeros(shape_k, dtype=key_states.dtype, device=key_states.device)
         self.values = torch.zeros(shape_v, dtype=value_states.dtype, device=value_states.device)
@@ -53,6 +53,14 @@ class SlotLayer(CacheLayerMixin):
         step = self.cache.step
         return step.kv_len if step is not None else 0
 
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` positions (and the scratch one after them), keeping what the rows hold."""
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], old.shape[1], capacity + 1, old.shape[3]))
+            new[:, :, : self.cache.capacity] = old[:, :, : self.cache.capacity]  # the old scratch column stays behind
+            setattr(self, name, new)
+
     def get_max_length(self) -> int:
         return self.cache.num_positions
 
@@ -70,7 +78,8 @@ class _Step:
 
 
 class SlotKVCache(Cache):
-    """Fixed `[num_slots, H_kv, num_positions, D]` KV buffers per layer.
+    """`[num_slots, H_kv, capacity, D]` KV buffers per layer, the capacity growing with the longest row up to
+    `num_positions`: the memory follows the tokens in flight, not the length cap.
 
     The committed length of each row is the caller's to track (the generator keeps it on the host, where the
     scheduler needs it); the cache only knows where the current forward writes and how far it reads.
@@ -78,16 +87,33 @@ class SlotKVCache(Cache):
     Args:
         num_layers: decoder layers of the model.
         num_slots: rows the cache can hold at once (the generator's `max_batch_size`).
-        num_positions: positions per row (`max_seq_len` plus room for one step's drafts). One extra scratch
-            position past the end receives the writes of padding tokens, so they never clobber real keys.
+        num_positions: positions per row at most (`max_seq_len` plus room for one step's drafts). One extra scratch
+            position past the capacity receives the writes of padding tokens, so they never clobber real keys.
+        initial_positions: the first capacity (doubled while a row needs more).
     """
 
-    def __init__(self, num_layers: int, num_slots: int, num_positions: int):
+    def __init__(self, num_layers: int, num_slots: int, num_positions: int, initial_positions: int = 256):
         self.num_slots = num_slots
         self.num_positions = num_positions
-        self.scratch_position = num_positions
+        self.capacity = min(num_positions, initial_positions)
         self.step: _Step | None = None
         super().__init__(layers=[SlotLayer(self) for _ in range(num_layers)])
+
+    @property
+    def scratch_position(self) -> int:
+        return self.capacity
+
+    def ensure_capacity(self, num_positions: int) -> None:
+        """Room for `num_positions` positions per row (doubling, up to the cap); call before building a step's write
+        positions, which point padding at the scratch position past the capacity."""
+        assert num_positions <= self.num_positions, f"expected <= {self.num_positions} positions, got {num_positions}"
+        if num_positions <= self.capacity:
+            return
+        capacity = min(self.num_positions, max(num_positions, 2 * self.capacity))
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.grow(capacity)
+        self.capacity = capacity
 
     def prepare(self, row_start: int, write_positions: Tensor, kv_len: int) -> None:
         """Set where the next forward writes.
@@ -98,7 +124,7 @@ class SlotKVCache(Cache):
                 `scratch_position`.
             kv_len: number of leading positions the attention reads (the mask's last dimension).
         """
-        assert kv_len <= self.num_positions, f"expected kv_len <= {self.num_positions}, got {kv_len}"
+        assert kv_len <= self.capacity, f"expected kv_len <= {self.capacity}: ensure_capacity first"
         assert row_start + write_positions.shape[0] <= self.num_slots, "expected the row range inside the slots"
         self.step = _Step(row_start, write_positions, kv_len)
 
@@ -111,7 +137,7 @@ class SlotKVCache(Cache):
         Used to fan a prefilled prompt out to its n samples and to keep the active rows packed at the front.
         `num_positions` limits the copy to the leading positions that can hold valid data.
         """
-        end = self.num_positions if num_positions is None else num_positions
+        end = self.capacity if num_positions is None else min(num_positions, self.capacity)
         buffers = [b for layer in self.layers if layer.is_initialized for b in (layer.keys, layer.values)]
         if not buffers:
             return
@@ -168,8 +194,8 @@ def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int, bool]]:
 
 
 def kv_cache_bytes(model: torch.nn.Module, num_slots: int, num_positions: int) -> int:
-    """The bytes a `SlotKVCache` for `model` takes once every layer has written: keys and values of
-    `[num_slots, H_kv, num_positions + 1, D]` per layer, in the model's parameter dtype."""
+    """The bytes a `SlotKVCache` for `model` takes at most (grown to `num_positions`, every layer written): keys and
+    values of `[num_slots, H_kv, num_positions + 1, D]` per layer, in the model's parameter dtype."""
     itemsize = next(model.parameters()).element_size()
     return kv_cache_bytes_from_config(model.config, itemsize, num_slots, num_positions)
 

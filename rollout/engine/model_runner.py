@@ -1,31 +1,57 @@
-"""Runs a Hugging Face causal LM over slot rows: per-row positions, a 4D mask, one forward for the whole block."""
+"""Runs a Hugging Face causal LM over slot rows: one forward for the whole block of new tokens.
+
+Two KV layouts behind one interface. `slots`: a dense `[slots, H_kv, positions, D]` cache handed to the model as a
+`transformers.Cache`, with a 4D mask carrying each row's visible keys (on a CPU the fastest form: attention reads
+each row's keys in place). `paged`: block pools and block tables (`rollout.engine.paged_cache`), read by the attention
+function the engine registers with transformers (`rollout.engine.attention`): no mask, no `Cache`, and KV memory that
+follows the tokens in flight.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from rollout.engine.attention import paged_attention_for
 from rollout.engine.attention_mask import build_attention_mask, to_additive
 from rollout.engine.kv_cache import SlotKVCache
+from rollout.engine.paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+KV_LAYOUTS = ("auto", "paged", "slots")
 
 
 class ModelRunner:
-    """Owns a model and its slot KV cache; validates at construction that the model can be served.
+    """Owns a model and its KV cache; validates at construction that the model can be served.
 
     Args:
         model: a transformers causal LM (decoder-only, sdpa or eager attention, attention layers only).
         num_slots: rows held at once.
         num_positions: positions per row (max sequence length plus one step's block).
+        kv_layout: "paged" (block pools, attention through the registered function), "slots" (a dense cache and
+            4D masks) or "auto": paged on a GPU, slots on a CPU. A model whose attention layers do not call
+            transformers' attention interface runs on slots, with a warning saying so.
+        max_kv_blocks: the paged pool's planned size in blocks (default: every slot at `num_positions`).
+        block_size: positions per block of the paged pool.
     """
 
-    def __init__(self, model: PreTrainedModel, num_slots: int, num_positions: int):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        num_slots: int,
+        num_positions: int,
+        kv_layout: str = "slots",
+        max_kv_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ):
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {', '.join(KV_LAYOUTS)}")
         self.model = model
         config = model.config
         self.attn_implementation = _check_supported(model)
@@ -42,19 +68,48 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache_keyword = cache_keyword(model)
-        _probe(self)
-        self.cache = SlotKVCache(self.num_layers, num_slots, num_positions)
+        self.num_slots, self.num_positions = num_slots, num_positions
+        if kv_layout == "auto":
+            kv_layout = "paged" if self.device.type == "cuda" else "slots"
+        _probe(self, "slots")
+        if kv_layout == "paged" and not _probe(self, "paged"):
+            kv_layout = "slots"
+        self.kv_layout = kv_layout
+        if kv_layout == "paged":
+            max_blocks = max_kv_blocks or num_slots * -(-num_positions // block_size)
+            self.cache = self._paged_cache(num_slots, num_positions, max_blocks, block_size)
+        else:
+            self.cache = SlotKVCache(self.num_layers, num_slots, num_positions)
+
+    def _paged_cache(self, num_slots: int, num_positions: int, max_blocks: int, block_size: int) -> PagedKVCache:
+        """A pool allocated whole on a GPU (planned from its free memory), grown with the tokens on a CPU."""
+        num_kv_heads, head_dim = kv_head_shape(self.model.config)
+        initial = None if self.device.type == "cuda" else min(max_blocks, 4 * num_slots + 16)
+        return PagedKVCache(
+            self.num_layers, num_kv_heads, head_dim, self.dtype, self.device, num_slots, num_positions, max_blocks,
+            initial, block_size,
+        )  # fmt: skip
 
     @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
     @property
-    def scratch_position(self) -> int:
-        return self.cache.scratch_position
+    def paged(self) -> bool:
+        return self.kv_layout == "paged"
 
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int | None = None) -> None:
+        """Row `dst[i]` holds what row `src[i]` holds (paged: the same blocks, shared; slots: a copy)."""
         self.cache.copy_rows(src, dst, num_positions)
+
+    def release_rows(self, start: int, stop: int) -> None:
+        """Rows `[start, stop)` are no longer in flight: a paged cache frees the blocks no other row holds."""
+        if self.paged:
+            self.cache.release_rows(start, stop)
+
+    def compact_paths(self, rows: Tensor, base_positions: Tensor, accepted_nodes: Tensor) -> None:
+        """Move each row's accepted token-tree path next to its root (see `SlotKVCache.compact_paths`)."""
+        self.cache.compact_paths(rows, base_positions, accepted_nodes)
 
     def prefill(self, row_start: int, prompts: list[list[int]]) -> Tensor:
         """Prefill `prompts` into slots `[row_start, row_start + len(prompts))`; return last logits `[rows, V]`.
@@ -64,21 +119,12 @@ class ModelRunner:
         """
         width = max(len(p) for p in prompts)
         input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        positions = torch.zeros(len(prompts), width, dtype=torch.long)
-        write_positions = torch.full((len(prompts), width), self.scratch_position, dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            pad = width - len(prompt)
-            input_ids[row, pad:] = torch.tensor(prompt)
-            positions[row, pad:] = torch.arange(len(prompt))
-            write_positions[row, pad:] = torch.arange(len(prompt))
-        valid = write_positions != self.scratch_position
-        prefix_lengths = torch.zeros(len(prompts), dtype=torch.long)
-        logits = self.forward(
-            row_start,
-            *self._to_device(input_ids, positions, write_positions, valid, prefix_lengths),
-            kv_len=width,
-            last_only=True,
-        )
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        lengths = torch.tensor([len(p) for p in prompts])
+        self.release_rows(row_start, row_start + len(prompts))  # a new prompt in these slots
+        zeros = torch.zeros(len(prompts), dtype=torch.long)
+        logits = self.forward(row_start, input_ids.to(self.device), zeros, width - lengths, lengths, last_only=True)
         return logits[:, 0]
 
     def decode(
@@ -98,38 +144,42 @@ class ModelRunner:
         Without `depths`/`ancestors` the tokens form a causal chain. For a token tree, `depths [rows, S]` gives
         each node's depth (position id = cache length + depth) and `ancestors [rows, S, S]` which nodes it sees.
         """
-        width = input_ids.shape[1]
-        offsets = torch.arange(width)
         lens, counts = torch.as_tensor(cache_lens), torch.as_tensor(num_inputs)  # host tensors or lists
-        valid = offsets[None, :] < counts[:, None]
-        slots = lens[:, None] + offsets
-        positions = torch.where(valid, lens[:, None] + (offsets if depths is None else depths), 0)
-        write_positions = torch.where(valid, slots, self.scratch_position)
-        kv_len = int((lens + counts).max())
-        tensors = self._to_device(positions, write_positions, valid, lens)
-        if ancestors is not None:
-            ancestors = ancestors.to(self.device)
-        return self.forward(row_start, input_ids.to(self.device), *tensors, kv_len=kv_len, ancestors=ancestors)
-
-    def _to_device(self, *tensors: Tensor) -> list[Tensor]:
-        return [t.to(self.device, non_blocking=True) for t in tensors]
+        starts = torch.zeros(len(lens), dtype=torch.long)
+        return self.forward(row_start, input_ids.to(self.device), lens, starts, counts, depths, ancestors)
 
     def forward(
         self,
         row_start: int,
-        input_ids: Tensor,  # [rows, S]
-        positions: Tensor,  # [rows, S]
-        write_positions: Tensor,  # [rows, S]; padding tokens point at the scratch position
-        valid: Tensor,  # [rows, S] bool
-        prefix_lengths: Tensor,  # [rows]
-        kv_len: int,
-        ancestors: Tensor | None = None,  # [rows, S, S] bool, None = causal chain
+        input_ids: Tensor,  # [rows, S] on the device
+        cache_lens: Tensor,  # [rows] int64 host: committed tokens before the new ones
+        query_start: Tensor,  # [rows] int64 host: first column of the row's new tokens
+        num_queries: Tensor,  # [rows] int64 host: new tokens of the row (padding around them)
+        depths: Tensor | None = None,  # [rows, S] a tree's node depths; None = causal chains
+        ancestors: Tensor | None = None,  # [rows, S, S] bool which nodes each node sees
         last_only: bool = False,
-        cache: SlotKVCache | None = None,
+        cache: SlotKVCache | PagedKVCache | None = None,
     ) -> Tensor:
-        """One forward over slots `[row_start, row_start + rows)`. Returns logits `[rows, S, V]`, or `[rows, 1, V]`
-        for the last position only (left-padded prefill, where every row's last token is at S - 1)."""
+        """One forward over slots `[row_start, row_start + rows)`: new token i of row r (column `query_start[r] + i`)
+        is written at cache position `cache_lens[r] + i`, with position id `cache_lens[r] + (depths[r, i] or i)`.
+        Returns logits `[rows, S, V]`, or `[rows, 1, V]` for the last column only (a left-padded prefill)."""
         cache = self.cache if cache is None else cache
+        width = input_ids.shape[1]
+        column = torch.arange(width)[None, :] - query_start[:, None]
+        valid = (column >= 0) & (column < num_queries[:, None])
+        offsets = column if depths is None else depths.gather(1, column.clamp(0, width - 1))
+        positions = torch.where(valid, cache_lens[:, None] + offsets, 0).to(self.device, non_blocking=True)
+        common = dict(input_ids=input_ids, position_ids=positions, logits_to_keep=1 if last_only else 0)
+        if isinstance(cache, PagedKVCache):
+            step = cache.prepare(row_start, cache_lens, query_start, num_queries, width, depths, ancestors)
+            with paged_attention_for(self.model):
+                return self.model(**common, use_cache=False, rollout_step=step).logits
+        kv_len = int((cache_lens + num_queries).max())
+        cache.ensure_capacity(kv_len)  # before the padding is pointed at the scratch position past the capacity
+        write_positions = torch.where(valid, cache_lens[:, None] + column, cache.scratch_position)
+        prefix_lengths, write_positions, valid = (t.to(self.device) for t in (cache_lens, write_positions, valid))
+        if ancestors is not None:
+            ancestors = ancestors.to(self.device)
         masks = {}
         windows = self.layer_windows if self.layer_windows is not None else {None: self.uniform_window}
         for layer_type, window in windows.items():
@@ -138,17 +188,20 @@ class ModelRunner:
         attention_mask = masks if self.layer_windows is not None else masks[None]
         cache.prepare(row_start, write_positions, kv_len)
         try:
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=positions,
-                attention_mask=attention_mask,
-                use_cache=True,
-                **{self.cache_keyword: cache},
-                logits_to_keep=1 if last_only else 0,
-            )
+            out = self.model(**common, attention_mask=attention_mask, use_cache=True, **{self.cache_keyword: cache})
         finally:
             cache.finish()
         return out.logits
+
+
+def kv_head_shape(config) -> tuple[int, int]:
+    """(KV heads, head size) of a model's attention layers, from its config."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = config.num_attention_heads
+    return (getattr(config, "num_key_value_heads", None) or heads), (
+        getattr(config, "head_dim", None) or config.hidden_size // heads
+    )
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
@@ -192,24 +245,43 @@ def _check_supported(model: PreTrainedModel) -> str:
     return impl
 
 
-def _probe(runner: ModelRunner) -> None:
-    """Run two tokens through a one-slot cache: every layer must write through it and the outputs must be finite.
+def _probe(runner: ModelRunner, layout: str) -> bool:
+    """Run two tokens through a one-slot cache of `layout`: every layer must write through it and the outputs must
+    be finite. Slots: a model that cannot is refused (ValueError). Paged: False, with a warning, when the model's
+    attention does not go through transformers' attention interface (the caller runs it on slots).
 
     This catches what config checks cannot: a layer keeping state outside the cache, or a model that cannot take
     a per-layer-type mask mapping for its sliding-window layers (the window must be built into the mask).
     """
-    cache = SlotKVCache(runner.num_layers, num_slots=1, num_positions=4)
-    ids = torch.zeros(1, 2, dtype=torch.long, device=runner.device)
-    pos = torch.arange(2, device=runner.device)[None]
-    valid = torch.ones(1, 2, dtype=torch.bool, device=runner.device)
-    prefix = torch.zeros(1, dtype=torch.long, device=runner.device)
     name = type(runner.model).__name__
+    if layout == "paged":
+        heads, head_dim = kv_head_shape(runner.model.config)
+        cache = PagedKVCache(runner.num_layers, heads, head_dim, runner.dtype, runner.device, 1, 4, max_blocks=1,
+                             block_size=4)  # fmt: skip
+    else:
+        cache = SlotKVCache(runner.num_layers, num_slots=1, num_positions=4)
+    ids = torch.zeros(1, 2, dtype=torch.long, device=runner.device)
+    zero, two = torch.zeros(1, dtype=torch.long), torch.full((1,), 2, dtype=torch.long)
     try:
         # eval mode as in generation: in train mode a model with gradient checkpointing turns its cache off
         with torch.no_grad(), eval_mode(runner.model):
-            logits = runner.forward(0, ids, pos, pos, valid, prefix, kv_len=2, cache=cache)
+            logits = runner.forward(0, ids, zero, zero, two, cache=cache)
     except Exception as err:  # the model's own error says what it could not do with our cache or mask
+        if layout == "paged":
+            message = f"{name} runs on the slot KV cache: the paged attention failed ({type(err).__name__}: {err})"
+            warnings.warn(message, stacklevel=3)
+            return False
         raise ValueError(f"{name} cannot run on the slot KV cache with 4D masks: {type(err).__name__}: {err}") from err
+    if layout == "paged":
+        written = sum(bool(pool.any()) for pool in cache.k_pools)
+        if written != runner.num_layers or not torch.isfinite(logits).all():
+            warnings.warn(
+                f"{name} runs on the slot KV cache: {runner.num_layers - written} of its {runner.num_layers} attention "
+                "layers do not call transformers' attention interface, which the paged cache goes through",
+                stacklevel=3,
+            )
+            return False
+        return True
     written = sum(layer.is_initialized for layer in cache.layers)
     if written != runner.num_layers:
         raise ValueError(
@@ -218,6 +290,7 @@ def _probe(runner: ModelRunner) -> None:
         )
     if not torch.isfinite(logits).all():
         raise ValueError(f"{name} produced non-finite logits on a probe forward with the slot KV cache")
+    return True
 
 
 @contextlib.contextmanager

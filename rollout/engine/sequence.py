@@ -29,6 +29,7 @@ class Sequence:
         self.seed = seed  # the sample's random stream (unused when greedy)
         self.spec_cap = spec_cap  # the most draft tokens this request takes per step
         self.proposer_state: dict = {}  # proposers' per-sequence state, by proposer (e.g. the draft's cache length)
+        self.admitted_at = 0  # the engine's admission counter when it last took this sequence in
         self.token_ids: list[int] = []  # the completion, set when the sequence finishes
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None  # "stop" | "length" once finished

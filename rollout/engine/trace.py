@@ -19,6 +19,9 @@ class StepRecord:
     predicted_gain: float | None = None  # auto policy: predicted tokens/s with this K over K = 0
     measuring: bool = False  # auto policy: a climb or exploration step, drafting one position past those measured
     rows_by_method: dict[str, int] = field(default_factory=dict)  # rows asked for drafts, by the proposer serving them
+    num_preempted: int = 0  # paged KV: rows sent back to the queue before this step, short of blocks
+    kv_blocks_used: int | None = None  # paged KV: blocks rows hold after the step (None: the slot layout)
+    kv_blocks_allocated: int | None = None  # paged KV: blocks in the pool (it grows on a CPU up to its plan)
 
     def to_dict(self) -> dict:
         return asdict(self)

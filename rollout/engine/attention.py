@@ -1,0 +1,106 @@
+"""The attention function the engine registers with transformers' `AttentionInterface` for its paged cache.
+
+Every attention layer of a Hugging Face causal LM calls `fn(module, query, key, value, attention_mask, **kwargs)`
+with the query, key and value after rotary embedding and every keyword argument given to the model's forward. The
+engine passes a `PagedStep` as `rollout_step`: the layer's keys and values are stored at their slots, then each
+query attends over its row's blocks (Triton kernels on a GPU, their torch references elsewhere). Transformers builds
+no mask for an implementation it has no mask function for, so none is built.
+
+The model is switched to this implementation only for the engine's own forwards (`paged_attention_for`), so a
+trainer's model trains with its own attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+
+from rollout.engine.paged_cache import PagedStep
+from rollout_kernels.paged_attention import (
+    attend_gathered,
+    paged_attention,
+    store_kv_,
+    store_kv_ref_,
+    visible_keys,
+)
+
+ATTENTION_NAME = "rollout_paged"
+# keywords some models pass that change attention in ways this function does not implement
+UNSUPPORTED = ("softcap", "s_aux", "sinks")
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,  # [rows, heads, S, head_dim]
+    key: Tensor,  # [rows, kv_heads, S, head_dim]
+    value: Tensor,  # [rows, kv_heads, S, head_dim]
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    rollout_step: PagedStep | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """Store this layer's new keys and values, then attend; returns `[rows, S, heads, head_dim]` and no weights."""
+    if rollout_step is None:
+        raise ValueError(
+            f"the {ATTENTION_NAME!r} attention runs inside the rollout engine only (it needs the step's paged-cache "
+            "metadata); load the model with attn_implementation='sdpa' to run it elsewhere"
+        )
+    extra = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+    if extra:
+        raise ValueError(f"{type(module).__name__} passes {extra} to its attention, which the paged path lacks")
+    step = rollout_step
+    k_pool, v_pool = step.cache.pools(module.layer_idx)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if query.is_cuda:
+        store_kv_(k_pool, v_pool, key, value, step.slot_mapping)
+        out = paged_attention(
+            query,
+            k_pool,
+            v_pool,
+            step.block_tables,
+            step.cache_lens,
+            step.query_start,
+            step.num_queries,
+            scale,
+            sliding_window,
+            step.depths,
+            step.ancestors,
+        )
+        return out, None
+    store_kv_ref_(k_pool, v_pool, key, value, step.slot_mapping)
+    mask = step.masks.get(sliding_window)
+    if mask is None:  # one mask a step (per window), shared by the layers
+        kv_len = step.block_tables.shape[1] * k_pool.shape[1]
+        mask = visible_keys(
+            step.cache_lens,
+            step.query_start,
+            step.num_queries,
+            kv_len,
+            query.shape[2],
+            sliding_window,
+            step.depths,
+            step.ancestors,
+        )
+        step.masks[sliding_window] = mask
+    return attend_gathered(query, k_pool, v_pool, step.block_tables, mask, scale), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+
+
+@contextlib.contextmanager
+def paged_attention_for(model: torch.nn.Module):
+    """Run `model`'s attention layers through the paged function for the block, and restore its own after. The
+    layers read `config._attn_implementation` when they are called, so setting it on the config is enough."""
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -1,0 +1,220 @@
+"""One decode step in its stages: schedule (K and the drafts asked of each row), propose, forward, verify, commit.
+
+A mixin over the `Generator`'s state (slots, runner, proposers, K policy); the generator is the only user.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+from torch import Tensor
+
+from rollout.engine.sequence import Sequence
+from rollout.engine.trace import StepRecord
+from specdec.auto_policy import StepObservation
+from specdec.policies import Decision
+from specdec.proposers.base import Drafts, ProposalBatch, filled_drafts
+from specdec.tree import DraftLayout, layout_drafts
+from specdec.verify import RaceKeys, VerifyResult, verify
+
+
+class DecodeStep:
+    """The decode step's stages (see the module docstring)."""
+
+    def _decode_step(
+        self, num_draft_tokens: int | None, fill_drafts: bool = False, with_models: bool | None = None
+    ) -> tuple[StepRecord, StepObservation | None]:
+        """Feed each active row its pending token plus its drafts (a tree rooted at the pending token; a chain is the
+        one-child tree), verify them all in the same forward, commit the accepted path."""
+        start = time.perf_counter()
+        num_rows = self.num_active
+        context = int(self.slots.cache_len[:num_rows].max())  # rows attend over the longest row's cache (padded)
+        observed = self.policy is not None or num_draft_tokens is not None  # a policy learns from the step
+        routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]] if observed else []
+        decision, asked = self._schedule(num_rows, num_draft_tokens, context, routes)
+        uniforms = self._uniforms(slice(0, num_rows), asked)
+        sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
+        race = self._race_keys(slice(0, num_rows))  # shared by the draft model and the verifier
+        drafts, served = self._propose(num_rows, asked, sampling, uniforms, race, with_models)
+        if fill_drafts and drafts is not None:
+            drafts = filled_drafts(drafts, asked, self.slots.pending(num_rows))
+        layout = layout_drafts(
+            drafts.num_drafted if drafts is not None else [0] * num_rows,
+            drafts.parents if drafts is not None else None,
+        )
+        input_ids, logits = self._forward(num_rows, drafts, layout)
+        result = self._verify(num_rows, input_ids, logits, layout, drafts, sampling, uniforms, race)
+        if not layout.is_chain:  # move accepted paths next to their roots (a chain's path is in place already)
+            rows = torch.arange(num_rows, device=self.device)
+            lens = self.slots.cache_len[:num_rows].to(self.device)
+            self.runner.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
+        num_emitted, accepted_per_row, emitted_ids = self._commit(slice(0, num_rows), result, in_cache=True)
+        accepted = accepted_per_row.tolist()
+        seconds = time.perf_counter() - start
+        if drafts is not None and not fill_drafts:  # a calibration's filled drafts on random text earn nothing real
+            # a cascade learns which proposer earns what, at what cost
+            self.proposers.observe(accepted, seconds, emitted_ids)
+        asked_list = asked.tolist()
+        drafting = [k > 0 for k in asked_list]
+        observation = None
+        if observed:
+            observation = self._observation(asked_list, drafting, routes, served, accepted, layout, seconds, context)
+            if num_draft_tokens is None:
+                self.policy.observe(observation)
+        depths = layout.node_counts - 1 if layout.is_chain else torch.tensor(layout.row_depths)
+        position = torch.arange(layout.max_depth)
+        record = StepRecord(
+            "decode",
+            num_rows,
+            decision.num_draft_tokens,
+            sum(layout.num_nodes) - num_rows,
+            sum(accepted),
+            num_emitted,
+            seconds,
+            drafted_per_position=(depths[:, None] > position).sum(0).tolist(),
+            accepted_per_position=(accepted_per_row[:, None] > position).sum(0).tolist(),
+            predicted_gain=decision.predicted_gain,
+            measuring=decision.measuring,
+            rows_by_method=_count_by(served, drafting),
+        )
+        return record, observation
+
+    def _schedule(
+        self, num_rows: int, num_draft_tokens: int | None, context: int, routes: list[str]
+    ) -> tuple[Decision, Tensor]:
+        """The step's K (the policy's, given each row's route, or the caller's) and `[rows]` the drafts asked of
+        each row under its caps."""
+        caps = self.slots.draft_caps(num_rows)
+        decision = Decision(0)
+        if num_draft_tokens is not None:
+            decision = Decision(num_draft_tokens)
+        elif self.policy is not None:
+            decision = self.policy.choose(num_rows, caps.tolist(), routes, context)
+        return decision, caps.clamp(0, decision.num_draft_tokens)
+
+    def _propose(
+        self,
+        num_rows: int,
+        asked: Tensor,
+        sampling,
+        uniforms: Tensor,
+        race: RaceKeys | None,
+        with_models: bool | None = None,
+    ) -> tuple[Drafts | None, list]:
+        """The proposers' drafts for rows asked for some (None if none were); what each row was served by."""
+        if self.proposers is None:
+            return None, [None] * num_rows
+        num_tokens = self.slots.num_tokens[:num_rows].tolist()
+        sequences = self.slots.sequences[:num_rows]
+        if int(asked.max()) == 0:  # no drafts this step: proposers that learn from the text still take it in
+            self.proposers.update(self.slots.token_ids[:num_rows], num_tokens)
+            return None, [None] * num_rows
+        batch = ProposalBatch(
+            token_ids=self.slots.token_ids[:num_rows],
+            num_tokens=num_tokens,
+            num_asked=asked.tolist(),
+            sampling=sampling,
+            draft_uniforms=uniforms[:, : int(asked.max())],
+            race=race,
+            states=[seq.proposer_state for seq in sequences],
+        )
+        return self.proposers.propose(batch, [seq.params.spec.method for seq in sequences], with_models)
+
+    def _forward(self, num_rows: int, drafts: Drafts | None, layout: DraftLayout) -> tuple[Tensor, Tensor]:
+        """The pending tokens and the drafts `[rows, width]` through the model: logits `[rows, width, V]`."""
+        input_ids = self.slots.pending(num_rows)[:, None].to(self.device)
+        if layout.width > 1:  # drafts stay where the proposer made them (a draft model's on the device): no round trip
+            draft_ids = drafts.token_ids[:, : layout.width - 1].to(self.device).clamp(min=0)
+            input_ids = torch.cat([input_ids, draft_ids], dim=1)
+        cache_lens = self.slots.cache_len[:num_rows]
+        logits = self.runner.decode(0, input_ids, layout.node_counts, cache_lens, layout.depths, layout.ancestors)
+        return input_ids, logits
+
+    def _verify(
+        self, num_rows, input_ids, logits, layout: DraftLayout, drafts, sampling, uniforms, race: RaceKeys | None
+    ) -> VerifyResult:
+        """Verify in the verifier's layout: row i's nodes, pending token first, rows back to back (the logits stay the
+        model's padded output, each node's row named by `logit_rows` when some row is narrower than the widest)."""
+        fed = torch.arange(layout.width)[None, :] < layout.node_counts[:, None]
+        node_ids, logit_rows = input_ids.reshape(-1), None
+        if sum(layout.num_nodes) < num_rows * layout.width:  # rows of fewer nodes (a full batch is back to back)
+            logit_rows = (torch.arange(num_rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
+            logit_rows = logit_rows.to(self.device)
+            node_ids = node_ids[logit_rows]
+        half = uniforms.shape[1] // 2  # node j > 0 takes the row's accept uniform j - 1
+        node_uniforms = torch.cat([torch.zeros(num_rows, 1, dtype=torch.float64), uniforms[:, half : 2 * half]], 1)
+        return verify(
+            logits.reshape(num_rows * layout.width, -1),  # a view: verification reads the nodes it needs
+            node_ids,
+            layout,
+            drafts.probs if drafts is not None else None,
+            sampling,
+            node_uniforms[:, : layout.width][fed].to(self.device),
+            uniforms[:, -1].contiguous().to(self.device),
+            race,
+            logit_rows,
+        )
+
+    def _uniforms(self, rows: slice, asked: Tensor) -> Tensor:
+        """`[rows, 2K + 1]` the rows' uniforms for rejection sampling (`SlotState.uniforms`); zeros under exact
+        verification, whose randomness is the race's, keyed by position, so that the rows' streams are not drawn."""
+        if self.exact:
+            max_k = int(asked.max()) if asked.numel() else 0
+            return torch.zeros(rows.stop - rows.start, 2 * max_k + 1, dtype=torch.float64)
+        return self.slots.uniforms(rows, asked)
+
+    def _race_keys(self, rows: slice) -> RaceKeys | None:
+        """Each row's sample seed and the completion position of the token its root draws (None: rejection)."""
+        if not self.exact:
+            return None
+        s = self.slots
+        return RaceKeys(s.seed[rows, 0], s.num_tokens[rows] - s.prompt_len[rows])
+
+    def _commit(self, rows: slice, result: VerifyResult, in_cache: bool) -> tuple[int, Tensor, Tensor]:
+        """Bring the step's result to the host in ONE transfer and append it to the rows.
+
+        Returns the tokens kept (after stops and length caps), the drafts accepted per row `[rows]` and the emitted
+        tokens `[rows, max depth + 1]`, both on the host (row i's first `accepted[i] + 1` are its own).
+        """
+        packed = torch.cat(
+            [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)], dim=1
+        ).cpu()
+        width = result.output_token_ids.shape[1]
+        num_emitted = packed[:, 0]
+        tokens = packed[:, 1 : 1 + width]
+        logprobs = packed[:, 1 + width :].contiguous().view(torch.float64)
+        kept = self.slots.commit(rows.start, num_emitted, tokens, logprobs, in_cache)
+        return int(kept.sum()), num_emitted - 1, tokens
+
+    def _route(self, seq: Sequence) -> str:
+        """Where a row's drafts come from: the proposer its request names, or the configured cascade."""
+        return seq.params.spec.method or self._default_route
+
+    def _observation(self, asked, drafting, routes, served, accepted, layout, seconds, context: int) -> StepObservation:
+        """What the step cost and what each route's drafts earned (`drafting[i]`: row i was asked for drafts,
+        `routes[i]` its route)."""
+        num_asked: dict[str, tuple[list[int], list[int]]] = {}
+        distinct = _distinct(routes)
+        for route in distinct:
+            rows = drafting if len(distinct) == 1 else [d and r == route for d, r in zip(drafting, routes)]
+            if any(rows):
+                num_asked[route] = (list(itertools.compress(asked, rows)), list(itertools.compress(accepted, rows)))
+        passes = 0
+        if "draft_model" in served:
+            passes = max((k for k, s in zip(asked, served) if k > 0 and s == "draft_model"), default=0)
+        return StepObservation(len(asked), layout.width, passes, seconds, num_asked, context)
+
+
+def _distinct(values: list) -> list:
+    """The distinct values in first-seen order (one pass in C when they are all the same)."""
+    if values and values.count(values[0]) == len(values):
+        return [values[0]]
+    return list(dict.fromkeys(values))
+
+
+def _count_by(values: list, keep: list[bool]) -> dict:
+    """How many kept entries hold each value, in first-seen order (the step record's rows by proposer)."""
+    kept = list(itertools.compress(values, keep))
+    return {value: kept.count(value) for value in _distinct(kept)}

@@ -1,0 +1,184 @@
+"""A paged KV cache: per layer a pool of fixed-size blocks, rows holding blocks through a `BlockManager`.
+
+Each forward is described by a `PagedStep`: where every new token's key and value go (slot mapping), each row's
+block table, committed length and new tokens; the attention function registered with transformers
+(`rollout.engine.attention`) stores and attends through it, so no mask and no `transformers.Cache` is involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rollout.engine.block_manager import BlockManager, OutOfBlocks
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class PagedStep:
+    """One forward's metadata, on the model's device; `rows` of `S` columns, row r's new tokens at columns
+    `[query_start[r], query_start[r] + num_queries[r])` after its `cache_lens[r]` committed ones."""
+
+    cache: PagedKVCache
+    slot_mapping: Tensor  # [rows, S] int64 pool slot of each column's token, -1 for padding
+    block_tables: Tensor  # [rows, max blocks of the step] int64
+    cache_lens: Tensor  # [rows] int64
+    query_start: Tensor  # [rows] int64
+    num_queries: Tensor  # [rows] int64
+    depths: Tensor | None = None  # [rows, S] int64 a tree's node depths (None: chains)
+    ancestors: Tensor | None = None  # [rows, S, S] bool which nodes each node sees (None: chains)
+    masks: dict = field(default_factory=dict)  # the torch path's visible-key masks, by window: built once a step
+
+
+class PagedKVCache:
+    """Block pools of `num_layers` layers, `[num_blocks, block_size, num_kv_heads, head_dim]` each, and the block
+    tables of `num_slots` rows.
+
+    Args:
+        max_blocks: the planned pool size in blocks (see `rollout.engine.memory_plan`).
+        initial_blocks: blocks allocated at once; the pool grows (doubling, up to `max_blocks`) when rows need more.
+            A GPU allocates the whole plan at once; a CPU grows with the tokens in flight.
+        num_positions: the most positions a row may hold (its table's width).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_slots: int,
+        num_positions: int,
+        max_blocks: int,
+        initial_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ):
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        self.device = device
+        self.shape = (num_kv_heads, head_dim)
+        first = max_blocks if initial_blocks is None else min(max_blocks, initial_blocks)
+        self.manager = BlockManager(first, block_size, num_slots, -(-num_positions // block_size))
+        pool = (first, block_size, num_kv_heads, head_dim)
+        # zeros, never empty: a masked NaN still poisons attention (0 x NaN) on the torch path
+        self.k_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.peak_blocks = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * len(self.k_pools) * self.k_pools[0][0].numel() * self.k_pools[0].element_size()
+
+    def pools(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.k_pools[layer], self.v_pools[layer]
+
+    # ---- rows ---------------------------------------------------------------------------------------------------
+
+    def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int | None = None) -> None:
+        """Row `dst[i]` holds what row `src[i]` holds: the blocks are shared, nothing is copied."""
+        self.manager.share(src.cpu().numpy(), dst.cpu().numpy())
+
+    def release_rows(self, start: int, stop: int) -> None:
+        """Rows `[start, stop)` hold nothing any more (finished, moved away or preempted)."""
+        if stop > start:
+            self.manager.release(np.arange(start, stop))
+
+    def free_blocks_after_growth(self) -> int:
+        """Blocks a row could still get: free ones plus those the pool may grow by."""
+        return self.manager.num_free + self.max_blocks - self.manager.num_blocks
+
+    def reserve(self, rows: np.ndarray, num_positions: np.ndarray) -> None:
+        """Blocks for the first `num_positions[i]` positions of each row, growing the pool if it must; raises
+        OutOfBlocks (nothing changed) past the planned size."""
+        needed = self.manager.needed(rows, num_positions)
+        if needed > self.manager.num_free:
+            self._grow(self.manager.num_blocks - self.manager.num_free + needed)
+        self.manager.allocate(rows, num_positions)
+        self.peak_blocks = max(self.peak_blocks, self.manager.num_used)
+
+    def _grow(self, wanted: int) -> None:
+        if wanted > self.max_blocks:
+            raise OutOfBlocks(f"{wanted} blocks needed, the pool holds at most {self.max_blocks}")
+        size = min(self.max_blocks, max(wanted, 2 * self.manager.num_blocks))
+        extra = size - self.manager.num_blocks
+        for pools in (self.k_pools, self.v_pools):
+            for i, pool in enumerate(pools):
+                pools[i] = torch.cat([pool, pool.new_zeros((extra, *pool.shape[1:]))])
+        self.manager.grow(size)
+
+    # ---- one forward ----------------------------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        row_start: int,
+        cache_lens: Tensor,  # [rows] int64 host
+        query_start: Tensor,  # [rows] int64 host
+        num_queries: Tensor,  # [rows] int64 host
+        width: int,
+        depths: Tensor | None = None,
+        ancestors: Tensor | None = None,
+    ) -> PagedStep:
+        """Blocks for the rows' new tokens (copying a shared block a row is about to write), and the step's metadata
+        on the device."""
+        num_rows = len(cache_lens)
+        rows = np.arange(row_start, row_start + num_rows)
+        lens, first, count = cache_lens.numpy(), query_start.numpy(), num_queries.numpy()
+        end = lens + count
+        self.reserve(rows, end)
+        writing = count > 0
+        sources, targets = self.manager.writable(rows[writing], lens[writing], end[writing])
+        if len(sources):
+            src = torch.from_numpy(sources).to(self.device)
+            dst = torch.from_numpy(targets).to(self.device)
+            for pool in (*self.k_pools, *self.v_pools):
+                pool[dst] = pool[src]
+        column = np.arange(width)[None, :] - first[:, None]
+        positions = np.where((column >= 0) & (column < count[:, None]), lens[:, None] + column, -1)
+        slot_mapping = self.manager.slots(rows, positions)
+        max_blocks = max(int(self.manager.blocks_for(end).max(initial=1)), 1)
+        tables = self.manager.tables[rows, :max_blocks]
+        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
+        return PagedStep(
+            self,
+            to_device(slot_mapping),
+            to_device(tables),
+            cache_lens.to(self.device),
+            query_start.to(self.device),
+            num_queries.to(self.device),
+            None if depths is None else depths.to(self.device),
+            None if ancestors is None else ancestors.to(self.device),
+        )
+
+    def compact_paths(self, rows: Tensor, base_positions: Tensor, accepted_nodes: Tensor) -> None:
+        """Move each row's accepted token-tree path next to its root, within the row's blocks, in every layer: node
+        `accepted_nodes[i, j]` (written at `base + node`) goes to `base + 1 + j`. Sources are read before writing."""
+        nodes = accepted_nodes.cpu().numpy()
+        base = base_positions.cpu().numpy()[:, None]
+        row_index, depth = np.nonzero(nodes > np.arange(nodes.shape[1])[None, :] + 1)  # node j + 1 is in place
+        if not len(row_index):
+            return
+        owners = rows.cpu().numpy()[row_index]
+        src = self.manager.slots(owners, (base[row_index, 0] + nodes[row_index, depth])[:, None])[:, 0]
+        dst = self.manager.slots(owners, (base[row_index, 0] + 1 + depth)[:, None])[:, 0]
+        src, dst = torch.from_numpy(src).to(self.device), torch.from_numpy(dst).to(self.device)
+        for pool in (*self.k_pools, *self.v_pools):
+            flat = pool.view(-1, *self.shape)
+            flat[dst] = flat[src]
+
+    def usage(self) -> dict:
+        """KV blocks in use, allocated and planned (what vLLM logs as KV cache usage)."""
+        return {
+            "kv_blocks_used": self.manager.num_used,
+            "kv_blocks_allocated": self.manager.num_blocks,
+            "kv_blocks_planned": self.max_blocks,
+            "kv_block_size": self.block_size,
+        }

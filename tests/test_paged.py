@@ -1,0 +1,179 @@
+"""The paged KV layout: attention through the function registered with transformers, blocks shared by a prompt's
+samples, rows preempted when the pool runs short. Every exactness guarantee of the slot layout holds through it:
+greedy equal to HF generate, log-probs equal to a teacher-forced pass, the same samples for the same seed."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_model, random_prompts
+from test_generator import hf_greedy, teacher_forced_logprobs, use_frequent_token_as_eos
+
+from rollout import Generator, SamplingParams
+from rollout.engine.block_manager import BlockManager, OutOfBlocks
+from specdec.config import SpecConfig
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_paged_greedy_equals_model_generate(arch, attn):
+    model = make_model(arch, attn)
+    prompts = random_prompts(9, max_len=14, seed=1)  # 9 prompts through 4 slots: rows finish and refill mid-run
+    eos = use_frequent_token_as_eos(model, prompts, 16)
+    gen = Generator(model, max_batch_size=4, max_seq_len=64, kv_layout="paged")
+    assert gen.runner.kv_layout == "paged"
+    outs = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=16))
+    assert model.config._attn_implementation == attn  # the model's own attention is back after the call
+    for out in outs:
+        expected = hf_greedy(model, prompts[out.prompt_index], 16)
+        assert out.token_ids == expected, f"prompt {out.prompt_index}"
+        assert out.finish_reason == ("stop" if expected[-1] == eos else "length")
+    assert gen.runner.cache.manager.num_used == 0  # every block back in the pool
+
+
+def test_paged_sliding_window_layers_mixed_with_full_attention():
+    model = make_model("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    prompts = random_prompts(5, min_len=6, max_len=12, seed=2)
+    gen = Generator(model, max_batch_size=3, max_seq_len=64, kv_layout="paged")
+    for out in gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12)):
+        assert out.token_ids == hf_greedy(model, prompts[out.prompt_index], 12)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, max_new_tokens=20, seed=3),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=20, seed=4, n=3),
+    ],
+    ids=["t1", "t0.7-topk-topp-n3"],
+)
+def test_paged_logprobs_equal_teacher_forced_pass(params):
+    model = make_model("llama")
+    prompts = random_prompts(5, seed=5)
+    outs = Generator(model, max_batch_size=4, max_seq_len=64, kv_layout="paged").generate(prompts, params)
+    for out in outs:
+        expected = teacher_forced_logprobs(model, prompts[out.prompt_index], out.token_ids, params)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), expected, atol=1e-9, rtol=0)
+
+
+SPECS = {
+    "none": None,
+    "ngram K=3": SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1),
+    "ngram tree": SpecConfig(method="ngram", num_speculative_tokens=6, num_candidates=3, prompt_lookup_min=1),
+    "suffix auto": SpecConfig(method="suffix", num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"),
+    "draft K=3": "draft",
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_paged_samples_are_the_slot_layouts_whatever_the_speculation(name):
+    """Pathwise: the same seed gives the same tokens and log-probs on both layouts, with every proposer (a tree's
+    accepted path is compacted within its row's blocks)."""
+    model = make_model("qwen2", seed=2, vocab_size=23)
+    spec = SPECS[name]
+    if spec == "draft":
+        spec = SpecConfig(
+            method="draft_model", num_speculative_tokens=3, model=make_model("qwen2", seed=3, vocab_size=23)
+        )
+    prompts = [p * 3 for p in random_prompts(3, vocab_size=23, max_len=4, seed=5)] + random_prompts(2, 23, seed=6)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=24, seed=11)
+    slots = Generator(model, max_batch_size=7, max_seq_len=80).generate(prompts, params)
+    gen = Generator(model, max_batch_size=7, max_seq_len=80, spec=spec, kv_layout="paged")
+    paged = gen.generate(prompts, params)
+    for a, b in zip(slots, paged):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-9)
+    if spec is not None:
+        assert sum(r.num_accepted for r in gen.last_trace) > 0, "no draft accepted: the comparison tested nothing"
+
+
+def test_a_groups_samples_share_their_prompts_blocks_until_they_write():
+    model = make_model("llama")
+    prompt = list(range(1, 41))  # 40 tokens: 2 full blocks of 16 and a partial one
+    gen = Generator(model, max_batch_size=8, max_seq_len=80, kv_layout="paged")
+    gen.add_requests([prompt], SamplingParams(n=8, temperature=1.0, max_new_tokens=10, seed=0))
+    gen.step()  # the prefill: one prompt's blocks, held by all 8 samples
+    assert gen.runner.cache.manager.num_used == 3
+    assert (gen.runner.cache.manager.refs[gen.runner.cache.manager.tables[0, :3]] == 8).all()
+    gen.step()  # the first decode writes into the partial block: each sample copies it, the full ones stay shared
+    assert gen.runner.cache.manager.num_used == 2 + 8
+    assert (gen.runner.cache.manager.refs[gen.runner.cache.manager.tables[0, :2]] == 8).all()
+
+
+def test_a_short_pool_preempts_the_latest_rows_and_they_come_out_the_same():
+    model = make_model("qwen2")
+    prompts = random_prompts(6, min_len=10, max_len=20, seed=7)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=40, seed=0)
+    reference = Generator(model, max_batch_size=18, max_seq_len=64).generate(prompts, params)
+    gen = Generator(model, max_batch_size=18, max_seq_len=64, kv_layout="paged", kv_pool_blocks=16)
+    outs = gen.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert sum(r.num_preempted for r in gen.last_trace) > 0, "the pool never ran short: nothing was tested"
+    assert max(r.kv_blocks_used for r in gen.last_trace) <= 16
+    assert max(r.batch_size for r in gen.last_trace if r.kind == "decode") < 18  # admission held rows back
+    assert gen.runner.cache.manager.num_used == 0
+
+
+def test_paged_memory_follows_the_tokens_not_the_length_cap():
+    model = make_model("llama")
+    prompts = random_prompts(4, seed=8)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=0)
+    peaks = []
+    for max_seq_len in (512, 8192):
+        gen = Generator(model, max_batch_size=8, max_seq_len=max_seq_len, kv_layout="paged")
+        gen.generate(prompts, params)
+        peaks.append(gen.runner.cache.num_blocks)
+        assert gen.runner.cache.max_blocks == 8 * -(-(max_seq_len + 1) // 16)  # planned for the cap
+    assert peaks[0] == peaks[1]  # allocated for what the rows held
+    # the slot layout's capacity grows with the longest row, too
+    sizes = []
+    for max_seq_len in (512, 8192):
+        gen = Generator(model, max_batch_size=8, max_seq_len=max_seq_len, kv_layout="slots")
+        gen.generate(prompts, params)
+        sizes.append(sum(layer.keys.nbytes for layer in gen.runner.cache.layers))
+    assert sizes[0] == sizes[1]
+
+
+def test_a_layer_outside_the_attention_interface_keeps_the_slot_layout_with_a_warning():
+    model = make_model("llama")
+    # this layer reads a config of its own: switching the model's attention does not reach it
+    attention = model.model.layers[1].self_attn
+    attention.config = type(model.config).from_dict(model.config.to_dict())
+    attention.config._attn_implementation = "sdpa"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gen = Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="paged")
+    assert gen.runner.kv_layout == "slots"
+    assert any("1 of its 2 attention layers" in str(w.message) for w in caught)
+    prompts = random_prompts(2, seed=9)
+    outs = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=6))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, 6) for p in prompts]
+
+
+def test_bad_layout_settings_are_refused_with_the_fix():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="kv_layout .* must be one of auto, paged, slots"):
+        Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="dense")
+    with pytest.raises(ValueError, match=r"kv_pool_blocks \(1\) must be an integer >= 3"):
+        Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="paged", kv_pool_blocks=1)
+
+
+def test_block_manager_shares_copies_on_write_and_frees():
+    manager = BlockManager(num_blocks=6, block_size=4, num_slots=4, max_blocks_per_row=3)
+    manager.allocate(np.array([0]), np.array([6]))  # 2 blocks
+    manager.share(np.array([0, 0, 0]), np.array([0, 1, 2]))  # a prompt fanned out to 3 rows, itself included
+    assert manager.num_used == 2 and list(manager.refs[manager.tables[0, :2]]) == [3, 3]
+    sources, targets = manager.writable(np.array([1, 2]), np.array([6, 6]), np.array([8, 8]))  # into block 1
+    assert list(sources) == [manager.tables[0, 1]] * 2 and len(set(targets)) == 2
+    assert manager.refs[manager.tables[0, 1]] == 1 and manager.num_used == 4
+    assert manager.needed(np.array([0, 1]), np.array([9, 9]), np.array([8, 8])) == 2  # one new block each
+    with pytest.raises(OutOfBlocks):
+        manager.allocate(np.array([0, 1, 2]), np.array([12, 12, 12]))  # 3 more blocks, 2 free: nothing changes
+    assert manager.num_used == 4
+    manager.release(np.array([0, 1, 2]))
+    assert manager.num_used == 0 and manager.num_free == 6
+    slots = manager.slots(np.array([3]), np.array([[-1, 0]]))
+    assert slots[0, 0] == -1
