@@ -13,30 +13,46 @@ VERIFICATIONS = ("exact", "rejection")
 @dataclass
 class SpecConfig:
     """Speculative decoding settings. `Generator(model, spec=SpecConfig(...))` turns it on; `spec=None` (or
-    `method=None`) is plain decoding."""
+    `method=None`) is plain decoding. The field names are vLLM's `--speculative-config`, so a vLLM config pastes in.
 
-    # "ngram" (prompt lookup), "suffix" (suffix trees over the batch in flight and earlier responses), "draft_model",
-    # or a list in priority order: each row takes the first proposer that drafts for it, except that suffix passes a
-    # row on where the next proposer is measured to earn more and the step's gain pays for running it
-    # (["suffix", "draft_model"]: suffix where it has a confident draft, the draft model elsewhere); None (or "none"):
-    # no speculation, the other fields ignored
+    Attributes:
+        method: `"ngram"` (prompt lookup), `"suffix"` (suffix trees over the batch in flight and earlier responses),
+            `"draft_model"`, or a list in priority order: each row takes the first proposer that drafts for it,
+            except that suffix passes a row on where the next proposer is measured to earn more and the step's gain
+            pays for running it (`["suffix", "draft_model"]`: suffix where it has a confident draft, the draft model
+            elsewhere). None (or `"none"`): no speculation, the other fields ignored.
+        num_speculative_tokens: the largest K: draft tokens verified per row and step.
+        prompt_lookup_max: ngram: the longest suffix to match (default 4).
+        prompt_lookup_min: ngram: the shortest suffix to match (default 1).
+        model: draft_model: a path, a shipped short name (`tiny-draft`) or a loaded transformers model that shares
+            the target's tokenizer.
+        num_candidates: ngram / suffix: drafts merged into a token tree of `num_speculative_tokens` nodes; 1 = a
+            chain.
+        suffix_decoding_max_tree_depth: suffix: the longest n-gram counted (match length + draft length).
+        suffix_decoding_max_cached_requests: suffix: finished responses kept as history, oldest evicted first;
+            0 keeps none.
+        suffix_decoding_max_spec_factor: suffix: a draft is at most this many times its match length.
+        suffix_decoding_min_token_prob: suffix: stop drafting where the path probability falls below this.
+        num_speculative_tokens_per_batch_size: K per step. None: always `num_speculative_tokens`; vLLM's table
+            `[[start_bs, end_bs, K], ...]` of inclusive batch-size ranges (rows in decode; K = 0 turns drafts off);
+            or `"auto"`: each step the K that maximises predicted tokens/s from measured acceptance and step times.
+        verification: `"exact"`: every token is the exponential race's at its position, a draft is accepted when it
+            equals that token, and a draft model draws its drafts by the same race over its own distribution: the
+            same seed gives the same tokens with or without speculation, whatever K and proposer. `"rejection"`:
+            rejection sampling with fresh uniforms (Leviathan et al.): the same distribution, other tokens.
+    """
+
     method: Any = "ngram"
-    num_speculative_tokens: int = 3  # the largest K: draft tokens verified per row and step
-    prompt_lookup_max: int | None = None  # ngram: longest suffix to match (default 4)
-    prompt_lookup_min: int | None = None  # ngram: shortest suffix to match (default 1)
-    model: Any = None  # draft_model: a path, a shipped short name, or a loaded transformers model
-    num_candidates: int = 1  # ngram/suffix: drafts merged into a token tree of num_speculative_tokens nodes; 1 = chain
-    suffix_decoding_max_tree_depth: int = 24  # suffix: longest n-gram counted (match length + draft length)
-    suffix_decoding_max_cached_requests: int = 10000  # suffix: finished responses kept as history; 0 = none
-    suffix_decoding_max_spec_factor: float = 1.0  # suffix: a draft is at most this many times the match length
-    suffix_decoding_min_token_prob: float = 0.1  # suffix: stop drafting where the path probability falls below this
-    # K per step: None = always num_speculative_tokens; vLLM's [[start_bs, end_bs, K], ...] table (rows in decode);
-    # or "auto": the K that maximises predicted tokens/s from measured acceptance and step times (specdec/auto_policy)
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: Any = None
+    num_candidates: int = 1
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     num_speculative_tokens_per_batch_size: Any = None
-    # "exact": every token is the exponential race's at its position (kernels/race_sample.py), a draft is accepted
-    # when it equals that token, and a draft model draws its drafts by the same race over q: the same seed gives the
-    # same tokens with or without speculation, whatever K and proposer. "rejection": rejection sampling with fresh
-    # uniforms (Leviathan et al.): the same distribution, other tokens; a draft model's drafts are accepted more often
     verification: str = "exact"
 
     @property
@@ -120,11 +136,17 @@ class SpecConfig:
 
 @dataclass
 class SpecDecodeParams:
-    """Speculation settings of one request (`SamplingParams.spec`); a batch mixes requests with different ones."""
+    """Speculation settings of one request (`SamplingParams.spec`); a batch mixes requests with different ones.
 
-    enabled: bool = True  # False: this request's rows never get drafts (they still share the batch's forward)
-    max_num_draft_tokens: int | None = None  # cap on this request's K per step; None = the policy's K
-    method: str | None = None  # draft only with this configured proposer; None = the configured order
+    Attributes:
+        enabled: False: this request's rows never get drafts (they still share the batch's forward pass).
+        max_num_draft_tokens: a cap on this request's K per step; None = the policy's K.
+        method: draft only with this configured proposer; None = the configured order.
+    """
+
+    enabled: bool = True
+    max_num_draft_tokens: int | None = None
+    method: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):

@@ -28,9 +28,17 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass
 class ModelRecipe:
-    name: str = "tiny-target"  # a shipped short name (tiny-target, tiny-draft), a local folder, or a hub id org/name
-    dtype: str = "float32"  # float32 | float16 | bfloat16 | float64
-    device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda when there is a GPU)
+    """The `model` section: the policy to load.
+
+    Attributes:
+        name: a shipped short name (tiny-target, tiny-draft), a local folder, or a hub id org/name.
+        dtype: float32 | float16 | bfloat16 | float64.
+        device: cpu | cuda | cuda:N | auto (cuda when there is a GPU).
+    """
+
+    name: str = "tiny-target"
+    dtype: str = "float32"
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         dtypes = ("float32", "float16", "bfloat16", "float64")
@@ -39,14 +47,27 @@ class ModelRecipe:
 
 @dataclass
 class DataRecipe:
-    dataset: str = "arithmetic"  # embedded "arithmetic", a .json/.jsonl/.csv/.parquet file, a saved dataset, a hub id
-    split: str = "eval"  # split to read (arithmetic: train | eval)
-    config_name: str | None = None  # hub dataset config, e.g. "main" for openai/gsm8k
-    prompt_column: str = "prompt"  # the column holding the prompt (text, or chat messages with chat_template)
-    template: str | None = None  # str.format template over the row's columns; None uses the prompt column as is
-    chat_template: bool = False  # wrap the prompt as a user message in the tokenizer's chat template
-    system_prompt: str | None = None  # system message for chat_template
-    num_prompts: int | None = 32  # first rows to use; None = all
+    """The `data` section: where the prompts come from and how they are formatted.
+
+    Attributes:
+        dataset: embedded "arithmetic", a .json/.jsonl/.csv/.parquet file, a saved dataset, a hub id.
+        split: split to read (arithmetic: train | eval).
+        config_name: hub dataset config, e.g. "main" for openai/gsm8k.
+        prompt_column: the column holding the prompt (text, or chat messages with chat_template).
+        template: str.format template over the row's columns; None uses the prompt column as is.
+        chat_template: wrap the prompt as a user message in the tokenizer's chat template.
+        system_prompt: system message for chat_template.
+        num_prompts: first rows to use; None = all.
+    """
+
+    dataset: str = "arithmetic"
+    split: str = "eval"
+    config_name: str | None = None
+    prompt_column: str = "prompt"
+    template: str | None = None
+    chat_template: bool = False
+    system_prompt: str | None = None
+    num_prompts: int | None = 32
 
     def __post_init__(self) -> None:
         n = self.num_prompts
@@ -55,12 +76,23 @@ class DataRecipe:
 
 @dataclass
 class RolloutRecipe:
-    max_batch_size: Any = 64  # generator slots: sequences decoded at once; auto = a whole rollout, lowered to fit
-    max_seq_len: int | None = None  # prompt + completion cap; null = longest prompt + sampling.max_new_tokens
-    tail_fraction: float = 0.25  # decode steps with batch < tail_fraction * peak decode batch are the tail phase
-    num_rollouts: int = 1  # rollout run: rollouts made one after another (drafting history grows between them)
-    prompts_per_rollout: int | None = None  # prompts per rollout, taken in order and cycled; null = all of them
-    non_finite_rewards_as_null: bool = False  # a NaN/inf reward: false = stop, naming it; true = record it as null
+    """The `rollout` section: the rollout loop and its generator.
+
+    Attributes:
+        max_batch_size: generator slots: sequences decoded at once; auto = a whole rollout, lowered to fit.
+        max_seq_len: prompt + completion cap; null = longest prompt + sampling.max_new_tokens.
+        tail_fraction: decode steps with batch < tail_fraction * peak decode batch are the tail phase.
+        num_rollouts: rollout run: rollouts made one after another (drafting history grows between them).
+        prompts_per_rollout: prompts per rollout, taken in order and cycled; null = all of them.
+        non_finite_rewards_as_null: a NaN/inf reward: false = stop, naming it; true = record it as null.
+    """
+
+    max_batch_size: Any = 64
+    max_seq_len: int | None = None
+    tail_fraction: float = 0.25
+    num_rollouts: int = 1
+    prompts_per_rollout: int | None = None
+    non_finite_rewards_as_null: bool = False
 
     def __post_init__(self) -> None:
         _require(self.num_rollouts >= 1, f"rollout.num_rollouts ({self.num_rollouts}) must be >= 1")
@@ -80,20 +112,35 @@ class RolloutRecipe:
 
 @dataclass
 class TrainRecipe:
-    """`rollout train`: GRPO through TRL's GRPOTrainer, generating with this library (`rollout.integrations.trl`)."""
+    """`rollout train`: GRPO through TRL's GRPOTrainer, generating with this library (`rollout.integrations.trl`).
 
-    steps: int | None = 30  # optimiser steps; null = `epochs` passes over the data
-    epochs: float = 1.0  # passes over the data when steps is null
-    prompts_per_step: int = 8  # prompts per optimiser step (each sampled sampling.n times: one GRPO group each)
+    Attributes:
+        steps: optimiser steps; null = `epochs` passes over the data.
+        epochs: passes over the data when steps is null.
+        prompts_per_step: prompts per optimiser step (each sampled sampling.n times: one GRPO group each).
+        learning_rate: the optimiser learning rate.
+        lr_scheduler_type: transformers' schedulers: constant | linear | cosine | ...
+        warmup_steps: linear warm-up steps; below 1, a fraction of all steps.
+        weight_decay: AdamW weight decay.
+        max_grad_norm: gradient clipping norm.
+        beta: KL coefficient against the initial model; 0 = no reference model.
+        loss_type: TRL's GRPO loss: grpo | dr_grpo | dapo | bnpo | ...
+        gradient_checkpointing: trades compute for memory in the training forward.
+        save_model: write the trained model and tokenizer to output_dir/model.
+    """
+
+    steps: int | None = 30
+    epochs: float = 1.0
+    prompts_per_step: int = 8
     learning_rate: float = 1e-5
-    lr_scheduler_type: str = "constant"  # transformers' schedulers: constant | linear | cosine | ...
-    warmup_steps: float = 0.0  # linear warm-up steps; below 1, a fraction of all steps
+    lr_scheduler_type: str = "constant"
+    warmup_steps: float = 0.0
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    beta: float = 0.0  # KL coefficient against the initial model; 0 = no reference model
-    loss_type: str = "dapo"  # TRL's GRPO loss: grpo | dr_grpo | dapo | bnpo | ...
-    gradient_checkpointing: bool = False  # trades compute for memory in the training forward
-    save_model: bool = False  # write the trained model and tokenizer to output_dir/model
+    beta: float = 0.0
+    loss_type: str = "dapo"
+    gradient_checkpointing: bool = False
+    save_model: bool = False
 
     def __post_init__(self) -> None:
         _require(self.steps is None or self.steps >= 1, f"train.steps ({self.steps}) must be >= 1, or null for epochs")
@@ -107,24 +154,49 @@ class TrainRecipe:
 
 @dataclass
 class RewardRecipe:
-    name: str = "arithmetic"  # a built-in reward (arithmetic, gsm8k) or a module:function import path
-    weight: float = 1.0  # the total reward is the weighted sum of all rewards
+    """One entry of the `rewards` list.
+
+    Attributes:
+        name: a built-in reward (arithmetic, gsm8k) or a module:function import path.
+        weight: the total reward is the weighted sum of all rewards.
+    """
+
+    name: str = "arithmetic"
+    weight: float = 1.0
 
 
 @dataclass
 class LoggingRecipe:
-    wandb_mode: str = "offline"  # offline | online | disabled; the WANDB_MODE environment variable wins when set
-    project: str = "rollout"  # W&B project
-    run_name: str | None = None  # W&B run name; null lets W&B pick one
-    num_table_rows: int = 32  # samples in the W&B table of completions and rewards
-    progress: bool = True  # live progress line on stderr (when it is a terminal)
-    plot: bool = True  # write the PNG plot at the end
+    """The `logging` section: Weights & Biases, the progress line and the plot.
+
+    Attributes:
+        wandb_mode: offline | online | disabled; the WANDB_MODE environment variable wins when set.
+        project: W&B project.
+        run_name: W&B run name; null lets W&B pick one.
+        num_table_rows: samples in the W&B table of completions and rewards.
+        progress: live progress line on stderr (when it is a terminal).
+        plot: write the PNG plot at the end.
+    """
+
+    wandb_mode: str = "offline"
+    project: str = "rollout"
+    run_name: str | None = None
+    num_table_rows: int = 32
+    progress: bool = True
+    plot: bool = True
 
 
 @dataclass
 class BenchRecipe:
-    static_k: list[int] = field(default_factory=lambda: [1, 3, 5])  # K values run as static-K rows
-    baseline: bool = True  # include model.generate in padded batches as the baseline row
+    """The `bench` section: what `rollout bench` runs besides the recipe's own policy.
+
+    Attributes:
+        static_k: K values run as static-K rows.
+        baseline: include model.generate in padded batches as the baseline row.
+    """
+
+    static_k: list[int] = field(default_factory=lambda: [1, 3, 5])
+    baseline: bool = True
 
     def __post_init__(self) -> None:
         _require(all(k >= 1 for k in self.static_k), f"bench.static_k ({self.static_k}) must hold K values >= 1")
@@ -132,11 +204,17 @@ class BenchRecipe:
 
 @dataclass
 class DistributedRecipe:
-    """Under `accelerate launch --num_processes N`: how the ranks split and share the work (one process: unused)."""
+    """Under `accelerate launch --num_processes N`: how the ranks split and share the work (one process: unused).
 
-    balance: str = "work"  # work: shards of equal expected tokens (prompt + predicted completion); count: equal counts
-    share_history: bool = True  # all-gather finished responses once per rollout into every rank's suffix history
-    history_scope: str = "all"  # all: every response; next: only those to the prompts the rank generates next
+    Attributes:
+        balance: work: shards of equal expected tokens (prompt + predicted completion); count: equal counts.
+        share_history: all-gather finished responses once per rollout into every rank's suffix history.
+        history_scope: all: every response; next: only those to the prompts the rank generates next.
+    """
+
+    balance: str = "work"
+    share_history: bool = True
+    history_scope: str = "all"
 
     def __post_init__(self) -> None:
         _require(
@@ -151,10 +229,28 @@ class DistributedRecipe:
 
 @dataclass
 class Recipe:
+    """A whole recipe: the sections of a YAML file and the top-level keys.
+
+    Attributes:
+        model: the policy: which model, in which dtype, on which device.
+        data: the prompts: dataset, split, prompt column, template.
+        sampling: the library's own `SamplingParams` (n = the GRPO group size); seed 0 unless set, so that a
+            recipe's rollouts reproduce and resume.
+        spec: the library's own `SpecConfig` (vLLM's field names); method null (the default here) = no speculation.
+        rollout: the rollout loop: generator slots, sequence length, phases, several rollouts.
+        rewards: the rewards, summed with their weights.
+        logging: W&B, progress line and plot.
+        bench: `rollout bench`: the static-K rows and the baseline.
+        train: `rollout train`: GRPO through TRL.
+        distributed: under `accelerate launch`: sharding and history sharing.
+        output_dir: where the run writes rollouts.jsonl, steps.jsonl, summary.json, ...
+        overwrite: replace a run already in output_dir (its files removed first); false: refuse it.
+        resume: continue the interrupted run in output_dir (same recipe): finished groups are kept.
+        threads: torch CPU threads (1 gives stable timings); 0 keeps torch's default.
+    """
+
     model: ModelRecipe = field(default_factory=ModelRecipe)
     data: DataRecipe = field(default_factory=DataRecipe)
-    # the generator's own settings, declared once: SamplingParams (n = the GRPO group size; seeded by default, so a
-    # recipe's rollouts reproduce and resume) and SpecConfig (vLLM's field names; method null = no speculation)
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(seed=0))
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(method=None))
     rollout: RolloutRecipe = field(default_factory=RolloutRecipe)
@@ -163,10 +259,10 @@ class Recipe:
     bench: BenchRecipe = field(default_factory=BenchRecipe)
     train: TrainRecipe = field(default_factory=TrainRecipe)
     distributed: DistributedRecipe = field(default_factory=DistributedRecipe)
-    output_dir: str = "outputs/rollout"  # where the run writes rollouts.jsonl, steps.jsonl, summary.json, ...
-    overwrite: bool = False  # replace a run already in output_dir (its files removed first); false: refuse it
-    resume: bool = False  # continue the interrupted run in output_dir (same recipe): finished groups are kept
-    threads: int = 1  # torch CPU threads (1 gives stable timings); 0 keeps torch's default
+    output_dir: str = "outputs/rollout"
+    overwrite: bool = False
+    resume: bool = False
+    threads: int = 1
 
     def __post_init__(self) -> None:
         _require(self.threads >= 0, f"threads ({self.threads}) must be >= 0 (0 keeps torch's default)")

@@ -10,17 +10,29 @@ from specdec.config import SpecDecodeParams
 
 @dataclass
 class SamplingParams:
-    """How to sample completions for every prompt of one `Generator.generate` call."""
+    """How to sample completions for every prompt of one `Generator.generate` call (or one prompt, given a list).
 
-    n: int = 1  # completions per prompt (GRPO group size); the prompt is prefilled once and its KV copied
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
-    max_new_tokens: int = 256  # completion length cap (finish_reason "length")
-    stop_token_ids: list[int] | None = None  # extra stop tokens besides the model's EOS ids
-    ignore_eos: bool = False  # keep generating past the model's EOS ids (stop_token_ids still stop)
-    seed: int | None = None  # same seed + same inputs = same completions
-    spec: SpecDecodeParams | None = None  # this request's speculation settings (off, a K cap, a proposer)
+    Attributes:
+        n: completions per prompt (the GRPO group size); the prompt is prefilled once and its KV copied.
+        temperature: 0 = greedy.
+        top_p: nucleus mass in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 = off.
+        max_new_tokens: the completion length cap (`finish_reason` "length").
+        stop_token_ids: extra stop tokens besides the model's EOS ids.
+        ignore_eos: keep generating past the model's EOS ids (`stop_token_ids` still stop).
+        seed: the same seed and inputs give the same completions; None draws a fresh seed.
+        spec: this request's speculation settings (off, a K cap, one proposer); None = drafted as configured.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    spec: SpecDecodeParams | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -54,13 +66,17 @@ class SamplingParams:
 class Completion:
     """One sampled completion.
 
-    `token_ids` includes the stop token when the completion stopped on one. `logprobs[i]` is the log-probability
-    of `token_ids[i]` under the distribution it was sampled from (after temperature/top-k/top-p; for greedy, the
-    model's plain log-softmax).
+    Attributes:
+        prompt_index: the prompt's index in the call.
+        sample_index: the sample's index among the prompt's `n`.
+        token_ids: the completion's tokens, the stop token included when it stopped on one.
+        logprobs: `logprobs[i]` is the log-probability of `token_ids[i]` under the distribution it was sampled from
+            (after temperature / top-k / top-p; for greedy, the model's plain log-softmax).
+        finish_reason: `"stop"` (an EOS or stop token) or `"length"` (`max_new_tokens` reached).
     """
 
     prompt_index: int
     sample_index: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = ""  # "stop" | "length"
+    finish_reason: str = ""

@@ -1,54 +1,34 @@
 """Suffix proposer: drafts from every row in flight and from earlier responses, as SuffixDecoding does.
 
-Two kinds of counted suffix tries (`specdec/suffix_index.py`) share one node store:
-
-- one trie per distinct prompt: the prompt itself (prompt lookup) and every response to it, the row's own output and
-  its siblings in flight included, and the responses of earlier calls that are still cached;
-- one global trie: every response, in flight or cached, of every prompt.
-
-Each response enters both tries behind a separator token (outside the vocabulary), so "the start of a response" is a
-context like any other. Rows are inserted token by token as they grow; a finished row's response stays in both tries
-as history, oldest evicted first past `max_cached_requests` (0 keeps none past the row's own life).
+The tries it drafts from, one per distinct prompt and one over every response, and the history they hold live in
+`SuffixTries` (`specdec/proposers/suffix_tries.py`); this module is the drafting.
 
 Drafting: for each row, each trie and each match length m (the row's last m tokens, all of which are in the tries:
 the row itself is), follow the most frequent child while the path probability (product of count ratios) stays at or
 above `min_token_prob`, for at most `min(K, floor(m * max_spec_factor), depth - m)` tokens. The row takes the draft of
-highest score, the sum of the path probabilities (the expected accepted length if the counts are right); with
-`num_candidates > 1` its best distinct drafts become a token tree. Drafts depend only on tokens already emitted, never
-on the target's random draws, so verification stays lossless.
+highest score, the sum of the path probabilities (the expected accepted length if the counts are right); a draft that
+stops short of K goes on, in a second round, from the context it ends in; with `num_candidates > 1` a row's best
+distinct drafts become a token tree. Drafts depend only on tokens already emitted, never on the target's random
+draws, so verification stays lossless.
 """
 
 from __future__ import annotations
 
-import collections
-import pathlib
-from dataclasses import dataclass
-
 import numpy as np
 import torch
-from torch import Tensor
 
-from specdec.proposers.base import Drafts, ProposalBatch, Proposer
-from specdec.suffix_index import SuffixIndex
+from specdec.proposers.base import Drafts, ProposalBatch
+from specdec.proposers.suffix_tries import SuffixTries
 from specdec.tree import merge_candidates
 
 
-@dataclass
-class _PromptTrie:
-    root: int
-    prompt: np.ndarray  # [P] int32
-    num_rows: int = 0  # rows of this prompt in flight
-    num_responses: int = 0  # its cached responses
-
-
-class SuffixProposer(Proposer):
+class SuffixProposer(SuffixTries):
     """Suffix-tree drafts from the batch in flight and the cached responses of earlier calls.
 
     Args mirror vLLM's suffix decoding fields (`suffix_decoding_*` in `SpecConfig`); `vocab_size` is the target's
     (its value is the separator); `num_slots`/`num_positions` size the per-slot state.
     """
 
-    needs_prefill = True
     _CONTINUE_CONTEXT = 3  # a short draft's second round matches at most the draft + this many tokens of the row
 
     def __init__(
@@ -63,168 +43,17 @@ class SuffixProposer(Proposer):
         min_token_prob: float = 0.1,
         num_candidates: int = 1,
     ):
-        if vocab_size >= 1 << 21:  # the trie keys hold a token (or the separator, vocab_size) in 21 bits
-            raise ValueError(f"method 'suffix' handles vocabularies of up to {(1 << 21) - 1} tokens, got {vocab_size}")
+        super().__init__(vocab_size, num_slots, num_positions, max_tree_depth, max_cached_requests)
         self.num_speculative_tokens = num_speculative_tokens
-        self.separator = vocab_size
-        self.max_tree_depth = max_tree_depth
-        self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.num_candidates = num_candidates
-        self._num_slots, self._num_positions = num_slots, num_positions
         self.sources = (0, 1)  # tries drafted from: 0 the row's prompt trie, 1 the global one (a knob for ablations)
         self.continue_short = True  # a second round for drafts that stop short (a knob for ablations)
-        self.clear()
-
-    # ---- history: what a user keeps, inspects, saves and loads ---------------------------------------------------
-
-    def clear(self) -> None:
-        """Forget every response and every row in flight."""
-        depth, slots = self.max_tree_depth, self._num_slots
-        self.index = SuffixIndex(depth)
-        self.global_root = self.index.new_root()
-        self.prompts: dict[bytes, _PromptTrie] = {}
-        self.history: collections.deque[tuple[bytes, np.ndarray]] = collections.deque()  # oldest first
-        self._frontiers = np.full((2, slots, depth), -1, dtype=np.int32)  # [prompt trie | global trie, slot, m]
-        self._num_inserted = np.zeros(slots, dtype=np.int64)  # tokens of the row (prompt included) in the tries
-        self._prompt_len = np.zeros(slots, dtype=np.int64)
-        self._in_flight = np.zeros(slots, dtype=bool)
-        self._slot_prompt: list[bytes | None] = [None] * slots
-        self._responses = np.zeros((slots, self._num_positions), dtype=np.int32)
-        self._dead_tokens = 0  # tokens removed since the store was built: a rebuild frees their nodes
-        # finished rows' last tokens, inserted with the next step's (frontiers [2N, D], tokens [2N, L], lengths [2N])
-        self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._deferred_responses = 0  # the newest cached responses (none added after) whose last tokens are deferred
-
-    def stats(self) -> dict:
-        """The cached history's size: responses, their tokens, distinct prompts, trie nodes and bytes held."""
-        self.flush()
-        return {
-            "responses": len(self.history),
-            "tokens": int(sum(len(r) for _, r in self.history)),
-            "prompts": len(self.prompts),
-            "nodes": self.index.num_nodes,
-            "bytes": self.index.nbytes + int(sum(r.nbytes for _, r in self.history)),
-        }
-
-    def add_responses(self, prompts: list[list[int]], responses: list[list[int]]) -> None:
-        """Add responses made elsewhere (an earlier run, another model) to the history, oldest first:
-        `responses[i]` answers `prompts[i]` (token ids). Past `max_cached_requests` the oldest are evicted."""
-        if not isinstance(prompts, (list, tuple)) or not isinstance(responses, (list, tuple)):
-            raise ValueError("prompts and responses must be lists of token-id lists")
-        if len(prompts) != len(responses):
-            raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses: give one prompt per response")
-        for name, sequences in (("prompts", prompts), ("responses", responses)):
-            for i, seq in enumerate(sequences):
-                ids = np.asarray(seq)
-                if ids.ndim != 1 or (
-                    ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.separator)
-                ):
-                    raise ValueError(f"{name}[{i}] must be a list of token ids in [0, {self.separator})")
-        self.flush()  # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
-        self._add_history(
-            [
-                (np.asarray(p, dtype=np.int32).tobytes(), np.asarray(r, dtype=np.int32))
-                for p, r in zip(prompts, responses)
-            ]
-        )
-        self._evict()
-
-    def save(self, path: str | pathlib.Path) -> None:
-        """Write the cached responses (oldest first, each with its prompt) to an `.npz` file."""
-        keys = [k for k, _ in self.history]
-        number = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct prompt once
-        prompts = [np.frombuffer(k, dtype=np.int32) for k in number]
-        responses = [r for _, r in self.history]
-        np.savez_compressed(
-            path,
-            prompt_tokens=np.concatenate(prompts or [np.zeros(0, np.int32)]),
-            prompt_lens=np.array([len(p) for p in prompts], dtype=np.int64),
-            response_tokens=np.concatenate(responses or [np.zeros(0, np.int32)]),
-            response_lens=np.array([len(r) for r in responses], dtype=np.int64),
-            response_prompt=np.array([number[k] for k in keys], dtype=np.int64),
-        )
-
-    def load(self, path: str | pathlib.Path) -> None:
-        """Replace the history by the responses saved in `path` (rows in flight are dropped)."""
-        try:
-            data = np.load(path)
-            if len(data["response_lens"]) == 0:
-                self.clear()
-                return
-            prompts = np.split(data["prompt_tokens"].astype(np.int32), np.cumsum(data["prompt_lens"])[:-1])
-            responses = np.split(data["response_tokens"].astype(np.int32), np.cumsum(data["response_lens"])[:-1])
-            owners = data["response_prompt"]
-        except (OSError, KeyError, ValueError) as error:
-            raise ValueError(f"cannot load a suffix history from {str(path)!r}: {error}") from error
-        self.clear()
-        self._add_history([(prompts[int(o)].tobytes(), r) for o, r in zip(owners, responses)])
-        self._evict()
-
-    # ---- the generator's hooks ---------------------------------------------------------------------------------
-
-    def reset(self) -> None:
-        self.clear()
-
-    def begin(self) -> None:
-        """A call starts: rows left in flight by an interrupted call (or the warm-up) are removed; a store that
-        holds more dead tokens than live ones is rebuilt."""
-        self.flush()
-        stale = self._in_flight.nonzero()[0]
-        if stale.size:
-            self._remove_rows(stale)
-        live = sum(len(r) for _, r in self.history) + sum(len(e.prompt) for e in self.prompts.values())
-        if self._dead_tokens > max(live, 1 << 16):
-            history = list(self.history)
-            self.clear()
-            self._add_history(history)
-
-    def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
-        rows = np.arange(row_start, row_start + len(states))
-        groups = group_of.cpu().numpy()
-        entries = self._prompt_tries([np.asarray(p, dtype=np.int32) for p in prompts])
-        for row, group in zip(rows.tolist(), groups.tolist()):
-            entries[group].num_rows += 1
-            self._slot_prompt[row] = entries[group].prompt.tobytes()
-            self._prompt_len[row] = self._num_inserted[row] = len(prompts[group])
-        roots = np.array([e.root for e in entries])[groups]
-        self._frontiers[:, rows] = self._start_responses(roots)
-        self._in_flight[rows] = True
-
-    def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
-        src, dst = src.cpu().numpy(), dst.cpu().numpy()
-        self._frontiers[:, dst] = self._frontiers[:, src]
-        for array in (self._num_inserted, self._prompt_len, self._in_flight):
-            array[dst] = array[src]
-        self._responses[dst, :num_positions] = self._responses[src, :num_positions]
-        for s, d in zip(src.tolist(), dst.tolist()):
-            self._slot_prompt[d] = self._slot_prompt[s]
-        moved_away = np.setdiff1d(src, dst)  # the rows live at dst now
-        self._in_flight[moved_away] = False
-
-    def finish(self, rows: list[int], token_ids: Tensor, num_tokens: list[int]) -> None:
-        """Rows finished: keep their responses as history. Their last tokens go into the tries with the next step's
-        (one insertion per step instead of two; before anything drafts, counts or evicts)."""
-        rows_np = np.asarray(rows, dtype=np.int64)
-        self._sync(rows_np, token_ids[rows].numpy(), np.asarray(num_tokens, dtype=np.int64), defer=True)
-        finished = []
-        for row in rows:
-            key = self._slot_prompt[row]
-            entry = self.prompts[key]
-            entry.num_rows -= 1
-            entry.num_responses += 1
-            finished.append((key, self._responses[row, : self._num_inserted[row] - self._prompt_len[row]].copy()))
-        self._in_flight[rows_np] = False
-        self.history.extend(finished)
-        self._deferred_responses += len(finished)
-        self._evict()
-
-    def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
-        rows = np.arange(len(num_tokens))
-        self._sync(rows, token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64))
 
     def propose(self, batch: ProposalBatch) -> Drafts:
+        """Take in the tokens each row gained, then draft: a chain per asked row, or with `num_candidates > 1` a
+        token tree of at most K nodes."""
         num_rows = len(batch.num_tokens)
         rows = np.arange(num_rows)
         self._sync(rows, batch.token_ids.numpy(), np.asarray(batch.num_tokens, dtype=np.int64))
@@ -351,136 +180,6 @@ class SuffixProposer(Proposer):
             candidates[kept_rows[top], rank[top]] = tokens[kept[top]]
         token_ids, parents, counts = merge_candidates(torch.from_numpy(candidates), asked.tolist())
         return Drafts(token_ids, counts, parents=parents)
-
-    # ---- keeping the tries in step with the rows -------------------------------------------------------------------
-
-    def _start_responses(self, roots: np.ndarray) -> np.ndarray:
-        """`[2, N, D]` frontiers of N new responses (prompt trie, global trie), the separator inserted."""
-        starts = np.concatenate([roots, np.full(len(roots), self.global_root)])
-        separators = np.full(2 * len(roots), self.separator)
-        return self.index.extend(self.index.start(starts), separators).reshape(2, len(roots), -1)
-
-    def _sync(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, defer: bool = False) -> None:
-        """Insert the tokens each row gained since the last call (`token_ids [len(rows), T]`), with the deferred
-        ones. `defer` (finishing rows): keep the tokens for the next insertion instead."""
-        rewound = (num_tokens < self._num_inserted[rows]).nonzero()[0]
-        if rewound.size:  # a row rolled back (the warm-up's probes): start its response over
-            slots = rows[rewound]
-            roots = np.array([self.prompts[self._slot_prompt[s]].root for s in slots.tolist()])
-            self._frontiers[:, slots] = self._start_responses(roots)
-            self._num_inserted[slots] = self._prompt_len[slots]
-        start = self._num_inserted[rows]
-        lengths = num_tokens - start
-        grow = (lengths > 0).nonzero()[0]
-        if grow.size == 0:
-            if not defer:
-                self.flush()
-            return
-        rows, start, lengths = rows[grow], start[grow], lengths[grow]
-        offsets = np.arange(int(lengths.max()))
-        cols = np.minimum(start[:, None] + offsets, token_ids.shape[1] - 1)
-        new = token_ids[grow[:, None], cols]  # [G, max new]
-        valid = offsets[None, :] < lengths[:, None]
-        columns = (start - self._prompt_len[rows])[:, None] + offsets[None, :]
-        self._responses[np.repeat(rows, lengths), columns[valid]] = new[valid]
-        self._num_inserted[rows] = num_tokens[grow]
-        frontiers = self._frontiers[:, rows].reshape(2 * len(rows), -1)  # both tries
-        both = (frontiers, np.concatenate([new, new]), np.concatenate([lengths, lengths]))
-        if defer:
-            self._deferred.append(both)
-            return
-        self._frontiers[:, rows] = self._insert(*both).reshape(2, len(rows), -1)
-
-    def _insert(self, frontiers: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Insert `tokens [N, L]` (`lengths [N]`) after `frontiers [N, D]` together with the deferred rows' tokens
-        (one call per position for both); returns the N new frontiers."""
-        parts = [*self._deferred, (frontiers, tokens, lengths)]
-        self._deferred, self._deferred_responses = [], 0
-        if len(parts) > 1:
-            all_tokens = np.zeros((sum(len(t) for _, t, _ in parts), max(t.shape[1] for _, t, _ in parts)), np.int64)
-            first = 0
-            for _, part, _ in parts:  # each part's tokens in its rows' first columns (the rest is past the lengths)
-                all_tokens[first : first + len(part), : part.shape[1]] = part
-                first += len(part)
-            frontiers, tokens = np.concatenate([f for f, _, _ in parts]), all_tokens
-            lengths = np.concatenate([n for _, _, n in parts])
-        inserted = self.index.insert(frontiers, tokens, lengths)
-        return inserted[len(inserted) - len(parts[-1][0]) :]
-
-    def flush(self) -> None:
-        """Insert the finished rows' last tokens now (`finish` defers them to the next step's insertion): the tries
-        then hold exactly the cached responses and the rows in flight."""
-        if self._deferred:
-            depth = self.max_tree_depth
-            self._insert(np.zeros((0, depth), np.int32), np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
-        self._deferred_responses = 0
-
-    def _prompt_tries(self, prompts: list[np.ndarray]) -> list[_PromptTrie]:
-        """The trie of each prompt (`[P]` int32 arrays), created for those not seen before: all new prompts go into
-        their tries in one insertion."""
-        keys = [p.tobytes() for p in prompts]
-        new = {key: prompt for key, prompt in zip(keys, prompts) if key not in self.prompts}
-        if new:
-            entries = [_PromptTrie(self.index.new_root(), prompt) for prompt in new.values()]
-            self.index.add_sequences(np.array([e.root for e in entries]), *_padded([e.prompt for e in entries]))
-            self.prompts.update(zip(new, entries))
-        return [self.prompts[key] for key in keys]
-
-    def _add_history(self, responses: list[tuple[bytes, np.ndarray]]) -> None:
-        """Insert finished responses (oldest first) into their prompt tries and the global trie."""
-        if not responses:
-            return
-        entries = self._prompt_tries([np.frombuffer(k, dtype=np.int32) for k, _ in responses])
-        for entry in entries:
-            entry.num_responses += 1
-        self._apply([e.root for e in entries], [r for _, r in responses], +1)
-        self.history.extend(responses)
-
-    def _evict(self) -> None:
-        """Drop the oldest responses past `max_cached_requests`, and prompt tries nothing refers to any more."""
-        excess = len(self.history) - self.max_cached_requests
-        if excess <= 0:
-            return
-        if excess > len(self.history) - self._deferred_responses:  # removing a response needs all of it inserted
-            self.flush()
-        evicted = [self.history.popleft() for _ in range(excess)]
-        entries = [self.prompts[k] for k, _ in evicted]
-        self._apply([e.root for e in entries], [r for _, r in evicted], -1)
-        for (key, response), entry in zip(evicted, entries):
-            entry.num_responses -= 1
-            self._dead_tokens += len(response)
-            self._drop_if_unused(key)
-
-    def _remove_rows(self, slots: np.ndarray) -> None:
-        """Take rows in flight out of the tries (their response so far) without keeping them as history."""
-        keys = [self._slot_prompt[s] for s in slots.tolist()]
-        responses = [self._responses[s, : self._num_inserted[s] - self._prompt_len[s]] for s in slots.tolist()]
-        self._apply([self.prompts[k].root for k in keys], responses, -1)
-        self._in_flight[slots] = False
-        for key, response in zip(keys, responses):
-            self.prompts[key].num_rows -= 1
-            self._dead_tokens += len(response)
-            self._drop_if_unused(key)
-
-    def _drop_if_unused(self, key: bytes) -> None:
-        entry = self.prompts.get(key)
-        if entry is not None and entry.num_rows == 0 and entry.num_responses == 0:
-            self._dead_tokens += len(entry.prompt)  # its trie is unreachable now
-            del self.prompts[key]
-
-    def _apply(self, roots: list[int], responses: list[np.ndarray], delta: int) -> None:
-        """Insert (+1) or remove (-1) whole responses, separator first, in their prompt tries and the global trie."""
-        tokens, lengths = _padded([np.concatenate(([self.separator], r)) for r in responses])
-        starts = np.concatenate([np.asarray(roots), np.full(len(roots), self.global_root)])
-        self.index.add_sequences(starts, np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]), delta)
-
-
-def _padded(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Token sequences as rows `[N, longest]` int64 (0 past each one's end) and their lengths `[N]`."""
-    lengths = np.array([len(q) for q in sequences], dtype=np.int64)
-    tokens = np.zeros((len(sequences), int(lengths.max(initial=0))), dtype=np.int64)
-    tokens[np.arange(tokens.shape[1])[None, :] < lengths[:, None]] = np.concatenate(sequences)
-    return tokens, lengths
 
 
 def _best_of_each(groups: np.ndarray, *keys: np.ndarray) -> np.ndarray:
