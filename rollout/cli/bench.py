@@ -167,7 +167,8 @@ def _baseline_row(recipe: Recipe, inputs: RecipeInputs, params: SamplingParams) 
     size = batch_size(recipe, inputs, None)
     sampling = dict(do_sample=params.temperature > 0, max_new_tokens=params.max_new_tokens, pad_token_id=pad)
     if params.temperature > 0:
-        sampling.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k or None)
+        # top_k 0 is "off" for transformers too; None would take its default of 50 and sample another distribution
+        sampling.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     if stop_ids:
         sampling["eos_token_id"] = sorted(stop_ids)
 

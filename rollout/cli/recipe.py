@@ -85,6 +85,8 @@ class RolloutRecipe:
         num_rollouts: rollout run: rollouts made one after another (drafting history grows between them).
         prompts_per_rollout: prompts per rollout, taken in order and cycled; null = all of them.
         non_finite_rewards_as_null: a NaN/inf reward: false = stop, naming it; true = record it as null.
+        kv_layout: the KV cache: auto = paged on a GPU, slots on a CPU; paged = blocks that follow the tokens in
+            flight, read by the attention function registered with transformers; slots = a dense cache and 4D masks.
     """
 
     max_batch_size: Any = 64
@@ -93,9 +95,14 @@ class RolloutRecipe:
     num_rollouts: int = 1
     prompts_per_rollout: int | None = None
     non_finite_rewards_as_null: bool = False
+    kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.num_rollouts >= 1, f"rollout.num_rollouts ({self.num_rollouts}) must be >= 1")
+        _require(
+            self.kv_layout in ("auto", "paged", "slots"),
+            f"rollout.kv_layout ({self.kv_layout!r}) must be one of auto, paged, slots",
+        )
         p = self.prompts_per_rollout
         _require(p is None or p >= 1, f"rollout.prompts_per_rollout ({p}) must be >= 1, or null for all prompts")
         size = self.max_batch_size

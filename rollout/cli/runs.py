@@ -104,6 +104,7 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None, 
         system_prompt=d.system_prompt,
         tail_fraction=recipe.rollout.tail_fraction,
         non_finite_rewards_as_null=recipe.rollout.non_finite_rewards_as_null,
+        kv_layout=recipe.rollout.kv_layout,
     )
 
 

@@ -230,8 +230,17 @@ class Generator(Admission, DecodeStep):
         self.abort()
         if self.proposers is not None:
             self.proposers.begin()
+        # room for the longest request now, at admission, rather than by growing the caches mid-rollout
+        longest = max(len(seq.prompt) + seq.max_new_tokens for seq in sequences) + self.max_block
+        for runner in self._runners():
+            runner.reserve_positions(min(longest, runner.num_positions))
         self._queue.extend(sequences)
         return sequences
+
+    def _runners(self) -> list[ModelRunner]:
+        """The target's model runner and a draft model's."""
+        drafts = self.proposers.proposers.values() if self.proposers is not None else ()
+        return [self.runner, *(p.runner for p in drafts if isinstance(getattr(p, "runner", None), ModelRunner))]
 
     @property
     def has_unfinished(self) -> bool:

@@ -102,6 +102,12 @@ class ModelRunner:
         """Row `dst[i]` holds what row `src[i]` holds (paged: the same blocks, shared; slots: a copy)."""
         self.cache.copy_rows(src, dst, num_positions)
 
+    def reserve_positions(self, num_positions: int) -> None:
+        """Room for rows of `num_positions` positions (the slot layout allocates it now, where a forward would grow
+        it on demand; a paged pool grows block by block)."""
+        if not self.paged:
+            self.cache.ensure_capacity(num_positions)
+
     def release_rows(self, start: int, stop: int) -> None:
         """Rows `[start, stop)` are no longer in flight: a paged cache frees the blocks no other row holds."""
         if self.paged:
