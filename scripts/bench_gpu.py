@@ -48,8 +48,9 @@ from rollout.phases import PHASES, PhaseLabeler, summarize  # noqa: E402
 from rollout.tasks import format_prompt, generate_problems  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 
-ROWS = ("none", "hf_generate", "generate_batch", "suffix", "suffix+draft", "draft", "suffix_k4", "ngram")
-ROWS += ("suffix_k2", "suffix_k1", "trl")  # the most wanted first: a run short of budget skips the last
+ROWS = ("none", "none_slots", "hf_generate", "generate_batch", "suffix", "suffix+draft", "draft", "suffix_k4")
+# the most wanted first: a run short of budget skips the last; *_slots: the same row on the slot KV layout
+ROWS += ("ngram", "suffix_slots", "suffix_k2", "suffix_k1", "trl")
 DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
     "cuda": dict(model="tiny-target-1b", draft="tiny-draft-150m", dtype="bfloat16", sizes="64x8,256x8",
                  max_new_tokens=1024, hf_batch_size=512, max_batch_size=1024, budget_s=440.0, row_cap_s=150.0,
@@ -165,6 +166,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="CUDA bfloat16; CPU float32")
     parser.add_argument("--max-new-tokens", type=int, help="CUDA 1024; CPU 32")
     parser.add_argument("--max-k", type=int, default=4, help="num_speculative_tokens of the auto-K rows")
+    parser.add_argument(
+        "--kv-layout", choices=("auto", "paged", "slots"), default="auto",
+        help="the generator rows' KV layout (auto: paged on a GPU); the *_slots rows always take the slot layout",
+    )  # fmt: skip
     parser.add_argument("--max-batch-size", type=int, help="generator slots at most (1024; lowered to fit memory)")
     parser.add_argument("--hf-batch-size", type=int, help="rows per model.generate call (CUDA 512; CPU 8)")
     parser.add_argument("--budget-s", type=float, help="the whole run (CUDA 440, quick 165): rows that won't fit skip")
@@ -232,6 +237,7 @@ def kv_bytes_per_token(model) -> int:
 
 
 def spec_for(row_id: str, args, draft) -> SpecConfig | None:
+    row_id = row_id.removesuffix("_slots")  # the same configuration on the slot KV layout
     if row_id == "none":
         return None
     if row_id.startswith("suffix_k"):
@@ -246,6 +252,8 @@ def spec_for(row_id: str, args, draft) -> SpecConfig | None:
 
 
 def row_label(row_id: str) -> str:
+    if row_id.endswith("_slots"):
+        return f"{row_label(row_id.removesuffix('_slots'))} (slots)"
     if row_id.startswith("suffix_k"):
         return f"suffix K={row_id.removeprefix('suffix_k')}"
     return row_id if row_id in ("none", "hf_generate", "generate_batch") else f"{row_id} auto"
@@ -429,14 +437,16 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
     spec = spec_for(row_id, args, ctx["draft"])
     max_seq_len = max(len(p) for p in prompts) + args.max_new_tokens
     slots = min(len(prompts) * n, args.max_batch_size)
-    with contextlib.suppress(ImportError):  # the memory plan the README names; should a rewrite drop it, try all
+    layout = "slots" if row_id.endswith("_slots") else args.kv_layout
+    if layout == "slots" or (layout == "auto" and device.type != "cuda"):  # a paged pool admits by its blocks
         from rollout.engine.memory_plan import fitting_batch_size
 
         slots = fitting_batch_size(model, spec, max_seq_len, slots)
     mark, start = memory_mark(device), time.perf_counter()
-    gen = Generator(model, max_batch_size=slots, max_seq_len=max_seq_len, spec=spec)
+    gen = Generator(model, max_batch_size=slots, max_seq_len=max_seq_len, spec=spec, kv_layout=layout)
     warm_up(gen, prompts, spec)
     shared = {"slots": slots, "kv_cache_bytes": gen.kv_cache_bytes, "setup_seconds": time.perf_counter() - start}
+    shared["kv_layout"] = gen.runner.kv_layout
     rows = []
     for seed, share in ((1, 0.45), (2, 0.9)):  # each rollout its share of the row's time: room for the probe
         params = SamplingParams(n=n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=seed)
