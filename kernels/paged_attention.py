@@ -209,6 +209,7 @@ def _paged_attention_kernel(
                 scores = tl.dot(q, tl.trans(k)) * scale
         else:
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale
+        committed = offs_n < cache_len
         new = offs_n >= cache_len
         j = offs_n - cache_len
         if HAS_TREE:
@@ -218,7 +219,7 @@ def _paged_attention_kernel(
         else:
             sees = j[None, :] <= offs_m[:, None]
             k_depth = j
-        visible = q_valid[:, None] & k_valid[None, :] & ((~new)[None, :] | sees)
+        visible = q_valid[:, None] & k_valid[None, :] & (committed[None, :] | sees)
         if HAS_WINDOW:
             k_pos = tl.where(new, cache_len + k_depth, offs_n)
             visible = visible & ((q_pos[:, None] - k_pos[None, :]) < window)

@@ -148,6 +148,17 @@ class Generator(Admission, DecodeStep):
         return self.runner.vocab_size
 
     @property
+    def max_uniform_context(self) -> int:
+        """The longest context every slot can hold at once, with room for a full-width step after it: `max_seq_len`,
+        or less where a paged pool is smaller than every slot at full length (the auto policy's calibration fills
+        every slot)."""
+        if not self.runner.paged:
+            return self.max_seq_len
+        cache = self.runner.cache
+        per_row = cache.max_blocks // self.max_batch_size - 2  # a step's new block and a copied shared one
+        return max(1, min(self.max_seq_len, per_row * cache.block_size - self.max_block))
+
+    @property
     def draft_history(self) -> SuffixProposer | None:
         """The suffix proposer's history of earlier responses (`clear()`, `save(path)`, `load(path)`, `stats()`), kept
         across `generate` calls; None without `method="suffix"`."""

@@ -50,8 +50,10 @@ class StepTimer:
     def __init__(self, engine: Engine, num_speculative_tokens: int, num_prompts: int = 4):
         self.engine = engine
         self.max_batch_size = engine.max_batch_size
-        # the longest context whose rows can take K drafts and a bonus token without reaching the length cap
-        self.max_context = max(1, engine.max_seq_len - num_speculative_tokens - 3)
+        # the longest context whose rows can take K drafts and a bonus token without reaching the length cap (or, in a
+        # paged pool smaller than every slot at full length, without running out of blocks)
+        longest = min(engine.max_seq_len, getattr(engine, "max_uniform_context", engine.max_seq_len))
+        self.max_context = max(1, longest - num_speculative_tokens - 3)
         self.num_prompts = min(num_prompts, engine.max_batch_size)
         self.noise = torch.Generator().manual_seed(0)
         self.rows: list = []

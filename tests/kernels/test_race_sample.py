@@ -83,7 +83,7 @@ def test_reference_bound_room_is_a_tight_lower_bound_of_one_minus_u():
     low = torch.randint(0, 2**41, (64, 20), generator=generator)
     mixed[:, :20] = low - 2**41  # bits 63..41 all ones
     mixed[:, 20:40] = low  # all zeros
-    mixed[:, 40:60] = low | (1 << 63)  # bit 63 set: the last round flips bit 32
+    mixed[:, 40:60] = low | -(2**63)  # bit 63 set (int64 min: 1 << 63 overflows): the last round flips bit 32
     room = _room(mixed, torch.empty_like(mixed)).to(torch.float64)
     finished = _mix_rounds_ref(mixed.clone(), torch.empty_like(mixed), range(2, 3))
     one_minus_u = 1.0 - _uniforms_of(_finished_bits(finished))
