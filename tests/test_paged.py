@@ -175,5 +175,24 @@ def test_block_manager_shares_copies_on_write_and_frees():
     assert manager.num_used == 4
     manager.release(np.array([0, 1, 2]))
     assert manager.num_used == 0 and manager.num_free == 6
+    manager.allocate(np.array([0, 1]), np.array([12, 12]))  # every block in use, then a grown pool
+    manager.grow(9)
+    manager.allocate(np.array([2]), np.array([12]))
+    manager.release(np.array([0, 1, 2]))  # every block back, those from before the growth too
+    assert manager.num_free == 9 and sorted(manager.free) == list(range(9))
     slots = manager.slots(np.array([3]), np.array([[-1, 0]]))
     assert slots[0, 0] == -1
+
+
+def test_a_cpu_pool_grows_as_rows_need_blocks_and_gets_every_block_back():
+    model = make_model("llama")
+    prompts = random_prompts(4, min_len=20, max_len=30, seed=10)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=100, seed=0)
+    reference = Generator(model, max_batch_size=16, max_seq_len=140).generate(prompts, params)
+    gen = Generator(model, max_batch_size=16, max_seq_len=140, kv_layout="paged")
+    first = gen.runner.cache.num_blocks
+    outs = gen.generate(prompts, params)
+    assert gen.runner.cache.num_blocks > first, "the pool never grew: nothing was tested"
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert gen.runner.cache.manager.num_free == gen.runner.cache.num_blocks
+    assert gen.generate(prompts, params)[0].token_ids == reference[0].token_ids  # and serves the next call

@@ -43,7 +43,10 @@ class BlockManager:
     def grow(self, num_blocks: int) -> None:
         """Add blocks `[self.num_blocks, num_blocks)` to the pool (the caller grows its tensors to match)."""
         added = np.arange(num_blocks - 1, self.num_blocks - 1, -1, dtype=np.int64)  # taken lowest first
-        self.free = np.concatenate([self.free[: self.num_free], added])
+        free = np.zeros(num_blocks, dtype=np.int64)  # room for every block: all may come back
+        free[: self.num_free] = self.free[: self.num_free]
+        free[self.num_free : self.num_free + len(added)] = added
+        self.free = free
         self.num_free += len(added)
         self.refs = np.concatenate([self.refs, np.zeros(len(added), dtype=np.int32)])
         self.num_blocks = num_blocks
