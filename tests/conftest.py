@@ -87,6 +87,7 @@ def model_factory():
 # wrapped and TRITON_INTERPRET=1 (above) runs the same kernels on the CPU.
 
 LAUNCHERS = ("greedy_verify", "rejection_sample", "tree_greedy_verify", "tree_rejection_sample", "compact_kv_")
+LAUNCHERS += ("paged_attention", "store_kv_")
 GPU_CALLS = [0]  # launcher calls that ran on the GPU (reported at the end of the session)
 
 

@@ -54,10 +54,11 @@ class Admission:
         row_start = self.num_active
         logits = self.runner.prefill(row_start, prompts)
         sequences = [seq for group in groups for seq in group]
-        group_of = torch.tensor([g for g, group in enumerate(groups) for _ in group], device=self.device)
+        # row indices stay on the host (the caches and proposers take them there: no device read-back)
+        group_of = torch.tensor([g for g, group in enumerate(groups) for _ in group])
         width = max(len(p) for p in prompts)
         if len(sequences) > len(groups):  # fan each prompt's KV out to its samples' slots
-            dst = torch.arange(row_start, row_start + len(sequences), device=self.device)
+            dst = torch.arange(row_start, row_start + len(sequences))
             self.runner.copy_rows(row_start + group_of, dst, num_positions=width)
         if self.proposers is not None and self.proposers.needs_prefill:
             self.proposers.prefill(row_start, prompts, group_of, [seq.proposer_state for seq in sequences])
@@ -66,7 +67,7 @@ class Admission:
         rows = slice(row_start, row_start + len(sequences))
         uniforms = self._uniforms(rows, torch.zeros(len(sequences), dtype=torch.long))
         result = verify(
-            logits[group_of],
+            logits[group_of.to(self.device)],
             torch.zeros(len(sequences), dtype=torch.long, device=self.device),
             layout_drafts([0] * len(sequences), None),
             None,
@@ -106,8 +107,7 @@ class Admission:
         assert len(holes) == len(movers), f"expected as many holes as movers, got {len(holes)} and {len(movers)}"
         if movers:
             longest = min(int(s.num_tokens[movers].max()) + 1, self.runner.num_positions)
-            src = torch.tensor(movers, device=self.device)
-            dst = torch.tensor(holes, device=self.device)
+            src, dst = torch.tensor(movers), torch.tensor(holes)  # host: the caches and proposers take them there
             self.runner.copy_rows(src, dst, num_positions=longest)
             if self.proposers is not None:
                 self.proposers.copy_rows(src, dst, longest)

@@ -46,7 +46,7 @@ class DraftModelProposer(Proposer):
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
         self.runner.prefill(row_start, prompts)
         if len(states) > len(prompts):
-            dst = torch.arange(row_start, row_start + len(states), device=group_of.device)
+            dst = torch.arange(row_start, row_start + len(states))
             self.runner.copy_rows(row_start + group_of, dst, max(len(p) for p in prompts))
         rows = slice(row_start, row_start + len(states))
         self._reserve(rows.stop, 1)

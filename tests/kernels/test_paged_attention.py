@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from rollout_kernels.paged_attention import paged_attention, paged_attention_ref, store_kv_, store_kv_ref_
+from rollout_kernels import paged_attention, paged_attention_ref, store_kv_, store_kv_ref_
 
 torch.set_num_threads(1)
 
