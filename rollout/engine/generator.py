@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from rollout.engine.admission import Admission
 from rollout.engine.decode_step import DecodeStep
-from rollout.engine.memory_plan import plan_kv_cache
+from rollout.engine.memory_plan import check_kv_cache_fits, plan_kv_cache
 from rollout.engine.model_runner import ModelRunner, eval_mode
 from rollout.engine.requests import check_params, check_prompts, eos_token_ids, make_sequences
 from rollout.engine.sampling import Completion, SamplingParams
@@ -35,7 +35,7 @@ from rollout.engine.slots import SlotState
 from rollout.engine.speculation import build_policy, build_proposers, default_route
 from rollout.engine.step_timer import StepTimer
 from rollout.engine.trace import StepRecord
-from specdec.auto_policy import StepObservation
+from specdec.auto_policy import AutoPolicy, StepObservation
 from specdec.config import SpecConfig
 from specdec.proposers.suffix import SuffixProposer
 
@@ -120,6 +120,8 @@ class Generator(Admission, DecodeStep):
             model, spec, max_batch_size, max_seq_len, kv_layout, kv_pool_blocks
         )
         self.runner = ModelRunner(model, max_batch_size, num_positions, kv_layout, max_kv_blocks)  # checks the model
+        if max_kv_blocks is not None and not self.runner.paged:  # planned paged, but the model runs on slots
+            self.kv_cache_bytes = check_kv_cache_fits(model, spec, max_batch_size, max_seq_len)
         self.device = self.runner.device
         self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
         self._methods = spec.methods if spec else ()
@@ -135,13 +137,30 @@ class Generator(Admission, DecodeStep):
         self.num_active = 0  # rows [0, num_active) are in flight
         self._lock = threading.Lock()  # one generate call at a time
         self._admissions = itertools.count()  # admission order: a paged cache short of blocks preempts the latest
-        self.warm_up_seconds = 0.0
-        if self.policy is not None:  # the policy measures what it needs (auto: step times, as vLLM profiles)
-            start = time.perf_counter()
-            with StepTimer(self, spec.num_speculative_tokens) as timer:
+        self.warm_up_seconds = 0.0  # the K policy's calibration, paid once before the first call's first step
+        if isinstance(self.policy, AutoPolicy) and self.max_uniform_context < self.max_block + 4:
+            cache = self.runner.cache
+            raise ValueError(
+                f"kv_pool_blocks ({cache.max_blocks}) holds {cache.max_blocks // max_batch_size} blocks of "
+                f"{cache.block_size} tokens per slot: the auto policy's warm-up fills every slot at once and needs "
+                f"more; raise kv_pool_blocks, lower max_batch_size, or give a static K or a table"
+            )
+        self._calibrated = self.policy is None
+        self._calibrating = False
+
+    def _calibrate(self, longest: int) -> None:
+        """The K policy measures what it needs (auto: step times, as vLLM profiles), up to the contexts of `longest`
+        tokens the first call's requests reach (not `max_seq_len`: memory follows the rollout, not the cap)."""
+        start = time.perf_counter()
+        self._calibrating = True
+        try:
+            with StepTimer(self, self.spec.num_speculative_tokens, max_context=longest) as timer:
                 self.policy.calibrate(timer)
-            self.proposers.reset()  # the calibration's random rows are no drafting material
-            self.warm_up_seconds = time.perf_counter() - start
+        finally:
+            self._calibrating = False
+        self._calibrated = True
+        self.proposers.reset()  # the calibration's random rows are no drafting material
+        self.warm_up_seconds = time.perf_counter() - start
 
     @property
     def vocab_size(self) -> int:
@@ -238,11 +257,13 @@ class Generator(Admission, DecodeStep):
         per_prompt = check_params(params, len(prompt_ids), self._methods)
         max_k = self.spec.num_speculative_tokens if self.spec is not None else 0
         sequences = make_sequences(prompt_ids, per_prompt, self.eos_token_ids, self.max_seq_len, max_k, seed_indices)
+        longest = max(len(seq.prompt) + seq.max_new_tokens for seq in sequences) + self.max_block
+        if not self._calibrated and not self._calibrating:  # the calibration adds requests of its own
+            self._calibrate(longest)
         self.abort()
         if self.proposers is not None:
             self.proposers.begin()
         # room for the longest request now, at admission, rather than by growing the caches mid-rollout
-        longest = max(len(seq.prompt) + seq.max_new_tokens for seq in sequences) + self.max_block
         for runner in self._runners():
             runner.reserve_positions(min(longest, runner.num_positions))
         self._queue.extend(sequences)
@@ -260,7 +281,8 @@ class Generator(Admission, DecodeStep):
     def abort(self) -> None:
         """Drop every request queued or in flight (their KV is garbage the next admission overwrites)."""
         self._queue.clear()
-        self.runner.release_rows(0, self.num_active)
+        # every slot, not only those in flight: a restore to fewer rows left the others holding their blocks
+        self.runner.release_rows(0, self.max_batch_size)
         self.num_active = 0
 
     def step(

@@ -96,10 +96,11 @@ class PagedKVCache:
         """Blocks a row could still get: free ones plus those the pool may grow by."""
         return self.manager.num_free + self.max_blocks - self.manager.num_blocks
 
-    def reserve(self, rows: np.ndarray, num_positions: np.ndarray) -> None:
-        """Blocks for the first `num_positions[i]` positions of each row, growing the pool if it must; raises
-        OutOfBlocks (nothing changed) past the planned size."""
-        needed = self.manager.needed(rows, num_positions)
+    def reserve(self, rows: np.ndarray, num_positions: np.ndarray, write_from: np.ndarray | None = None) -> None:
+        """Blocks for the first `num_positions[i]` positions of each row, growing the pool if it must (with
+        `write_from`, also for the copies of shared blocks the rows will write from there on); raises OutOfBlocks
+        (nothing changed) past the planned size."""
+        needed = self.manager.needed(rows, num_positions, write_from)
         if needed > self.manager.num_free:
             self._grow(self.manager.num_blocks - self.manager.num_free + needed)
         self.manager.allocate(rows, num_positions)
@@ -133,8 +134,8 @@ class PagedKVCache:
         rows = np.arange(row_start, row_start + num_rows)
         lens, first, count = cache_lens.numpy(), query_start.numpy(), num_queries.numpy()
         end = lens + count
-        self.reserve(rows, end)
         writing = count > 0
+        self.reserve(rows[writing], end[writing], lens[writing])  # new blocks, and room for the shared ones copied
         sources, targets = self.manager.writable(rows[writing], lens[writing], end[writing])
         if len(sources):
             src = torch.from_numpy(sources).to(self.device)

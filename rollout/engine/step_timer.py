@@ -45,15 +45,20 @@ class StepTimer:
         engine: the generator.
         num_speculative_tokens: the largest K that will be timed (rows keep room for K drafts and the bonus).
         num_prompts: distinct prompts fanned out to the slots.
+        max_context: the longest context to time (default: what the generator holds).
     """
 
-    def __init__(self, engine: Engine, num_speculative_tokens: int, num_prompts: int = 4):
+    def __init__(
+        self, engine: Engine, num_speculative_tokens: int, num_prompts: int = 4, max_context: int | None = None
+    ):
         self.engine = engine
         self.max_batch_size = engine.max_batch_size
+        self.num_speculative_tokens = num_speculative_tokens
         # the longest context whose rows can take K drafts and a bonus token without reaching the length cap (or, in a
-        # paged pool smaller than every slot at full length, without running out of blocks)
+        # paged pool smaller than every slot at full length, without running out of blocks), and no longer than
+        # `max_context` (the rollout's longest request: timing longer contexts would only take memory)
         longest = min(engine.max_seq_len, getattr(engine, "max_uniform_context", engine.max_seq_len))
-        self.max_context = max(1, longest - num_speculative_tokens - 3)
+        self.max_context = max(1, min(longest, max_context or longest) - num_speculative_tokens - 3)
         self.num_prompts = min(num_prompts, engine.max_batch_size)
         self.noise = torch.Generator().manual_seed(0)
         self.rows: list = []
@@ -83,15 +88,16 @@ class StepTimer:
             e.max_batch_size // self.num_prompts + (i < e.max_batch_size % self.num_prompts)
             for i in range(self.num_prompts)
         ]
+        room = self.num_speculative_tokens + 2  # one full-width step after the first token: each is restored after
         params = [
-            SamplingParams(n=n, temperature=1.0, max_new_tokens=e.max_seq_len, seed=0, ignore_eos=True)
-            for n in per_prompt
+            SamplingParams(n=n, temperature=1.0, max_new_tokens=room, seed=0, ignore_eos=True) for n in per_prompt
         ]
         e.add_requests(prompts, params)
         e.step()  # the prefill admits every row
         # the first sampled token is random: continue the period instead, so that a lookup matches from the first
         # step (it is pending, not in the KV cache: nothing else changes)
-        self.rows = [dataclasses.replace(r, pending=r.sequence.prompt[context % 4]) for r in e.snapshot()]
+        rows = e.snapshot()
+        self.rows = [dataclasses.replace(r, pending=int(pattern[r.sequence.prompt_index, context % 4])) for r in rows]
         assert len(self.rows) == e.max_batch_size, f"expected every slot filled, got {len(self.rows)}"
 
     def time_step(self, num_rows: int, num_draft_tokens: int, with_models: bool | None = None) -> StepObservation:

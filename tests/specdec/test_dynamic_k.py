@@ -145,6 +145,9 @@ def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace(method)
         max_seq_len=64,
         spec=SpecConfig(method=method, num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"),
     )
+    assert not gen.policy.step_times.profile  # the warm-up waits for the first requests: it times their contexts
+    gen.add_requests([[5, 6, 7, 8]], SamplingParams(max_new_tokens=60))  # a request as long as max_seq_len
+    assert gen.warm_up_seconds > 0
     profile = gen.policy.step_times.profile
     # B: powers of 4 and the slot count; context: 32 tokens and the longest that leaves room for K drafts and a bonus;
     # every other K at the second largest B
@@ -156,6 +159,15 @@ def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace(method)
     assert timed == grid  # the first pass not kept; a step timed twice is one entry
     assert all(t > 0 for times in profile.values() for t in times.values()) and gen.last_trace == []
     assert not gen.policy.step_times.measured.size  # nothing measured yet: the rollout's steps come next
+
+
+def test_the_warm_up_times_the_contexts_the_requests_reach_not_the_length_cap():
+    spec = SpecConfig(method="ngram", num_speculative_tokens=3, num_speculative_tokens_per_batch_size="auto")
+    gen = Generator(make_model("llama"), max_batch_size=8, max_seq_len=4096, spec=spec)
+    gen.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_new_tokens=40))
+    contexts = {c for times in gen.policy.step_times.profile.values() for c in times}
+    assert max(contexts) == 4 + 40 + 4 - 3 - 3  # the longest request (and a step's room) less K and a bonus
+    assert gen.runner.cache.capacity == 256  # the KV cache kept its first room (enough), not 4096 positions
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
