@@ -110,7 +110,7 @@ def _check_store(k_pool, v_pool, key, value, slot_mapping) -> None:
     if key.stride(3) != 1 or value.stride(3) != 1:
         raise ValueError("key and value need a contiguous last dimension")
     if key.dtype != k_pool.dtype or value.dtype != v_pool.dtype:
-        raise ValueError(f"key dtype {key.dtype} differs from the pool's {k_pool.dtype}")
+        raise ValueError(f"key and value ({key.dtype}, {value.dtype}) must have the pool's dtype {k_pool.dtype}")
     if slot_mapping.shape != key.shape[:1] + key.shape[2:3] or slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping must be int64 [rows, S] = {(key.shape[0], key.shape[2])}")
     if not slot_mapping.is_contiguous():

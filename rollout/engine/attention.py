@@ -56,6 +56,8 @@ def paged_attention_forward(
     step = rollout_step
     k_pool, v_pool = step.cache.pools(module.layer_idx)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    dtype = query.dtype  # under autocast (a trainer's bf16) the projections may differ from the pool's dtype
+    query, key, value = (t.to(k_pool.dtype) for t in (query, key, value))
     if query.is_cuda:
         store_kv_(k_pool, v_pool, key, value, step.slot_mapping)
         out = paged_attention(
@@ -71,7 +73,7 @@ def paged_attention_forward(
             step.depths,
             step.ancestors,
         )
-        return out, None
+        return out.to(dtype), None
     store_kv_ref_(k_pool, v_pool, key, value, step.slot_mapping)
     mask = step.masks.get(sliding_window)
     if mask is None:  # one mask a step (per window), shared by the layers
@@ -87,7 +89,7 @@ def paged_attention_forward(
             step.ancestors,
         )
         step.masks[sliding_window] = mask
-    return attend_gathered(query, k_pool, v_pool, step.block_tables, mask, scale), None
+    return attend_gathered(query, k_pool, v_pool, step.block_tables, mask, scale).to(dtype), None
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
