@@ -208,3 +208,23 @@ def test_paged_runs_under_a_trainers_bf16_autocast():
         outs = gen.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))
     assert all(len(o.token_ids) == 8 and all(-1e4 < lp <= 0 for lp in o.logprobs) for o in outs)
     assert gen.runner.cache.k_pools[0].dtype == torch.float32
+
+
+def test_paged_serves_a_lora_policy_in_train_mode():
+    """A trainer's PEFT-wrapped policy, adapters live and the model in train mode: the paged attention reaches its
+    layers through the wrapper, and greedy matches HF generate."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.1)  # adapters that change the outputs (a fresh LoRA is the identity)
+    prompts = random_prompts(3, seed=12)
+    model.eval()
+    expected = [hf_greedy(model, p, 8) for p in prompts]
+    model.train()
+    gen = Generator(model, max_batch_size=4, max_seq_len=32, kv_layout="paged")
+    assert gen.runner.kv_layout == "paged"
+    outs = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
+    assert [o.token_ids for o in outs] == expected and model.training
