@@ -2,7 +2,8 @@
 tokens (the longest row's cache: rows are padded to it), with or without draft-model passes.
 
 The warm-up (`AutoPolicy.calibrate`) times real steps on a grid of batch sizes, widths and contexts. A prediction
-reads the table and interpolates linearly: in context between the timed contexts (held flat outside them), in width
+reads the table and interpolates linearly: in context between the timed contexts (held flat below them, extended
+along the last two above them), in width
 between the timed widths (shaped by the batch size at which every width was timed: a width's cost is not a straight
 line in the width), and in batch size between the timed sizes (extrapolated along the last two beyond the largest).
 Repeated timings of one grid point keep the fastest.
@@ -101,10 +102,14 @@ class _Table:
 
     @staticmethod
     def _at_context(times: dict[int, float], context: int) -> float:
+        """Linear between the timed contexts, held at the shortest below them, and above the longest extended along
+        the last two (a step's attention reads grow with the context; the warm-up times contexts up to a cap),
+        never below the longest's time."""
         contexts = sorted(times)
-        context = min(max(context, contexts[0]), contexts[-1])
+        context = max(context, contexts[0])
         low, high = _bracket(contexts, context)
-        return _lerp(context, low, high, times[low], times[high])
+        value = _lerp(context, low, high, times[low], times[high])
+        return max(value, times[contexts[-1]]) if context > contexts[-1] else value
 
 
 class StepTimeTable:

@@ -61,6 +61,9 @@ class RowSnapshot:
     proposer_state: dict
 
 
+WARM_UP_MAX_CONTEXT = 1024  # the auto policy's warm-up times contexts up to this many tokens
+
+
 class Generator(Admission, DecodeStep):
     """Batched generation for a transformers causal LM.
 
@@ -137,7 +140,7 @@ class Generator(Admission, DecodeStep):
         self.num_active = 0  # rows [0, num_active) are in flight
         self._lock = threading.Lock()  # one generate call at a time
         self._admissions = itertools.count()  # admission order: a paged cache short of blocks preempts the latest
-        self.warm_up_seconds = 0.0  # the K policy's calibration, paid once before the first call's first step
+        self.warm_up_seconds = 0.0
         if isinstance(self.policy, AutoPolicy) and self.max_uniform_context < self.max_block + 4:
             cache = self.runner.cache
             raise ValueError(
@@ -145,22 +148,14 @@ class Generator(Admission, DecodeStep):
                 f"{cache.block_size} tokens per slot: the auto policy's warm-up fills every slot at once and needs "
                 f"more; raise kv_pool_blocks, lower max_batch_size, or give a static K or a table"
             )
-        self._calibrated = self.policy is None
-        self._calibrating = False
-
-    def _calibrate(self, longest: int) -> None:
-        """The K policy measures what it needs (auto: step times, as vLLM profiles), up to the contexts of `longest`
-        tokens the first call's requests reach (not `max_seq_len`: memory follows the rollout, not the cap)."""
-        start = time.perf_counter()
-        self._calibrating = True
-        try:
-            with StepTimer(self, self.spec.num_speculative_tokens, max_context=longest) as timer:
+        if self.policy is not None:  # the policy measures what it needs (auto: step times, as vLLM profiles)
+            start = time.perf_counter()
+            # contexts up to a cap: a longer one would fill every slot to it for a few steps (memory follows the
+            # rollout, not the cap); the step-time table extends longer contexts along the two longest timed
+            with StepTimer(self, spec.num_speculative_tokens, max_context=WARM_UP_MAX_CONTEXT) as timer:
                 self.policy.calibrate(timer)
-        finally:
-            self._calibrating = False
-        self._calibrated = True
-        self.proposers.reset()  # the calibration's random rows are no drafting material
-        self.warm_up_seconds = time.perf_counter() - start
+            self.proposers.reset()  # the calibration's random rows are no drafting material
+            self.warm_up_seconds = time.perf_counter() - start
 
     @property
     def vocab_size(self) -> int:
@@ -257,13 +252,11 @@ class Generator(Admission, DecodeStep):
         per_prompt = check_params(params, len(prompt_ids), self._methods)
         max_k = self.spec.num_speculative_tokens if self.spec is not None else 0
         sequences = make_sequences(prompt_ids, per_prompt, self.eos_token_ids, self.max_seq_len, max_k, seed_indices)
-        longest = max(len(seq.prompt) + seq.max_new_tokens for seq in sequences) + self.max_block
-        if not self._calibrated and not self._calibrating:  # the calibration adds requests of its own
-            self._calibrate(longest)
         self.abort()
         if self.proposers is not None:
             self.proposers.begin()
         # room for the longest request now, at admission, rather than by growing the caches mid-rollout
+        longest = max(len(seq.prompt) + seq.max_new_tokens for seq in sequences) + self.max_block
         for runner in self._runners():
             runner.reserve_positions(min(longest, runner.num_positions))
         self._queue.extend(sequences)

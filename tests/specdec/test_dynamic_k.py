@@ -145,8 +145,6 @@ def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace(method)
         max_seq_len=64,
         spec=SpecConfig(method=method, num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"),
     )
-    assert not gen.policy.step_times.profile  # the warm-up waits for the first requests: it times their contexts
-    gen.add_requests([[5, 6, 7, 8]], SamplingParams(max_new_tokens=60))  # a request as long as max_seq_len
     assert gen.warm_up_seconds > 0
     profile = gen.policy.step_times.profile
     # B: powers of 4 and the slot count; context: 32 tokens and the longest that leaves room for K drafts and a bonus;
@@ -161,13 +159,20 @@ def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace(method)
     assert not gen.policy.step_times.measured.size  # nothing measured yet: the rollout's steps come next
 
 
-def test_the_warm_up_times_the_contexts_the_requests_reach_not_the_length_cap():
+def test_the_warm_up_times_contexts_up_to_a_cap_not_the_length_cap():
+    from rollout.engine.generator import WARM_UP_MAX_CONTEXT
+
     spec = SpecConfig(method="ngram", num_speculative_tokens=3, num_speculative_tokens_per_batch_size="auto")
-    gen = Generator(make_model("llama"), max_batch_size=8, max_seq_len=4096, spec=spec)
-    gen.generate([[5, 6, 7, 8]] * 2, SamplingParams(max_new_tokens=40))
+    gen = Generator(make_model("llama"), max_batch_size=4, max_seq_len=4096, spec=spec)
     contexts = {c for times in gen.policy.step_times.profile.values() for c in times}
-    assert max(contexts) == 4 + 40 + 4 - 3 - 3  # the longest request (and a step's room) less K and a bonus
-    assert gen.runner.cache.capacity == 256  # the KV cache kept its first room (enough), not 4096 positions
+    assert max(contexts) == WARM_UP_MAX_CONTEXT - 3 - 3  # less K and a bonus's room
+    assert gen.runner.cache.capacity < 2 * WARM_UP_MAX_CONTEXT  # the KV cache took that room, not 4096 positions
+    # a longer context is priced along the two longest timed, never below the longest's time
+    from specdec.step_time import _Table
+
+    assert _Table._at_context({32: 1.0, 600: 2.0}, 1168) == pytest.approx(3.0)
+    assert _Table._at_context({32: 1.0, 600: 2.0}, 10) == 1.0  # held below the shortest
+    assert _Table._at_context({32: 2.0, 600: 1.5}, 1200) == 1.5  # a noisy pair does not predict faster steps
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
