@@ -116,7 +116,7 @@ def run(model, config, k, prompt_ids, history, args) -> dict:
     if config == FIRST_DRAFTS:  # the cascade's rule before 2026-11-24: suffix serves every row it drafts for
         gen.proposers.pass_on = False
     if config == OLD_ESTIMATE:
-        # auto's acceptance estimate as it was before 2026-11-24 (docs/dynamic-k.md): slower decay, heavier prior
+        # auto's acceptance estimate as it was before 2026-11-24 (docs/design/dynamic-k.md): slower decay, heavier prior
         assert isinstance(gen.policy, AutoPolicy), f"expected the auto policy, got {type(gen.policy).__name__}"
         gen.policy.stats = {
             r: AcceptanceStats(s.max_k, prior_weight=1.0, decay=0.95) for r, s in gen.policy.stats.items()

@@ -14,7 +14,7 @@ K of 0 chosen on early evidence is tested again later. Every `explore_every` ste
 than the chosen K, and as often (halfway between) one token fewer: up, the acceptance of the position just beyond K
 stays measured (positions further out inherit its rate, and if that predicts a gain the policy moves up and measures
 them); both ways, the live correction of the step-time table measures the widths next to the chosen one at the
-run's own batch size and context. Why each of these exists, with the measurements: docs/dynamic-k.md.
+run's own batch size and context. Why each of these exists, with the measurements: docs/design/dynamic-k.md.
 """
 
 from __future__ import annotations

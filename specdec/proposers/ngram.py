@@ -11,7 +11,7 @@ text with a period below K the most recent occurrence sits within K tokens of th
 exactly where drafting pays most. vLLM takes the earliest occurrence; we prefer the most recent that supplies K.
 
 The search runs on the host in numpy: one compare of every position against the row's last token, then only the
-positions that hit are extended, one token back at a time (why numpy and not torch, measured: docs/dynamic-k.md).
+positions that hit are extended, one token back at a time (why numpy and not torch, measured: docs/design/dynamic-k.md).
 """
 
 from __future__ import annotations
