@@ -13,7 +13,7 @@ from conftest import make_model, random_prompts
 from rollout import Generator, SamplingParams
 from rollout.engine.block_manager import BlockManager, OutOfBlocks
 from rollout.engine.paged_cache import PagedKVCache
-from rollout_kernels.paged_attention import store_kv_ref_
+from rollout_kernels.store_kv import store_kv_ref_
 from specdec.config import SpecConfig
 
 # ---- the block manager against a dense model ---------------------------------------------------------------------

@@ -19,13 +19,8 @@ from torch import Tensor
 from transformers import AttentionInterface
 
 from rollout.engine.paged_cache import PagedStep
-from rollout_kernels.paged_attention import (
-    attend_gathered,
-    paged_attention,
-    store_kv_,
-    store_kv_ref_,
-    visible_keys,
-)
+from rollout_kernels.paged_attention import attend_gathered, paged_attention, visible_keys
+from rollout_kernels.store_kv import store_kv_, store_kv_ref_
 
 ATTENTION_NAME = "rollout_paged"
 # keywords some models pass that change attention in ways this function does not implement
