@@ -1,9 +1,11 @@
-"""Continuous-batching generator over a slot KV cache.
+"""Continuous-batching generator over a KV cache of slot rows (a paged pool on a GPU, a dense cache on a CPU).
 
-Requests wait in a queue; a step either admits them (one prefill per prompt, its KV copied to the prompt's n
-samples) or decodes: one forward over the active rows only, which are kept packed at the front of the slots. A decode
-step feeds every row its pending token plus up to K draft tokens and commits the first m of them (K = 0 without
-speculation). The host drives scheduling; the device returns one small packed tensor per step.
+Requests wait in a queue; a step either admits them (one prefill per prompt, shared by the prompt's n samples) or
+decodes: one forward over the active rows only, which are kept packed at the front of the slots (a paged cache moves
+block tables, a dense one KV rows). A decode step feeds every row its pending token plus up to K draft tokens and
+commits the first m of them (K = 0 without speculation). The host drives scheduling; the device returns one small
+packed tensor per step. Admission and release live in `rollout.engine.admission`, the decode step's stages in
+`rollout.engine.decode_step`.
 
 The public engine: `generate` (a whole call), or `add_requests`, then `step` until `has_unfinished` is False;
 `snapshot`/`restore` save and roll back the rows in flight (the `auto` policy's calibration uses these).
