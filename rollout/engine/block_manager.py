@@ -88,14 +88,10 @@ class BlockManager:
     def needed(self, rows: np.ndarray, num_positions: np.ndarray, write_from: np.ndarray | None = None) -> int:
         """Blocks `allocate(rows, num_positions)` would take from the pool, plus, with `write_from`, the copies
         `writable(rows, write_from, num_positions)` would make of shared blocks."""
-        have = self.num_row_blocks[rows]
-        total = int(np.maximum(self.blocks_for(num_positions) - have, 0).sum())
+        total = int(np.maximum(self.blocks_for(num_positions) - self.num_row_blocks[rows], 0).sum())
         if write_from is not None:
-            first, last = write_from // self.block_size, np.minimum((num_positions - 1) // self.block_size, have - 1)
-            for offset in range(int((last - first).max(initial=-1)) + 1):
-                column = first + offset
-                inside = column <= last
-                total += int((self.refs[self.tables[rows[inside], column[inside]]] > 1).sum())
+            for owners, column in self._written_columns(rows, write_from, num_positions):
+                total += int((self.refs[self.tables[owners, column]] > 1).sum())
         return total
 
     def share(self, src: np.ndarray, dst: np.ndarray) -> None:
@@ -138,6 +134,16 @@ class BlockManager:
         if not sources:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         return np.concatenate(sources), np.concatenate(targets)
+
+    def _written_columns(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray):
+        """The held blocks a write of positions `[start[i], end[i])` of each row touches: per column offset, the rows
+        concerned and their table column (`[owners]`, `[owners]`)."""
+        first = start // self.block_size
+        last = np.minimum((end - 1) // self.block_size, self.num_row_blocks[rows] - 1)
+        for offset in range(int((last - first).max(initial=-1)) + 1):
+            column = first + offset
+            inside = column <= last
+            yield rows[inside], column[inside]
 
     def slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """`[rows, S]` the pool slot of each `positions[i, s]` of row `rows[i]`; -1 where the position is < 0."""

@@ -203,16 +203,30 @@ def kv_cache_bytes(model: torch.nn.Module, num_slots: int, num_positions: int) -
 
 def kv_cache_bytes_from_config(config, itemsize: int, num_slots: int, num_positions: int) -> int:
     """`kv_cache_bytes` from a model's config alone (nothing loaded), with `itemsize` bytes per value."""
+    return kv_bytes_per_token(config, itemsize) * num_slots * (num_positions + 1)
+
+
+def kv_bytes_per_token(config, itemsize: int) -> int:
+    """Bytes of keys and values one token takes in every layer of a model, from its config (0 without attention: such
+    a model is refused when its runner is built)."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    heads = getattr(config, "num_attention_heads", None)
-    if not heads:  # no attention: such a model is refused when its runner is built
+    if not getattr(config, "num_attention_heads", None):
         return 0
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads, head_dim = kv_head_shape(config)
     layer_types = getattr(config, "layer_types", None)
     num_layers = len(layer_types) if layer_types is not None else config.num_hidden_layers
-    return 2 * num_layers * num_slots * kv_heads * (num_positions + 1) * head_dim * itemsize
+    return 2 * num_layers * kv_heads * head_dim * itemsize
+
+
+def kv_head_shape(config) -> tuple[int, int]:
+    """(KV heads, head size) of a model's attention layers, from its config."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = config.num_attention_heads
+    return (getattr(config, "num_key_value_heads", None) or heads), (
+        getattr(config, "head_dim", None) or config.hidden_size // heads
+    )
 
 
 def free_memory(device: torch.device) -> int | None:

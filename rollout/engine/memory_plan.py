@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.engine.kv_cache import free_memory, kv_cache_bytes
+from rollout.engine.kv_cache import free_memory, kv_bytes_per_token, kv_cache_bytes
 from rollout.engine.paged_cache import DEFAULT_BLOCK_SIZE
 from rollout.engine.speculation import draft_kv_bytes_per_slot
 from specdec.config import SpecConfig
@@ -71,7 +71,7 @@ def plan_kv_cache(
         return check_kv_cache_fits(model, spec, max_batch_size, max_seq_len), None
     num_positions = max_seq_len + 1 + (spec.num_speculative_tokens if spec is not None else 0)
     itemsize = next(model.parameters()).element_size()
-    per_block = kv_cache_bytes(model, 1, DEFAULT_BLOCK_SIZE - 1)  # `num_positions + 1` columns: one block
+    per_block = kv_bytes_per_token(model.config, itemsize) * DEFAULT_BLOCK_SIZE
     draft_bytes = max_batch_size * draft_kv_bytes_per_slot(spec, itemsize, num_positions)
     blocks_per_row = -(-num_positions // DEFAULT_BLOCK_SIZE)
     wanted = max_batch_size * blocks_per_row

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from rollout.engine.attention import paged_attention_for
 from rollout.engine.attention_mask import build_attention_mask, to_additive
-from rollout.engine.kv_cache import SlotKVCache
+from rollout.engine.kv_cache import SlotKVCache, kv_head_shape
 from rollout.engine.paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -198,16 +198,6 @@ class ModelRunner:
         finally:
             cache.finish()
         return out.logits
-
-
-def kv_head_shape(config) -> tuple[int, int]:
-    """(KV heads, head size) of a model's attention layers, from its config."""
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    heads = config.num_attention_heads
-    return (getattr(config, "num_key_value_heads", None) or heads), (
-        getattr(config, "head_dim", None) or config.hidden_size // heads
-    )
 
 
 def cache_keyword(model: torch.nn.Module) -> str:

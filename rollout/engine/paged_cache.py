@@ -68,15 +68,10 @@ class PagedKVCache:
         # zeros, never empty: a masked NaN still poisons attention (0 x NaN) on the torch path
         self.k_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.peak_blocks = 0
 
     @property
     def num_blocks(self) -> int:
         return self.manager.num_blocks
-
-    @property
-    def bytes_per_block(self) -> int:
-        return 2 * len(self.k_pools) * self.k_pools[0][0].numel() * self.k_pools[0].element_size()
 
     def pools(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.k_pools[layer], self.v_pools[layer]
@@ -104,7 +99,6 @@ class PagedKVCache:
         if needed > self.manager.num_free:
             self._grow(self.manager.num_blocks - self.manager.num_free + needed)
         self.manager.allocate(rows, num_positions)
-        self.peak_blocks = max(self.peak_blocks, self.manager.num_used)
 
     def _grow(self, wanted: int) -> None:
         if wanted > self.max_blocks:
@@ -174,12 +168,3 @@ class PagedKVCache:
         for pool in (*self.k_pools, *self.v_pools):
             flat = pool.view(-1, *self.shape)
             flat[dst] = flat[src]
-
-    def usage(self) -> dict:
-        """KV blocks in use, allocated and planned (what vLLM logs as KV cache usage)."""
-        return {
-            "kv_blocks_used": self.manager.num_used,
-            "kv_blocks_allocated": self.manager.num_blocks,
-            "kv_blocks_planned": self.max_blocks,
-            "kv_block_size": self.block_size,
-        }
