@@ -23,6 +23,9 @@ from rollout_kernels.store_kv import check_pools
 
 # Flash attention over a row's blocks: per query block, running max m, sum l and output acc over key blocks (one
 # cache block each): acc = acc * exp(m_old - m_new) + exp(s - m_new) @ v; out = acc / l. A masked score is -inf.
+# A program serves one row and one KV head: its query block stacks the row's queries of every query head sharing
+# that KV head (index m = group member * S + query), so each key and value is read once per KV head, not once per
+# query head (a decode step's 4 query heads per KV head of a Llama-3-style model fill 4 of its 16 lanes).
 @triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [rows, heads, S, head_dim], contiguous last dim
@@ -55,32 +58,34 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     m_start = tl.program_id(2) * BLOCK_M
     cache_len = tl.load(cache_lens_ptr + row)
     first = tl.load(query_start_ptr + row)
     num_queries = tl.load(num_queries_ptr + row)
-    kv_head = head // (num_heads // num_kv_heads)
-    offs_m = m_start + tl.arange(0, BLOCK_M)  # query index among the row's new tokens
+    group = num_heads // num_kv_heads
+    offs_m = m_start + tl.arange(0, BLOCK_M)  # group member * S + query
+    query = offs_m % S  # query index among the row's new tokens
+    head = kv_head * group + offs_m // S
     offs_d = tl.arange(0, BLOCK_D)
-    q_valid = offs_m < num_queries
+    q_valid = (query < num_queries) & (offs_m < group * S)
     d_valid = offs_d < head_dim
-    q_offsets = row * stride_qb + head * stride_qh + (first + offs_m)[:, None] * stride_qs + offs_d[None, :]
+    q_offsets = row * stride_qb + head[:, None] * stride_qh + (first + query)[:, None] * stride_qs + offs_d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=q_valid[:, None] & d_valid[None, :], other=0.0)
     acc_dtype = tl.float64 if q.dtype == tl.float64 else tl.float32
     if UPCAST:
         q = q.to(acc_dtype)
     if HAS_TREE:
-        q_depth = tl.load(depths_ptr + row * S + offs_m, mask=q_valid, other=0)
+        q_depth = tl.load(depths_ptr + row * S + query, mask=q_valid, other=0)
     else:
-        q_depth = offs_m
+        q_depth = query
     q_pos = cache_len + q_depth
     m_i = tl.full((BLOCK_M,), float("-inf"), acc_dtype)
     l_i = tl.zeros((BLOCK_M,), acc_dtype)
     acc = tl.zeros((BLOCK_M, BLOCK_D), acc_dtype)
     kv_len = cache_len + num_queries
     # a query block that holds no query reads no key (limit 0)
-    kv_limit = tl.where(m_start < num_queries, kv_len, 0)
+    kv_limit = tl.where(tl.max(q_valid.to(tl.int32), axis=0) > 0, kv_len, 0)
     for start in range(0, kv_limit, BLOCK_N):
         block = tl.load(block_tables_ptr + row * stride_bt + start // BLOCK_N)
         offs_n = start + tl.arange(0, BLOCK_N)  # cache positions
@@ -104,10 +109,10 @@ def _paged_attention_kernel(
         j = offs_n - cache_len
         if HAS_TREE:
             tree_mask = q_valid[:, None] & (new & k_valid)[None, :]
-            sees = tl.load(ancestors_ptr + (row * S + offs_m[:, None]) * S + j[None, :], mask=tree_mask, other=0) != 0
+            sees = tl.load(ancestors_ptr + (row * S + query[:, None]) * S + j[None, :], mask=tree_mask, other=0) != 0
             k_depth = tl.load(depths_ptr + row * S + j, mask=new & k_valid, other=0)
         else:
-            sees = j[None, :] <= offs_m[:, None]
+            sees = j[None, :] <= query[:, None]
             k_depth = j
         visible = q_valid[:, None] & k_valid[None, :] & (committed[None, :] | sees)
         if HAS_WINDOW:
@@ -128,7 +133,7 @@ def _paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_offsets = ((row * S + first + offs_m) * num_heads + head)[:, None] * head_dim + offs_d[None, :]
+    out_offsets = ((row * S + first + query) * num_heads + head)[:, None] * head_dim + offs_d[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_valid[:, None] & d_valid[None, :])
 
 
@@ -144,7 +149,7 @@ def paged_attention(
     sliding_window: int | None = None,
     depths: Tensor | None = None,  # [rows, S] int64
     ancestors: Tensor | None = None,  # [rows, S, S] bool
-    block_m: int = 16,
+    block_m: int | None = None,
 ) -> Tensor:
     """Attention of each row's new tokens over its paged cache (their own keys stored already); see the module
     docstring for what a query sees. Returns `[rows, S, heads, head_dim]` (zeros at padding queries), the layout
@@ -155,7 +160,8 @@ def paged_attention(
         block_tables: each row's blocks, covering at least `cache_lens + num_queries` positions.
         depths, ancestors: a token tree (both or neither): node j's depth below the row's first new token and which
             new tokens query i sees (itself included).
-        block_m: queries per program (16 suits decode and verification; larger blocks suit long prefills).
+        block_m: queries per program, counting each query head sharing a KV head (None: the group's queries
+            rounded up to a power of two, 16 to 64).
     """
     _check_attention(query, k_pool, v_pool, block_tables, cache_lens, query_start, num_queries, depths, ancestors)
     check_kernel_device(_paged_attention_kernel, query.device, "paged_attention")
@@ -166,7 +172,10 @@ def paged_attention(
     has_tree = ancestors is not None
     dummy = cache_lens
     block_d = max(triton.next_power_of_2(head_dim), 16)
-    grid = (rows, num_heads, triton.cdiv(S, block_m))
+    num_kv_heads = k_pool.shape[2]
+    if block_m is None:
+        block_m = min(max(triton.next_power_of_2(num_heads // num_kv_heads * S), 16), 64)
+    grid = (rows, num_kv_heads, triton.cdiv(num_heads // num_kv_heads * S, block_m))
     # tl.dot needs 16 x 16 tiles and takes no float64 on a GPU: the reduction form serves the rest
     use_dot = query.dtype != torch.float64 and k_pool.shape[1] >= 16 and block_m >= 16
     upcast = use_dot and query.dtype != torch.float32 and isinstance(_paged_attention_kernel, InterpretedFunction)

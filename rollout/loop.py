@@ -50,6 +50,7 @@ class Rollout:
             `num_null_rewards`.
         kv_layout: the generator's KV layout: "auto" (paged on a GPU, slots on a CPU), "paged" or "slots" (see
             `Generator`).
+        cuda_graphs: "auto" (on with the paged layout on a GPU), True or False: decode steps replay CUDA graphs.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class Rollout:
         tail_fraction: float = 0.25,
         non_finite_rewards_as_null: bool = False,
         kv_layout: str = "auto",
+        cuda_graphs: bool | str = "auto",
     ):
         self.non_finite_rewards_as_null = bool(non_finite_rewards_as_null)
         self.tokenizer = tokenizer
@@ -84,7 +86,12 @@ class Rollout:
         PhaseLabeler(tail_fraction)  # checks the value now rather than on the first call
         self.tail_fraction = tail_fraction
         self.generator = Generator(
-            model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, spec=spec, kv_layout=kv_layout
+            model,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            spec=spec,
+            kv_layout=kv_layout,
+            cuda_graphs=cuda_graphs,
         )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0

@@ -48,9 +48,10 @@ from rollout.phases import PHASES, PhaseLabeler, summarize  # noqa: E402
 from rollout.tasks import format_prompt, generate_problems  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 
-ROWS = ("none", "none_slots", "hf_generate", "generate_batch", "suffix", "suffix+draft", "draft", "suffix_k4")
-# the most wanted first: a run short of budget skips the last; *_slots: the same row on the slot KV layout
-ROWS += ("ngram", "suffix_slots", "suffix_k2", "suffix_k1", "trl")
+ROWS = ("none", "none_eager", "hf_generate", "generate_batch", "suffix", "suffix_eager", "suffix+draft", "draft")
+# the most wanted first: a run short of budget skips the last; *_eager: the same row without CUDA graphs; *_slots:
+# on the slot KV layout (the engine before the paged work)
+ROWS += ("ngram", "suffix_k4", "none_slots", "suffix_slots", "suffix_k2", "suffix_k1", "trl")
 DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
     "cuda": dict(model="tiny-target-1b", draft="tiny-draft-150m", dtype="bfloat16", sizes="64x8,256x8",
                  max_new_tokens=1024, hf_batch_size=512, max_batch_size=1024, budget_s=440.0, row_cap_s=150.0,
@@ -237,7 +238,7 @@ def kv_bytes_per_token(model) -> int:
 
 
 def spec_for(row_id: str, args, draft) -> SpecConfig | None:
-    row_id = row_id.removesuffix("_slots")  # the same configuration on the slot KV layout
+    row_id = row_id.removesuffix("_slots").removesuffix("_eager")  # the same configuration, other engine settings
     if row_id == "none":
         return None
     if row_id.startswith("suffix_k"):
@@ -252,8 +253,9 @@ def spec_for(row_id: str, args, draft) -> SpecConfig | None:
 
 
 def row_label(row_id: str) -> str:
-    if row_id.endswith("_slots"):
-        return f"{row_label(row_id.removesuffix('_slots'))} (slots)"
+    for suffix in ("_slots", "_eager"):
+        if row_id.endswith(suffix):
+            return f"{row_label(row_id.removesuffix(suffix))} ({suffix[1:]})"
     if row_id.startswith("suffix_k"):
         return f"suffix K={row_id.removeprefix('suffix_k')}"
     return row_id if row_id in ("none", "hf_generate", "generate_batch") else f"{row_id} auto"
@@ -369,11 +371,14 @@ def step_metrics(steps: list[dict], ctx) -> dict:
     bulk = [s for s in steps if s["phase"] == "bulk"]
     floor = sum(ctx["weight_bytes"] + ctx["kv_per_token"] * s["context_tokens"] for s in bulk) / ctx["bandwidth"]
     bulk_seconds = sum(s["seconds"] for s in bulk)
+    decode = [s for s in steps if s["kind"] == "decode"]
+    decode_seconds = sum(s["seconds"] for s in decode)
     return {
         "tokens_per_s_per_phase": {p: summary["phases"][p]["tokens_per_s"] for p in PHASES},
         "mean_k": summary["total"]["mean_k"],
         "acceptance_rate": summary["total"]["acceptance_rate"],
         "roofline_share": floor / bulk_seconds if bulk_seconds else None,
+        "proposer_share": sum(s["propose_seconds"] for s in decode) / decode_seconds if decode_seconds else None,
         "num_steps": len(steps),
     }
 
@@ -443,10 +448,19 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
 
         slots = fitting_batch_size(model, spec, max_seq_len, slots)
     mark, start = memory_mark(device), time.perf_counter()
-    gen = Generator(model, max_batch_size=slots, max_seq_len=max_seq_len, spec=spec, kv_layout=layout)
+    graphs = "auto" if not row_id.endswith("_eager") else False
+    gen = Generator(
+        model, max_batch_size=slots, max_seq_len=max_seq_len, spec=spec, kv_layout=layout, cuda_graphs=graphs
+    )
     warm_up(gen, prompts, spec)
     shared = {"slots": slots, "kv_cache_bytes": gen.kv_cache_bytes, "setup_seconds": time.perf_counter() - start}
     shared["kv_layout"] = gen.runner.kv_layout
+    runner_graphs = getattr(gen.runner, "graphs", None)
+    if runner_graphs is not None:
+        shared["graphs"] = {
+            "captured": len(runner_graphs.graphs), "seconds": gen.graph_seconds,
+            "memory_bytes": runner_graphs.memory_bytes, "error": runner_graphs.error,
+        }  # fmt: skip
     rows = []
     for seed, share in ((1, 0.45), (2, 0.9)):  # each rollout its share of the row's time: room for the probe
         params = SamplingParams(n=n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=seed)
@@ -560,6 +574,7 @@ def format_table(rows: list[dict]) -> str:
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     rows = sorted(rows, key=lambda r: (sizes.index(r["size"]), ROWS.index(r["id"])))
     head = f"{'row':34s}{'seconds':>8s}{'tok/s':>8s}{'prefill':>8s}{'bulk':>8s}{'tail':>8s}{'K':>5s}{'accept':>7s}"
+    head += f"{'prop.':>6s}"
     lines = [head + f"{'x hf':>6s}{'x cb':>6s}{'x none':>7s}{'idle':>6s}{'syncs':>6s}{'KV GiB':>7s}{'peak GiB':>9s}"]
     lines[0] += f"{'roofl.':>7s}{'took':>6s}  note"
     for r in rows:
@@ -573,7 +588,8 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['name']:34s}{r['seconds']:8.2f}{fmt(r['tokens_per_s'], '.0f'):>8s}"
             + "".join(f"{fmt(phase.get(p), '.0f'):>8s}" for p in PHASES)
-            + f"{fmt(r.get('mean_k')):>5s}{fmt(r.get('acceptance_rate'), '.3f'):>7s}{fmt(r['vs_hf_generate']):>6s}"
+            + f"{fmt(r.get('mean_k')):>5s}{fmt(r.get('acceptance_rate'), '.3f'):>7s}"
+            + f"{fmt(r.get('proposer_share'), '.0%'):>6s}{fmt(r['vs_hf_generate']):>6s}"
             + f"{fmt(r['vs_generate_batch']):>6s}{fmt(r['vs_none']):>7s}{fmt(r.get('idle_share'), '.0%'):>6s}"
             + f"{fmt(r.get('syncs_per_step'), '.1f'):>6s}{fmt(r.get('kv_cache_bytes'), '.2f', 2**-30):>7s}"
             + f"{fmt(r.get('peak_memory_bytes'), '.2f', 2**-30):>9s}{fmt(r.get('roofline_share'), '.1%'):>7s}"

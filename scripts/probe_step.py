@@ -3,7 +3,8 @@
 One process, one device. A rollout of the task's prompts (`--prompts` x `--n` rows) is stepped `--warm-steps` decode
 steps into its bulk; then, on the rows in flight:
 
-- `step`: the wall time of whole `Generator.step()` calls (no speculation), median of `--repeats`;
+- `step`: the wall time of whole `Generator.step()` calls (no speculation; CUDA graphs as the engine's default),
+  median of `--repeats`;
 - `profile`: three such steps under the torch profiler: kernels launched per step, the GPU's busy share, and the
   kernels that took the most time;
 - `forward`: the bare model forward of a decode (width 1) and of a K = 4 verification (width 5) at `--rows` rows and
@@ -119,6 +120,10 @@ def main(argv=None):
     gen = Generator(model, max_batch_size=rows, max_seq_len=max(map(len, prompts)) + 1024, kv_layout="paged")
     gen.add_requests(prompts, SamplingParams(n=args.n, temperature=1.0, max_new_tokens=1024, seed=1))
     report = {"model": args.model, "dtype": args.dtype, "device": str(device), "kv_layout": gen.runner.kv_layout}
+    graphs = gen.runner.graphs
+    if graphs is not None:  # the engine's own graphs (the decode steps timed below replay them)
+        report["graphs"] = {"captured": len(graphs.graphs), "seconds": gen.graph_seconds}
+        report["graphs"].update(memory_bytes=graphs.memory_bytes, error=graphs.error)
     if device.type == "cuda":
         report["card"] = torch.cuda.get_device_name(device)
     report["torch"] = torch.__version__

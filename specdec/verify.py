@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rollout_kernels.device_io import upload
 from rollout_kernels.greedy_verify import greedy_verify, greedy_verify_ref
 from rollout_kernels.race_sample import race_sample, race_sample_ref
 from rollout_kernels.rejection_sample import rejection_sample, rejection_sample_ref
@@ -64,12 +65,12 @@ def verify(
     if logit_rows is not None:
         target_logits = target_logits[logit_rows]
     device = target_logits.device
-    num_nodes = layout.node_counts.to(device)
+    num_nodes = upload(layout.node_counts, device)
     if layout.is_chain:
         # draft nodes = every node but each row's root; indexed on the host (a device mask would sync to count)
         is_draft = torch.ones(sum(layout.num_nodes), dtype=torch.bool)
         is_draft[torch.cumsum(layout.node_counts, 0) - layout.node_counts] = False  # each row's first node
-        drafts = torch.nonzero(is_draft)[:, 0].to(device)
+        drafts = upload(torch.nonzero(is_draft)[:, 0], device)
         counts = num_nodes - 1
         return verify_chain(
             target_logits,
@@ -87,7 +88,7 @@ def verify(
     return verify_tree(
         target_logits,
         node_token_ids,
-        parents.to(device),
+        upload(parents, device),
         torch.cumsum(num_nodes, 0),
         sampling,
         num_nodes,
@@ -169,6 +170,7 @@ def verify_exact(
     race: RaceKeys,
     race_every_node: bool | None = None,
     logit_rows: Tensor | None = None,  # [num_nodes] the row of target_logits holding each node; None: row i
+    static_walk: bool | None = None,  # walk every row at every depth (None: on a GPU; see `_walk_static`)
 ) -> VerifyResult:
     """Walk each row's tree from the root: draw the race's token at the current node (position: root position +
     depth); a child holding that token is accepted and the walk moves to it, else the row stops. The row emits the
@@ -181,12 +183,14 @@ def verify_exact(
     num_nodes = layout.node_counts
     rows, width, max_depth = len(layout.num_nodes), layout.width, layout.max_depth
     op = race_sample if target_logits.is_cuda else race_sample_ref
-    fed = (torch.arange(width)[None, :] < num_nodes[:, None]).to(device)  # [rows, width]
-    tokens = torch.full((rows, width), -1, dtype=torch.long, device=device)
-    tokens[fed] = node_token_ids
-    parents = layout.parents.to(device)  # [rows, width] row-local, -1 for the root and padding
-    starts = (torch.cumsum(num_nodes, 0) - num_nodes).to(device)
-    seeds, positions = race.seeds.to(device), race.positions.to(device)
+    fed = torch.arange(width)[None, :] < num_nodes[:, None]  # [rows, width] on the host: indexing by it never waits
+    fed_cells = upload(torch.nonzero(fed.reshape(-1))[:, 0], device)  # [num_nodes] the fed cells of [rows, width]
+    tokens = torch.full((rows * width,), -1, dtype=torch.long, device=device)
+    tokens[fed_cells] = node_token_ids
+    tokens = tokens.view(rows, width)
+    parents = upload(layout.parents, device)  # [rows, width] row-local, -1 for the root and padding
+    starts = upload(torch.cumsum(num_nodes, 0) - num_nodes, device)
+    seeds, positions = upload(race.seeds, device), upload(race.positions, device)
 
     def draw(nodes: Tensor, node_rows: Tensor, node_depths: Tensor | int) -> tuple[Tensor, Tensor]:
         """The race's token at each of `nodes` (global indices; rows `node_rows`, depths `node_depths`) under its
@@ -204,22 +208,32 @@ def verify_exact(
     if race_every_node is None:
         race_every_node = len(node_token_ids) * target_logits.shape[1] <= _SMALL_STEP_ELEMENTS
     if race_every_node:
-        depths = layout.depths.to(device) if layout.depths is not None else torch.arange(width, device=device)[None, :]
-        node_rows = torch.arange(rows, device=device)[:, None].expand(rows, width)[fed]  # [num_nodes]
+        depths = layout.depths if layout.depths is not None else torch.arange(width)[None, :]
+        node_rows = torch.arange(rows)[:, None].expand(rows, width)[fed]  # [num_nodes]
+        node_depths = upload(depths.expand(rows, width)[fed], device)
         every = torch.arange(len(node_token_ids), device=device)
-        all_drawn, all_drawn_logprobs = draw(every, node_rows, depths.expand(rows, width)[fed])
+        all_drawn, all_drawn_logprobs = draw(every, upload(node_rows, device), node_depths)
     out = torch.full((rows, max_depth + 1), -1, dtype=torch.long, device=device)
     logprobs = torch.zeros(rows, max_depth + 1, dtype=torch.float64, device=device)
     accepted = torch.full((rows, max_depth), -1, dtype=torch.long, device=device)
     current = torch.zeros(rows, dtype=torch.long, device=device)
-    walking = torch.arange(rows, device=device)  # rows whose every draft so far was accepted
+    if static_walk is None:
+        static_walk = target_logits.is_cuda
+    walk = _walk_static if static_walk else _walk_shrinking
+    all_drawn = (all_drawn, all_drawn_logprobs) if race_every_node else None
+    walk(draw, all_drawn, starts, parents, tokens, out, logprobs, accepted, current, max_depth)
+    num_accepted = (accepted >= 0).sum(dim=1)
+    return VerifyResult(out, num_accepted + 1, logprobs, accepted)
+
+
+def _walk_shrinking(draw, all_drawn, starts, parents, tokens, out, logprobs, accepted, current, max_depth) -> None:
+    """The walk over the rows still walking only: fewer draws as rows stop, but each depth's row count is read
+    from the device (the CPU's walk, where that read is free)."""
+    walking = torch.arange(len(current), device=current.device)  # rows whose every draft so far was accepted
     for depth in range(max_depth + 1):
         node = current[walking]
         at = starts[walking] + node  # the walking rows' current nodes, as global indices
-        if race_every_node:
-            drawn, drawn_logprobs = all_drawn[at], all_drawn_logprobs[at]
-        else:
-            drawn, drawn_logprobs = draw(at, walking, depth)
+        drawn, drawn_logprobs = (all_drawn[0][at], all_drawn[1][at]) if all_drawn else draw(at, walking, depth)
         out[walking, depth] = drawn
         logprobs[walking, depth] = drawn_logprobs
         if depth == max_depth:
@@ -232,8 +246,26 @@ def verify_exact(
         current[walking] = child_node
         if not len(walking):
             break
-    num_accepted = (accepted >= 0).sum(dim=1)
-    return VerifyResult(out, num_accepted + 1, logprobs, accepted)
+
+
+def _walk_static(draw, all_drawn, starts, parents, tokens, out, logprobs, accepted, current, max_depth) -> None:
+    """The same walk over every row at every depth, rows that stopped masked out: no shape depends on the device's
+    values, so nothing waits for it (a GPU's walk). It draws what the shrinking walk draws at every walking row,
+    keyed the same way, so the tokens are the same."""
+    rows = torch.arange(len(current), device=current.device)
+    walking = torch.ones(len(current), dtype=torch.bool, device=current.device)
+    for depth in range(max_depth + 1):
+        at = starts + current
+        drawn, drawn_logprobs = (all_drawn[0][at], all_drawn[1][at]) if all_drawn else draw(at, rows, depth)
+        out[:, depth] = torch.where(walking, drawn, -1)
+        logprobs[:, depth] = torch.where(walking, drawn_logprobs, 0.0)
+        if depth == max_depth:
+            break
+        child = (parents == current[:, None]) & (tokens == drawn[:, None])
+        walking = walking & child.any(dim=1)
+        child_node = child.long().argmax(dim=1)
+        accepted[:, depth] = torch.where(walking, child_node, -1)
+        current = torch.where(walking, child_node, current)
 
 
 _SMALL_STEP_ELEMENTS = 1 << 18  # nodes x vocabulary up to which exact verification races every node at once

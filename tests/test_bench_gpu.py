@@ -62,6 +62,7 @@ def test_cpu_defaults_run_every_row_and_print_the_table_last(tmp_path):
         assert set(first["tokens_per_s_per_phase"]) == {"prefill", "bulk", "tail"}
         assert 0 <= first["acceptance_rate"] <= 1 and first["kv_cache_bytes"] > 0
         assert first["idle_share"] is None and first["syncs_per_step"] is None  # CUDA only
+        assert 0 <= first["proposer_share"] < (0.01 if row_id == "none" else 1)  # none: no proposer to run
     assert {r["vs_none"] for r in by_id["none"]} == {1.0}
     assert by_id["hf_generate"][0]["vs_hf_generate"] == 1.0
     assert by_id["suffix_k4"][1]["mean_k"] == 4.0

@@ -10,6 +10,8 @@ import torch
 from conftest import make_model, random_prompts
 
 from rollout import Generator, SamplingParams
+from rollout.engine.graph_runner import row_buckets
+from specdec.config import SpecConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton kernels)")
 
@@ -31,11 +33,21 @@ def test_paged_on_a_gpu_samples_what_the_slot_layout_samples():
         torch.testing.assert_close(torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n]), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("kv_layout", ["paged", "slots"])
-def test_a_decode_step_reads_the_device_once(kv_layout):
-    """One synchronisation per plain decode step: the packed copy of the emitted tokens the scheduler needs."""
+@pytest.mark.parametrize(
+    "kv_layout, cuda_graphs, spec",
+    [
+        ("paged", True, None),
+        ("paged", False, None),
+        ("slots", False, None),
+        ("paged", True, SpecConfig(method="suffix", num_speculative_tokens=3)),
+        ("paged", True, SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)),
+    ],
+    ids=["paged-graphs", "paged-eager", "slots", "suffix-graphs", "ngram-graphs"],
+)
+def test_a_decode_step_reads_the_device_once(kv_layout, cuda_graphs, spec):
+    """One synchronisation per decode step: the packed copy of the emitted tokens the scheduler needs."""
     model = make_model("llama", dtype=torch.float32).cuda()
-    gen = Generator(model, max_batch_size=8, max_seq_len=96, kv_layout=kv_layout)
+    gen = Generator(model, max_batch_size=8, max_seq_len=96, kv_layout=kv_layout, cuda_graphs=cuda_graphs, spec=spec)
     gen.add_requests(random_prompts(4, seed=2), SamplingParams(n=2, temperature=1.0, max_new_tokens=64, seed=0))
     for _ in range(3):  # the prefill, and decode steps that compile the kernels
         gen.step()
@@ -49,5 +61,46 @@ def test_a_decode_step_reads_the_device_once(kv_layout):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert all(r.kind == "decode" for r in records)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= steps, f"{len(syncs)} synchronisations in {steps} decode steps: {syncs[:4]}"
+
+
+def test_a_replayed_graph_computes_what_the_eager_forward_computes():
+    """The captured forward and the same forward run eagerly, on the same buffers: equal bit for bit (bf16)."""
+    model = make_model("llama", dtype=torch.bfloat16).cuda()
+    gen = Generator(
+        model, max_batch_size=12, max_seq_len=64, spec=SpecConfig(method="suffix", num_speculative_tokens=3)
+    )
+    graphs = gen.runner.graphs
+    assert graphs is not None and graphs.error is None
+    assert len(graphs.graphs) == len(row_buckets(12)) * 4  # every bucket at widths 1 to 4
+    assert graphs.memory_bytes > 0
+    gen.add_requests(random_prompts(5, seed=3), SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=0))
+    with torch.inference_mode():
+        for _ in range(4):
+            gen.step()
+        rows = gen.num_active
+        lens = gen.slots.cache_len[:rows].clone()
+        counts = torch.tensor([1 + i % 4 for i in range(rows)])  # rows of 0-3 drafts, width 4
+        ids = torch.randint(1, 97, (rows, 4), device="cuda")
+        positions = lens[:, None] + torch.arange(4)[None, :]
+        logits = []
+        for capture in (True, False):
+            graphs.capture = capture
+            logits.append(graphs.forward(0, ids, positions, lens, torch.zeros_like(lens), counts).clone())
+    graphs.capture = True
+    assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("spec", [None, SpecConfig(method="suffix", num_speculative_tokens=4)], ids=["none", "suffix"])
+def test_graphs_sample_what_the_eager_engine_samples(spec):
+    model = make_model("qwen2", dtype=torch.float32).cuda()
+    prompts = random_prompts(7, max_len=14, seed=4)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=32, seed=1)
+    outs = [
+        Generator(model, max_batch_size=16, max_seq_len=64, spec=spec, cuda_graphs=graphs).generate(prompts, params)
+        for graphs in (False, True)
+    ]
+    # float32 on a GPU: a padded batch may round differently, so a rare near-tie may flip a token
+    same = sum(a.token_ids == b.token_ids for a, b in zip(*outs))
+    assert same >= len(outs[0]) - 1, f"{same} of {len(outs[0])} samples equal"

@@ -105,6 +105,7 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None, 
         tail_fraction=recipe.rollout.tail_fraction,
         non_finite_rewards_as_null=recipe.rollout.non_finite_rewards_as_null,
         kv_layout=recipe.rollout.kv_layout,
+        cuda_graphs=recipe.rollout.cuda_graphs,
     )
 
 
@@ -157,8 +158,12 @@ def kv_cache_header(gen, max_seq_len: int) -> str:
     """The run header's KV-cache line: the planned bytes, and how they are laid out."""
     size = f"KV cache {gen.kv_cache_bytes / 2**20:.1f} MiB"
     if gen.runner.paged:
-        cache = gen.runner.cache
-        return f"{size} (paged: {cache.max_blocks} blocks of {cache.block_size} tokens, {gen.max_batch_size} slots)"
+        cache, graphs = gen.runner.cache, gen.runner.graphs
+        size = f"{size} (paged: {cache.max_blocks} blocks of {cache.block_size} tokens, {gen.max_batch_size} slots)"
+        if graphs is not None and graphs.capture:
+            held = f"{len(graphs.graphs)} captured in {gen.graph_seconds:.1f} s, {graphs.memory_bytes / 2**20:.0f} MiB"
+            size += f"; CUDA graphs: {held}" if graphs.error is None else f"; CUDA graphs off: {graphs.error}"
+        return size
     return f"{size} ({gen.max_batch_size} slots x {max_seq_len} tokens)"
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from rollout.engine.sequence import Sequence
 from rollout.engine.trace import StepRecord
+from rollout_kernels.device_io import upload
 from specdec.auto_policy import StepObservation
 from specdec.policies import Decision
 from specdec.proposers.base import Drafts, ProposalBatch, filled_drafts
@@ -37,7 +38,9 @@ class DecodeStep:
         uniforms = self._uniforms(slice(0, num_rows), asked)
         sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
         race = self._race_keys(slice(0, num_rows))  # shared by the draft model and the verifier
+        propose_start = time.perf_counter()
         drafts, served = self._propose(num_rows, asked, sampling, uniforms, race, with_models)
+        propose_seconds = time.perf_counter() - propose_start
         if fill_drafts and drafts is not None:
             drafts = filled_drafts(drafts, asked, self.slots.pending(num_rows))
         layout = layout_drafts(
@@ -48,7 +51,7 @@ class DecodeStep:
         result = self._verify(num_rows, input_ids, logits, layout, drafts, sampling, uniforms, race)
         if not layout.is_chain:  # move accepted paths next to their roots (a chain's path is in place already)
             rows = torch.arange(num_rows, device=self.device)
-            lens = self.slots.cache_len[:num_rows].to(self.device)
+            lens = upload(self.slots.cache_len[:num_rows], self.device)
             self.runner.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
         num_emitted, accepted_per_row, emitted_ids = self._commit(slice(0, num_rows), result, in_cache=True)
         accepted = accepted_per_row.tolist()
@@ -73,6 +76,7 @@ class DecodeStep:
             sum(accepted),
             num_emitted,
             seconds,
+            propose_seconds,
             drafted_per_position=(depths[:, None] > position).sum(0).tolist(),
             accepted_per_position=(accepted_per_row[:, None] > position).sum(0).tolist(),
             predicted_gain=decision.predicted_gain,
@@ -124,9 +128,9 @@ class DecodeStep:
 
     def _forward(self, num_rows: int, drafts: Drafts | None, layout: DraftLayout) -> tuple[Tensor, Tensor]:
         """The pending tokens and the drafts `[rows, width]` through the model: logits `[rows, width, V]`."""
-        input_ids = self.slots.pending(num_rows)[:, None].to(self.device)
+        input_ids = upload(self.slots.pending(num_rows)[:, None], self.device)
         if layout.width > 1:  # drafts stay where the proposer made them (a draft model's on the device): no round trip
-            draft_ids = drafts.token_ids[:, : layout.width - 1].to(self.device).clamp(min=0)
+            draft_ids = upload(drafts.token_ids[:, : layout.width - 1], self.device).clamp(min=0)
             input_ids = torch.cat([input_ids, draft_ids], dim=1)
         cache_lens = self.slots.cache_len[:num_rows]
         logits = self.runner.decode(0, input_ids, layout.node_counts, cache_lens, layout.depths, layout.ancestors)
@@ -141,7 +145,7 @@ class DecodeStep:
         node_ids, logit_rows = input_ids.reshape(-1), None
         if sum(layout.num_nodes) < num_rows * layout.width:  # rows of fewer nodes (a full batch is back to back)
             logit_rows = (torch.arange(num_rows)[:, None] * layout.width + torch.arange(layout.width))[fed]
-            logit_rows = logit_rows.to(self.device)
+            logit_rows = upload(logit_rows, self.device)
             node_ids = node_ids[logit_rows]
         half = uniforms.shape[1] // 2  # node j > 0 takes the row's accept uniform j - 1
         node_uniforms = torch.cat([torch.zeros(num_rows, 1, dtype=torch.float64), uniforms[:, half : 2 * half]], 1)
@@ -151,8 +155,8 @@ class DecodeStep:
             layout,
             drafts.probs if drafts is not None else None,
             sampling,
-            node_uniforms[:, : layout.width][fed].to(self.device),
-            uniforms[:, -1].contiguous().to(self.device),
+            upload(node_uniforms[:, : layout.width][fed], self.device),
+            upload(uniforms[:, -1].contiguous(), self.device),
             race,
             logit_rows,
         )

@@ -80,6 +80,9 @@ class Generator(Admission, DecodeStep):
             see `rollout.engine.model_runner`.
         kv_pool_blocks: paged: the pool's size in blocks of 16 tokens (default: planned from the free memory); a pool
             too small for every row at once admits fewer rows, and preempts the latest admitted when rows outgrow it.
+        cuda_graphs: "auto" (on with the paged layout on a GPU), True or False: chain decode and verification
+            forwards replay CUDA graphs captured here, one per padded row count and width
+            (`rollout.engine.graph_runner`); token trees, prefills and autocast run eagerly.
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class Generator(Admission, DecodeStep):
         max_prefill_tokens: int = 16384,
         kv_layout: str = "auto",
         kv_pool_blocks: int | None = None,
+        cuda_graphs: bool | str = "auto",
     ):
         if isinstance(model, (str, os.PathLike)):
             raise TypeError(
@@ -108,6 +112,8 @@ class Generator(Admission, DecodeStep):
                 f"max_prefill_tokens ({max_prefill_tokens!r}) must be an integer >= max_seq_len ({max_seq_len}) "
                 "so that the longest prompt fits one prefill"
             )
+        if cuda_graphs not in (True, False, "auto"):
+            raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
         if spec is not None and not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
         if spec is not None and not spec.methods:  # method None: speculation off
@@ -128,6 +134,16 @@ class Generator(Admission, DecodeStep):
         if max_kv_blocks is not None and not self.runner.paged:  # planned paged, but the model runs on slots
             self.kv_cache_bytes = check_kv_cache_fits(model, spec, max_batch_size, max_seq_len)
         self.device = self.runner.device
+        self.graph_seconds = 0.0
+        if cuda_graphs is True and not (self.runner.paged and self.device.type == "cuda"):
+            raise ValueError(
+                f"cuda_graphs=True needs a CUDA device and the paged KV layout; this generator has {self.device} and "
+                f"kv_layout {self.runner.kv_layout!r}: pass cuda_graphs='auto' or False"
+            )
+        if cuda_graphs is not False and self.runner.paged and self.device.type == "cuda":
+            start = time.perf_counter()  # before the auto policy's warm-up, so that it times the captured steps
+            self.runner.use_graphs(self.max_block).capture_all(max_batch_size)
+            self.graph_seconds = time.perf_counter() - start
         self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
         self._methods = spec.methods if spec else ()
         self._default_route = default_route(spec) if spec else ""

@@ -19,8 +19,10 @@ from transformers import PreTrainedModel
 
 from rollout.engine.attention import paged_attention_for
 from rollout.engine.attention_mask import build_attention_mask, to_additive
+from rollout.engine.graph_runner import GraphRunner
 from rollout.engine.kv_cache import SlotKVCache, kv_head_shape
 from rollout.engine.paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from rollout_kernels.device_io import upload
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -69,6 +71,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.cache_keyword = cache_keyword(model)
         self.num_slots, self.num_positions = num_slots, num_positions
+        self.graphs: GraphRunner | None = None  # captured chain steps (`use_graphs`)
         if kv_layout == "auto":
             kv_layout = "paged" if self.device.type == "cuda" else "slots"
         _probe(self, "slots")
@@ -80,6 +83,14 @@ class ModelRunner:
             self.cache = self._paged_cache(num_slots, num_positions, max_blocks, block_size)
         else:
             self.cache = SlotKVCache(self.num_layers, num_slots, num_positions)
+
+    def use_graphs(self, max_width: int, capture: bool = True) -> GraphRunner:
+        """Run chain decode steps of up to `max_width` tokens a row through CUDA graphs (paged layout only);
+        `capture=False` runs the same padded forward eagerly."""
+        if not self.paged:
+            raise ValueError("CUDA graphs need the paged KV layout (kv_layout='paged')")
+        self.graphs = GraphRunner(self.model, self.cache, max_width, capture)
+        return self.graphs
 
     def _paged_cache(self, num_slots: int, num_positions: int, max_blocks: int, block_size: int) -> PagedKVCache:
         """A pool allocated whole on a GPU (planned from its free memory), grown with the tokens on a CPU."""
@@ -130,7 +141,9 @@ class ModelRunner:
         lengths = torch.tensor([len(p) for p in prompts])
         self.release_rows(row_start, row_start + len(prompts))  # a new prompt in these slots
         zeros = torch.zeros(len(prompts), dtype=torch.long)
-        logits = self.forward(row_start, input_ids.to(self.device), zeros, width - lengths, lengths, last_only=True)
+        logits = self.forward(
+            row_start, upload(input_ids, self.device), zeros, width - lengths, lengths, last_only=True
+        )
         return logits[:, 0]
 
     def decode(
@@ -152,7 +165,7 @@ class ModelRunner:
         """
         lens, counts = torch.as_tensor(cache_lens), torch.as_tensor(num_inputs)  # host tensors or lists
         starts = torch.zeros(len(lens), dtype=torch.long)
-        return self.forward(row_start, input_ids.to(self.device), lens, starts, counts, depths, ancestors)
+        return self.forward(row_start, upload(input_ids, self.device), lens, starts, counts, depths, ancestors)
 
     def forward(
         self,
@@ -174,7 +187,12 @@ class ModelRunner:
         column = torch.arange(width)[None, :] - query_start[:, None]
         valid = (column >= 0) & (column < num_queries[:, None])
         offsets = column if depths is None else depths.gather(1, column.clamp(0, width - 1))
-        positions = torch.where(valid, cache_lens[:, None] + offsets, 0).to(self.device, non_blocking=True)
+        host_positions = torch.where(valid, cache_lens[:, None] + offsets, 0)
+        graphs = self.graphs if self.graphs is not None and cache is self.cache and depths is None else None
+        graphs = None if last_only else graphs
+        if graphs is not None and graphs.serves(len(input_ids), width):  # a chain step: a captured graph
+            return graphs.forward(row_start, input_ids, host_positions, cache_lens, query_start, num_queries)
+        positions = upload(host_positions, self.device)
         common = dict(input_ids=input_ids, position_ids=positions, logits_to_keep=1 if last_only else 0)
         if isinstance(cache, PagedKVCache):
             step = cache.prepare(row_start, cache_lens, query_start, num_queries, width, depths, ancestors)
@@ -183,9 +201,9 @@ class ModelRunner:
         kv_len = int((cache_lens + num_queries).max())
         cache.ensure_capacity(kv_len)  # before the padding is pointed at the scratch position past the capacity
         write_positions = torch.where(valid, cache_lens[:, None] + column, cache.scratch_position)
-        prefix_lengths, write_positions, valid = (t.to(self.device) for t in (cache_lens, write_positions, valid))
+        prefix_lengths, write_positions, valid = (upload(t, self.device) for t in (cache_lens, write_positions, valid))
         if ancestors is not None:
-            ancestors = ancestors.to(self.device)
+            ancestors = upload(ancestors, self.device)
         masks = {}
         windows = self.layer_windows if self.layer_windows is not None else {None: self.uniform_window}
         for layer_type, window in windows.items():

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from rollout.engine.block_manager import BlockManager, OutOfBlocks
+from rollout_kernels.device_io import upload
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -68,6 +69,7 @@ class PagedKVCache:
         # zeros, never empty: a masked NaN still poisons attention (0 x NaN) on the torch path
         self.k_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.generation = 0  # raised when the pools are reallocated (a captured graph holds their addresses)
 
     @property
     def num_blocks(self) -> int:
@@ -109,6 +111,7 @@ class PagedKVCache:
             for i, pool in enumerate(pools):
                 pools[i] = torch.cat([pool, pool.new_zeros((extra, *pool.shape[1:]))])
         self.manager.grow(size)
+        self.generation += 1
 
     # ---- one forward ----------------------------------------------------------------------------------------------
 
@@ -124,6 +127,31 @@ class PagedKVCache:
     ) -> PagedStep:
         """Blocks for the rows' new tokens (copying a shared block a row is about to write), and the step's metadata
         on the device."""
+        slot_mapping, tables = self.write_plan(row_start, cache_lens, query_start, num_queries, width)
+        end = cache_lens.numpy() + num_queries.numpy()
+        tables = tables[:, : max(int(self.manager.blocks_for(end).max(initial=1)), 1)]
+        return PagedStep(
+            self,
+            upload(torch.from_numpy(slot_mapping), self.device),
+            upload(torch.from_numpy(np.ascontiguousarray(tables)), self.device),
+            upload(cache_lens, self.device),
+            upload(query_start, self.device),
+            upload(num_queries, self.device),
+            None if depths is None else upload(depths, self.device),
+            None if ancestors is None else upload(ancestors, self.device),
+        )
+
+    def write_plan(
+        self,
+        row_start: int,
+        cache_lens: Tensor,  # [rows] int64 host
+        query_start: Tensor,  # [rows] int64 host
+        num_queries: Tensor,  # [rows] int64 host
+        width: int,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks for the rows' new tokens, a shared block a row is about to write copied to a block of its own (on
+        the device, in stream order); returns the pool slot of each column's token `[rows, width]` (-1 for
+        padding) and the rows' whole block tables `[rows, max blocks per row]` (a copy)."""
         num_rows = len(cache_lens)
         rows = np.arange(row_start, row_start + num_rows)
         lens, first, count = cache_lens.numpy(), query_start.numpy(), num_queries.numpy()
@@ -132,26 +160,13 @@ class PagedKVCache:
         self.reserve(rows[writing], end[writing], lens[writing])  # new blocks, and room for the shared ones copied
         sources, targets = self.manager.writable(rows[writing], lens[writing], end[writing])
         if len(sources):
-            src = torch.from_numpy(sources).to(self.device)
-            dst = torch.from_numpy(targets).to(self.device)
+            src = upload(torch.from_numpy(sources), self.device)
+            dst = upload(torch.from_numpy(targets), self.device)
             for pool in (*self.k_pools, *self.v_pools):
                 pool[dst] = pool[src]
         column = np.arange(width)[None, :] - first[:, None]
         positions = np.where((column >= 0) & (column < count[:, None]), lens[:, None] + column, -1)
-        slot_mapping = self.manager.slots(rows, positions)
-        max_blocks = max(int(self.manager.blocks_for(end).max(initial=1)), 1)
-        tables = self.manager.tables[rows, :max_blocks]
-        to_device = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)  # noqa: E731
-        return PagedStep(
-            self,
-            to_device(slot_mapping),
-            to_device(tables),
-            cache_lens.to(self.device),
-            query_start.to(self.device),
-            num_queries.to(self.device),
-            None if depths is None else depths.to(self.device),
-            None if ancestors is None else ancestors.to(self.device),
-        )
+        return self.manager.slots(rows, positions), self.manager.tables[rows]
 
     def compact_paths(self, rows: Tensor, base_positions: Tensor, accepted_nodes: Tensor) -> None:
         """Move each row's accepted token-tree path next to its root, within the row's blocks, in every layer: node

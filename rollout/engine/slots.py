@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from rollout.engine.sequence import Sequence
+from rollout_kernels.device_io import upload
 from specdec.processing import RowSampling
 
 _MASK32 = 0xFFFFFFFF
@@ -132,9 +133,9 @@ class SlotState:
         temperature, top_k, top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
         greedy = temperature == 0
         return RowSampling(
-            temperature=temperature.to(device),
-            top_k=top_k.to(device),
-            top_p=top_p.to(device),
+            temperature=upload(temperature, device),
+            top_k=upload(top_k, device),
+            top_p=upload(top_p, device),
             needs_filter=bool(((top_k > 0) | (top_p < 1)).any()),
             all_greedy=bool(greedy.all()),
             any_greedy=bool(greedy.any()),

@@ -14,6 +14,7 @@ class StepRecord:
     num_accepted: int  # draft tokens accepted, all rows
     num_emitted: int  # tokens appended to completions (accepted + one recovered/bonus per row, after stops)
     seconds: float
+    propose_seconds: float = 0.0  # decode: host time the proposers took (inside `seconds`)
     drafted_per_position: list[int] = field(default_factory=list)  # rows that had a draft at position j
     accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft j was accepted
     predicted_gain: float | None = None  # auto policy: predicted tokens/s with this K over K = 0

@@ -1,0 +1,205 @@
+"""CUDA graphs for the paged decode and verification forward, one per (rows bucket, width).
+
+An eager Hugging Face forward launches several hundred kernels, each costing host time: on an H100 a 1B policy's
+decode forward took 14 ms on the host against 5 ms on the device (`scripts/probe_step.py`). A captured graph
+launches them all at once. A decode step feeds each row its pending token plus up to K drafts; the width (K + 1 at
+most) changes every step with the batch, so a graph is captured per width and per padded row count:
+
+- rows are padded up to the next bucket (1, 2, 4, 8, then every 16 to 128, every 32 to 512, every 64 beyond);
+  a padding row has no queries and no KV slots, so the kernels skip it and it writes nothing;
+- a row narrower than the width (fewer drafts) is padded the same way inside the row: its extra columns are
+  neither stored nor attended, and their logits are never read;
+- the graph reads persistent device buffers (token ids, positions, slot mapping, block tables, lengths) that each
+  step fills with a few asynchronous copies from pinned memory, and writes the final hidden states into one
+  persistent buffer; the LM head then runs eagerly over the real rows only, so no graph keeps a `[rows, width,
+  vocab]` output of its own.
+
+Graphs are captured largest first into one memory pool shared by all of them. They hold the addresses of the
+weights and of the KV pools: when either changes (a pool that grew, weights replaced rather than updated in place)
+the graphs are dropped and captured again. Under autocast, for prefills, trees, and for rows or widths past the
+largest bucket the forward runs eagerly. `capture=False` runs the same padded forward without capturing (how a CPU
+tests the padding and buffers).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from rollout.engine.attention import paged_attention_for
+from rollout.engine.paged_cache import PagedKVCache, PagedStep
+from rollout_kernels.device_io import upload_into
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """The padded row counts graphs are captured at, ascending, the last one `max_rows`."""
+    sizes = [1, 2, 4, 8, *range(16, 129, 16), *range(160, 513, 32), *range(576, max_rows + 1, 64)]
+    return [s for s in sizes if s < max_rows] + [max_rows]
+
+
+class GraphRunner:
+    """Captured forwards of a model over a paged cache (see the module docstring).
+
+    Args:
+        model: the causal LM (its decoder and LM head are used separately).
+        cache: the paged KV cache the forwards read and write.
+        max_width: the widest step (1 + the largest K).
+        capture: False runs the padded forward eagerly (no CUDA needed).
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, max_width: int, capture: bool = True):
+        self.model, self.cache, self.max_width, self.capture = model, cache, max_width, capture
+        self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self.max_rows, self.table_width = cache.manager.tables.shape
+        self.buckets = row_buckets(self.max_rows)
+        self.device = cache.device
+        cells = self.max_rows * max_width
+        with torch.inference_mode(False):  # written by steps inside and outside inference mode
+            self.ids = torch.zeros(cells, dtype=torch.long, device=self.device)
+            # positions, slot mapping, block tables, cache lengths, query starts, query counts: one int64 buffer
+            self._sizes = (cells, cells, self.max_rows * self.table_width, self.max_rows, self.max_rows, self.max_rows)
+            self.meta = torch.zeros(sum(self._sizes), dtype=torch.long, device=self.device)
+            self._staging = torch.zeros(sum(self._sizes), dtype=torch.long, pin_memory=self.device.type == "cuda")
+            hidden_size = model.config.get_text_config().hidden_size
+            self.hidden = torch.zeros(cells, hidden_size, dtype=next(model.parameters()).dtype, device=self.device)
+        self._copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self._bound = self._binding()
+        self.memory_bytes = 0
+        self.capture_seconds = 0.0
+        self.error: str | None = None  # a failed capture: the reason, and the graphs are off
+
+    # ---- what a step asks -----------------------------------------------------------------------------------------
+
+    def bucket(self, num_rows: int) -> int:
+        return next(b for b in self.buckets if b >= num_rows)
+
+    def serves(self, num_rows: int, width: int) -> bool:
+        """Whether a chain step of this shape runs here (False: eager)."""
+        return (
+            self.error is None
+            and 0 < num_rows <= self.max_rows
+            and width <= self.max_width
+            and not torch.is_autocast_enabled(self.device.type)
+        )
+
+    def forward(
+        self,
+        row_start: int,
+        input_ids: Tensor,  # [rows, width] on the device
+        positions: Tensor,  # [rows, width] int64 host: each column's position id (0 for padding)
+        cache_lens: Tensor,  # [rows] int64 host
+        query_start: Tensor,  # [rows] int64 host
+        num_queries: Tensor,  # [rows] int64 host
+    ) -> Tensor:
+        """Logits `[rows, width, V]` of one chain step over rows `[row_start, row_start + rows)`, computed as the
+        eager paged forward computes them, with the rows padded to their bucket."""
+        num_rows, width = input_ids.shape
+        padded = self.bucket(num_rows)
+        graph = self._graph(padded, width)  # captured first: a capture stages padding of its own
+        slot_mapping, tables = self.cache.write_plan(row_start, cache_lens, query_start, num_queries, width)
+        self._stage(padded, width, [positions, slot_mapping, tables, cache_lens, query_start, num_queries])
+        ids = self.ids[: padded * width].view(padded, width)
+        ids[:num_rows].copy_(input_ids)
+        if padded > num_rows:
+            ids[num_rows:].zero_()
+        if graph is None:
+            self._body(padded, width)
+        else:
+            graph.replay()
+        return self.lm_head(self.hidden[: num_rows * width]).view(num_rows, width, -1)
+
+    # ---- the captured part ----------------------------------------------------------------------------------------
+
+    def _views(self, rows: int, width: int) -> list[Tensor]:
+        """The metadata buffer's views for `rows` x `width`: positions, slot mapping, tables, lengths, starts,
+        counts (each region holds the largest shape; a smaller one takes its prefix, contiguous)."""
+        shapes = [(rows, width), (rows, width), (rows, self.table_width), (rows,), (rows,), (rows,)]
+        views, offset = [], 0
+        for size, shape in zip(self._sizes, shapes):
+            views.append(self.meta[offset : offset + int(np.prod(shape))].view(shape))
+            offset += size
+        return views
+
+    def _stage(self, rows: int, width: int, parts: list) -> None:
+        """Fill the metadata buffer's `rows` x `width` views from host arrays (`parts`, in `_views` order, each of the
+        real rows only): padding rows get no queries and slot -1, then one asynchronous copy per view."""
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # the last step's copies still read the staging buffer (rarely: a step syncs)
+        offset, targets = 0, []
+        for region, (size, view, part) in enumerate(zip(self._sizes, self._views(rows, width), parts)):
+            staged = self._staging[offset : offset + view.numel()].view(view.shape)
+            part = torch.as_tensor(part)
+            staged[: len(part)] = part
+            staged[len(part) :] = -1 if region == 1 else 0  # padding: slot -1 (nothing stored), all else 0
+            targets.append((view, staged))
+            offset += size
+        for view, staged in targets:
+            upload_into(view, staged)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _body(self, rows: int, width: int) -> None:
+        """The forward over the buffers' `rows` x `width` views, final hidden states into `self.hidden`."""
+        positions, slot_mapping, tables, lens, starts, counts = self._views(rows, width)
+        step = PagedStep(self.cache, slot_mapping, tables, lens, starts, counts)
+        ids = self.ids[: rows * width].view(rows, width)
+        with paged_attention_for(self.model):
+            out = self.decoder(input_ids=ids, position_ids=positions, use_cache=False, rollout_step=step)
+        self.hidden[: rows * width].copy_(out.last_hidden_state.reshape(rows * width, -1))
+
+    def _graph(self, rows: int, width: int) -> torch.cuda.CUDAGraph | None:
+        """The graph of this shape, captured now if it is missing; None where graphs are not captured."""
+        if not self.capture or self.error is not None:
+            return None
+        if self._binding() != self._bound:  # weights or KV pools at new addresses: the graphs read stale ones
+            self.graphs.clear()
+            self._bound = self._binding()
+        graph = self.graphs.get((rows, width))
+        return graph if graph is not None else self._capture(rows, width)
+
+    def capture_all(self, max_rows: int | None = None) -> None:
+        """Capture every bucket up to `max_rows` at every width, largest first (they share one memory pool)."""
+        for rows in sorted((b for b in self.buckets if max_rows is None or b <= self.bucket(max_rows)), reverse=True):
+            for width in range(self.max_width, 0, -1):
+                self._graph(rows, width)
+
+    def _capture(self, rows: int, width: int) -> torch.cuda.CUDAGraph | None:
+        """Capture the forward at this shape (after one eager run on a side stream, which compiles the kernels)
+        with every row padding, so that nothing is written; None, and the graphs off, if capture fails."""
+        start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        self._stage(rows, width, [np.zeros((0, width))] * 2 + [np.zeros((0, self.table_width))] + [np.zeros(0)] * 3)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream):
+                self._body(rows, width)
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                graph.capture_begin(pool=self.pool)
+                try:
+                    self._body(rows, width)
+                finally:
+                    graph.capture_end()
+        except Exception as err:  # noqa: BLE001 - any capture failure: run eagerly, said once
+            self.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            self.graphs.clear()
+            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", RuntimeWarning, stacklevel=2)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            return None
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.graphs[(rows, width)] = graph
+        self.memory_bytes += torch.cuda.memory_reserved(self.device) - before
+        self.capture_seconds += time.perf_counter() - start
+        return graph
+
+    def _binding(self) -> tuple:
+        """What the graphs hold the addresses of: the weights and the KV pools."""
+        return (self.cache.generation, *(p.data_ptr() for p in self.model.parameters()))

@@ -1,0 +1,137 @@
+"""CUDA graphs for chain decode steps (`rollout.engine.graph_runner`) and the walk exact verification takes on a GPU.
+
+A CPU runs the graph runner's padded forward without capturing it (`capture=False`): rows padded to their bucket,
+narrower rows padded to the step's width, the metadata staged through its buffers. That must generate exactly what
+the plain paged forward generates. Capture and replay themselves need CUDA (`tests/test_gpu.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, random_prompts
+from test_generator import teacher_forced_logprobs
+
+from rollout import Generator, SamplingParams
+from rollout.engine.graph_runner import row_buckets
+from specdec.config import SpecConfig
+from specdec.processing import RowSampling
+from specdec.tree import layout_drafts
+from specdec.verify import RaceKeys, verify_exact
+
+
+def padded_generator(model, graphs: bool, **kwargs) -> Generator:
+    gen = Generator(model, kv_layout="paged", cuda_graphs=False, **kwargs)
+    if graphs:
+        gen.runner.use_graphs(gen.max_block, capture=False)
+    return gen
+
+
+def test_row_buckets():
+    assert row_buckets(1) == [1]
+    assert row_buckets(6) == [1, 2, 4, 6]
+    buckets = row_buckets(1024)
+    assert buckets[:6] == [1, 2, 4, 8, 16, 32] and buckets[-1] == 1024
+    assert buckets == sorted(set(buckets)) and len(buckets) == 32
+    # past 64 rows (where a step starts to cost per row) a bucket pads at most 25%
+    assert all(b - a <= a // 4 for a, b in zip(buckets, buckets[1:]) if a >= 64)
+    assert row_buckets(100)[-2:] == [96, 100]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        None,
+        SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1),
+        SpecConfig(method="suffix", num_speculative_tokens=4),
+        SpecConfig(method="suffix", num_speculative_tokens=3, num_speculative_tokens_per_batch_size="auto"),
+    ],
+    ids=["none", "ngram", "suffix", "suffix-auto"],
+)
+def test_the_padded_forward_generates_what_the_paged_forward_generates(spec):
+    """Rows padded to their bucket (6 slots: buckets 1, 2, 4, 6; rows finish and refill) and to the step's width."""
+    model = make_model("llama")
+    prompts = random_prompts(11, max_len=14, seed=3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=5)
+    plain = padded_generator(model, False, max_batch_size=6, max_seq_len=64, spec=spec).generate(prompts, params)
+    gen = padded_generator(model, True, max_batch_size=6, max_seq_len=64, spec=spec)
+    padded = gen.generate(prompts, params)
+    assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
+    for a, b in zip(padded, plain):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-12, rtol=0)
+    for out in padded[:4]:
+        expected = teacher_forced_logprobs(model, prompts[out.prompt_index], out.token_ids, params)
+        torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), expected, atol=1e-9, rtol=0)
+    assert gen.runner.cache.manager.num_used == 0  # padding rows held no blocks
+    if spec is not None:
+        assert any(r.num_drafted for r in gen.last_trace), "expected drafted steps"
+
+
+def test_padding_rows_write_no_kv():
+    """A step of 3 rows padded to 4: the padding row's slot is -1, so every pool block but the rows' own is
+    untouched."""
+    model = make_model("qwen2")
+    gen = padded_generator(model, True, max_batch_size=4, max_seq_len=32)
+    gen.add_requests(random_prompts(3, seed=7), SamplingParams(temperature=0, max_new_tokens=8))
+    cache = gen.runner.cache
+    with torch.inference_mode():
+        gen.step()  # the prefill
+        pools = [p.clone() for p in cache.k_pools + cache.v_pools]
+        held = {int(b) for row in range(3) for b in cache.manager.tables[row][: cache.manager.blocks_for(32)]}
+        gen.step()
+    for before, after in zip(pools, cache.k_pools + cache.v_pools):
+        changed = {int(b) for b in torch.nonzero((before != after).flatten(1).any(1))[:, 0]}
+        assert changed and changed <= held
+
+
+@pytest.mark.parametrize("race_every_node", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_the_static_walk_draws_what_the_shrinking_walk_draws(seed, race_every_node):
+    """Exact verification on a GPU walks every row at every depth (nothing waits for the device); it must emit the
+    same tokens, log-probs and paths as the walk over the rows still walking."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab, max_k = 7, 13, 4
+    num_drafted = torch.randint(0, max_k + 1, (rows,), generator=gen).tolist()
+    tree = seed % 2 == 1
+    parents = None
+    if tree:  # random trees: draft j's parent is an earlier draft of the row, or the pending token (-1)
+        parents = torch.full((rows, max_k), -1, dtype=torch.long)
+        for r, k in enumerate(num_drafted):
+            for j in range(k):
+                parents[r, j] = int(torch.randint(-1, j, (1,), generator=gen))
+    layout = layout_drafts(num_drafted, parents)
+    num_nodes = sum(layout.num_nodes)
+    # a node holds token i when it is its parent's (i+1)-th child (siblings differ); tokens 0 and 1 are likely
+    # everywhere, so drafts are often accepted and the walks go deep, or stop at random
+    node_ids = []
+    for r, count in enumerate(layout.num_nodes):
+        parents_of = layout.parents[r, :count].tolist()
+        node_ids += [0] + [parents_of[1:j].count(parents_of[j]) for j in range(1, count)]
+    node_ids = torch.tensor(node_ids)
+    logits = torch.randn(num_nodes, vocab, generator=gen, dtype=torch.float64)
+    logits[:, 0] += 5
+    logits[:, 1] += 4
+    sampling = RowSampling(
+        torch.full((rows,), 0.8, dtype=torch.float64), torch.zeros(rows, dtype=torch.long),
+        torch.ones(rows, dtype=torch.float64), False, False, False,
+    )  # fmt: skip
+    race = RaceKeys(torch.randint(0, 2**40, (rows,), generator=gen), torch.randint(0, 50, (rows,), generator=gen))
+    results = [
+        verify_exact(logits, node_ids, layout, sampling, race, race_every_node, static_walk=static)
+        for static in (False, True)
+    ]
+    for name in ("output_token_ids", "num_emitted", "logprobs", "accepted_nodes"):
+        assert torch.equal(getattr(results[0], name), getattr(results[1], name)), name
+    assert int(results[0].num_emitted.max()) > 1, "expected some accepted drafts"
+
+
+def test_cuda_graphs_argument():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="cuda_graphs \\('yes'\\) must be True, False or 'auto'"):
+        Generator(model, max_batch_size=2, max_seq_len=16, cuda_graphs="yes")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device and the paged KV layout"):
+            Generator(model, max_batch_size=2, max_seq_len=16, cuda_graphs=True)
+    gen = Generator(model, max_batch_size=2, max_seq_len=16, kv_layout="paged")
+    assert gen.runner.graphs is None  # auto: on a GPU only
+    with pytest.raises(ValueError, match="CUDA graphs need the paged KV layout"):
+        Generator(model, max_batch_size=2, max_seq_len=16, kv_layout="slots").runner.use_graphs(2)
