@@ -1,8 +1,11 @@
-"""On a GPU: the paged layout with its compiled kernels, inside the engine, and the device reads a decode step makes.
-A CPU skips these (the kernels' own tests run there under the Triton interpreter)."""
+"""On a GPU: the paged layout with its compiled kernels, CUDA graphs, and the device reads a decode step makes. A CPU
+skips these (the kernels' own tests run there under the Triton interpreter; the graph runner's padded forward runs
+there uncaptured, `tests/test_graphs.py`)."""
 
 from __future__ import annotations
 
+import pathlib
+import traceback
 import warnings
 
 import pytest
@@ -33,6 +36,26 @@ def test_paged_on_a_gpu_samples_what_the_slot_layout_samples():
         torch.testing.assert_close(torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n]), rtol=0, atol=1e-4)
 
 
+def with_syncs(fn):
+    """`fn()`, and where each synchronising CUDA call it made came from (the Python frames, innermost first)."""
+    syncs = []
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = traceback.extract_stack()[-9:-1][::-1]
+            syncs.append(" <- ".join(f"{pathlib.Path(f.filename).name}:{f.lineno}" for f in frames))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, syncs
+
+
 @pytest.mark.parametrize(
     "kv_layout, cuda_graphs, spec",
     [
@@ -53,15 +76,8 @@ def test_a_decode_step_reads_the_device_once(kv_layout, cuda_graphs, spec):
         gen.step()
     torch.cuda.synchronize()
     steps = 4
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            records = [gen.step().record for _ in range(steps)]
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    records, syncs = with_syncs(lambda: [gen.step().record for _ in range(steps)])
     assert all(r.kind == "decode" for r in records)
-    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) <= steps, f"{len(syncs)} synchronisations in {steps} decode steps: {syncs[:4]}"
 
 
