@@ -121,6 +121,10 @@ def sync_debug(device: torch.device):
     if device.type != "cuda":
         yield
         return
+    with warnings.catch_warnings():  # the first switch to "warn" in a process warns once itself (seen on the H100)
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.set_sync_debug_mode("warn")
     try:
         yield

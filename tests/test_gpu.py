@@ -45,6 +45,10 @@ def with_syncs(fn):
             frames = traceback.extract_stack()[-9:-1][::-1]
             syncs.append(" <- ".join(f"{pathlib.Path(f.filename).name}:{f.lineno}" for f in frames))
 
+    with warnings.catch_warnings():  # the first switch to "warn" in a process warns once itself: not the engine's
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("default")
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = note

@@ -34,6 +34,9 @@ from rollout.engine.attention import paged_attention_for
 from rollout.engine.paged_cache import PagedKVCache, PagedStep
 from rollout_kernels.device_io import upload_into
 
+# config fields with which a causal LM changes its logits after the LM head (softcapping, scaling)
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
 
 def row_buckets(max_rows: int) -> list[int]:
     """The padded row counts graphs are captured at, ascending, the last one `max_rows`."""
@@ -76,6 +79,10 @@ class GraphRunner:
         self.memory_bytes = 0
         self.capture_seconds = 0.0
         self.error: str | None = None  # a failed capture: the reason, and the graphs are off
+        config = model.config.get_text_config()
+        scaled = [name for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1.0)]
+        if scaled:  # the LM head runs outside the graph as a plain projection: a model that transforms it runs eager
+            self.error = f"{type(model).__name__} transforms its logits ({', '.join(scaled)})"
 
     # ---- what a step asks -----------------------------------------------------------------------------------------
 
@@ -189,7 +196,9 @@ class GraphRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.stream(stream):
+            # inference mode: with autograd on, every layer's activations were kept for a backward until the
+            # forward returned, and the pool grew by them (13 GB for 24 graphs of a 1B model at up to 512 rows)
+            with torch.inference_mode(), torch.cuda.stream(stream):
                 self._body(rows, width)
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
@@ -201,8 +210,10 @@ class GraphRunner:
         except Exception as err:  # noqa: BLE001 - any capture failure: run eagerly, said once
             self.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             self.graphs.clear()
-            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", RuntimeWarning, stacklevel=2)
+            self.pool = None
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            torch.cuda.empty_cache()  # what the captures held goes back to the eager steps (an OOM left it held)
+            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", RuntimeWarning, stacklevel=2)
             return None
         torch.cuda.current_stream(self.device).wait_stream(stream)
         self.graphs[(rows, width)] = graph
