@@ -112,7 +112,8 @@ class GraphRunner:
         num_rows, width = input_ids.shape
         padded = self.bucket(num_rows)
         graph = self._graph(padded, width)  # captured first: a capture stages padding of its own
-        slot_mapping, tables = self.cache.write_plan(row_start, cache_lens, query_start, num_queries, width)
+        slot_mapping = self.cache.write_plan(row_start, cache_lens, query_start, num_queries, width)
+        tables = self.cache.tables(row_start, num_rows)
         self._stage(padded, width, [positions, slot_mapping, tables, cache_lens, query_start, num_queries])
         ids = self.ids[: padded * width].view(padded, width)
         ids[:num_rows].copy_(input_ids)

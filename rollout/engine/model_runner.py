@@ -188,9 +188,9 @@ class ModelRunner:
         valid = (column >= 0) & (column < num_queries[:, None])
         offsets = column if depths is None else depths.gather(1, column.clamp(0, width - 1))
         host_positions = torch.where(valid, cache_lens[:, None] + offsets, 0)
-        graphs = self.graphs if self.graphs is not None and cache is self.cache and depths is None else None
-        graphs = None if last_only else graphs
-        if graphs is not None and graphs.serves(len(input_ids), width):  # a chain step: a captured graph
+        graphs = self.graphs  # None until `use_graphs` (and during the constructor's probe, before `self.cache`)
+        chain_step = graphs is not None and cache is self.cache and depths is None and not last_only
+        if chain_step and graphs.serves(len(input_ids), width):  # a captured graph
             return graphs.forward(row_start, input_ids, host_positions, cache_lens, query_start, num_queries)
         positions = upload(host_positions, self.device)
         common = dict(input_ids=input_ids, position_ids=positions, logits_to_keep=1 if last_only else 0)

@@ -127,9 +127,9 @@ class PagedKVCache:
     ) -> PagedStep:
         """Blocks for the rows' new tokens (copying a shared block a row is about to write), and the step's metadata
         on the device."""
-        slot_mapping, tables = self.write_plan(row_start, cache_lens, query_start, num_queries, width)
+        slot_mapping = self.write_plan(row_start, cache_lens, query_start, num_queries, width)
         end = cache_lens.numpy() + num_queries.numpy()
-        tables = tables[:, : max(int(self.manager.blocks_for(end).max(initial=1)), 1)]
+        tables = self.tables(row_start, len(end))[:, : max(int(self.manager.blocks_for(end).max(initial=1)), 1)]
         return PagedStep(
             self,
             upload(torch.from_numpy(slot_mapping), self.device),
@@ -148,10 +148,10 @@ class PagedKVCache:
         query_start: Tensor,  # [rows] int64 host
         num_queries: Tensor,  # [rows] int64 host
         width: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> np.ndarray:
         """Blocks for the rows' new tokens, a shared block a row is about to write copied to a block of its own (on
         the device, in stream order); returns the pool slot of each column's token `[rows, width]` (-1 for
-        padding) and the rows' whole block tables `[rows, max blocks per row]` (a copy)."""
+        padding)."""
         num_rows = len(cache_lens)
         rows = np.arange(row_start, row_start + num_rows)
         lens, first, count = cache_lens.numpy(), query_start.numpy(), num_queries.numpy()
@@ -166,7 +166,12 @@ class PagedKVCache:
                 pool[dst] = pool[src]
         column = np.arange(width)[None, :] - first[:, None]
         positions = np.where((column >= 0) & (column < count[:, None]), lens[:, None] + column, -1)
-        return self.manager.slots(rows, positions), self.manager.tables[rows]
+        return self.manager.slots(rows, positions)
+
+    def tables(self, row_start: int, num_rows: int) -> np.ndarray:
+        """`[rows, max blocks per row]` the block tables of rows `[row_start, row_start + num_rows)` (a view: read it
+        before the next change)."""
+        return self.manager.tables[row_start : row_start + num_rows]
 
     def compact_paths(self, rows: Tensor, base_positions: Tensor, accepted_nodes: Tensor) -> None:
         """Move each row's accepted token-tree path next to its root, within the row's blocks, in every layer: node
