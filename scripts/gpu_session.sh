@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A lent GPU machine's whole session in one prepared command: the CUDA tests, the decode-step probe, the benchmark.
+#
+# The machines lent so far had no network and an image with torch, triton and accelerate but not the rest, so the
+# missing packages travel as wheels, downloaded on the development machine first:
+#
+#   bash scripts/gpu_session.sh wheels                     # here: .whl/ (ignored by git), once
+#   COMMIT=<hash> bash scripts/gpu_session.sh run "$OUT" --quick   # there: everything, bench_gpu.py with these args
+#
+# `run` writes test_gpu.log, probe_step.json, probe.log, bench.log and bench_gpu.json under the folder given. Each
+# part has its own time limit, so a hang in one still leaves the others' files.
+set -o pipefail
+WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
+
+case "${1:-}" in
+wheels)
+    mkdir -p .git/info && grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $WHEELS
+    ls .whl
+    ;;
+run)
+    out=${2:?give the output folder}; shift 2
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    mkdir -p /tmp/pk && ln -sfn "$PWD/kernels" /tmp/pk/rollout_kernels  # the import name an install would give it
+    export PYTHONPATH=/tmp/site:/tmp/pk:. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
+    commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}  # the working tree travels without .git: COMMIT=
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    start=$(date +%s)
+    timeout 120 python3 -m pytest tests/test_gpu.py tests/test_graphs.py -q -p no:cacheprovider 2>&1 \
+        | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
+    echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
+    timeout 60 python3 scripts/probe_step.py --out "$out" 2>&1 | grep -v USDT > "$out/probe.log"
+    grep -E '"(captured|memory_bytes|error|step_wall_ms|kernels_per_step|busy_share)"' "$out/probe_step.json"
+    echo "probe: $(( $(date +%s) - start )) s"; start=$(date +%s)
+    timeout 540 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" "$@" 2>&1 | grep -v USDT > "$out/bench.log"
+    tail -25 "$out/bench.log"
+    echo "bench: $(( $(date +%s) - start )) s"
+    ;;
+*)
+    echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args]" >&2
+    exit 2
+    ;;
+esac
