@@ -461,11 +461,12 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
     warm_up(gen, prompts, spec)
     shared = {"slots": slots, "kv_cache_bytes": gen.kv_cache_bytes, "setup_seconds": time.perf_counter() - start}
     shared["kv_layout"] = gen.runner.kv_layout
-    runner_graphs = getattr(gen.runner, "graphs", None)
-    if runner_graphs is not None:
+    graphs = getattr(gen, "graph_runners", [])  # the target's, and a draft model's
+    if graphs:
         shared["graphs"] = {
-            "captured": len(runner_graphs.graphs), "seconds": gen.graph_seconds,
-            "memory_bytes": runner_graphs.memory_bytes, "error": runner_graphs.error,
+            "captured": sum(len(g.graphs) for g in graphs), "seconds": gen.graph_seconds,
+            "memory_bytes": sum(g.memory_bytes for g in graphs),
+            "error": next((g.error for g in graphs if g.error), None),
         }  # fmt: skip
     rows = []
     for seed, share in ((1, 0.45), (2, 0.9)):  # each rollout its share of the row's time: room for the probe

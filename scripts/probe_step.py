@@ -122,7 +122,7 @@ def main(argv=None):
     report = {"model": args.model, "dtype": args.dtype, "device": str(device), "kv_layout": gen.runner.kv_layout}
     graphs = gen.runner.graphs
     if graphs is not None:  # the engine's own graphs (the decode steps timed below replay them)
-        report["graphs"] = {"captured": len(graphs.graphs), "seconds": gen.graph_seconds}
+        report["graphs"] = {"captured": len(graphs.graphs), "seconds": graphs.capture_seconds}
         report["graphs"].update(memory_bytes=graphs.memory_bytes, error=graphs.error)
     if device.type == "cuda":
         report["card"] = torch.cuda.get_device_name(device)

@@ -68,12 +68,16 @@ def with_syncs(fn):
         ("slots", False, None),
         ("paged", True, SpecConfig(method="suffix", num_speculative_tokens=3)),
         ("paged", True, SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1)),
+        ("paged", True, "draft"),
     ],
-    ids=["paged-graphs", "paged-eager", "slots", "suffix-graphs", "ngram-graphs"],
+    ids=["paged-graphs", "paged-eager", "slots", "suffix-graphs", "ngram-graphs", "draft-graphs"],
 )
 def test_a_decode_step_reads_the_device_once(kv_layout, cuda_graphs, spec):
     """One synchronisation per decode step: the packed copy of the emitted tokens the scheduler needs."""
     model = make_model("llama", dtype=torch.float32).cuda()
+    if spec == "draft":  # a draft model's runner: paged and graphed like the target's
+        draft = make_model("qwen2", seed=4, dtype=torch.float32).cuda()
+        spec = SpecConfig(method="draft_model", num_speculative_tokens=3, model=draft)
     gen = Generator(model, max_batch_size=8, max_seq_len=96, kv_layout=kv_layout, cuda_graphs=cuda_graphs, spec=spec)
     gen.add_requests(random_prompts(4, seed=2), SamplingParams(n=2, temperature=1.0, max_new_tokens=64, seed=0))
     for _ in range(3):  # the prefill, and decode steps that compile the kernels
@@ -112,9 +116,14 @@ def test_a_replayed_graph_computes_what_the_eager_forward_computes():
     assert torch.equal(logits[0], logits[1])
 
 
-@pytest.mark.parametrize("spec", [None, SpecConfig(method="suffix", num_speculative_tokens=4)], ids=["none", "suffix"])
+@pytest.mark.parametrize(
+    "spec", [None, SpecConfig(method="suffix", num_speculative_tokens=4), "draft"], ids=["none", "suffix", "draft"]
+)
 def test_graphs_sample_what_the_eager_engine_samples(spec):
     model = make_model("qwen2", dtype=torch.float32).cuda()
+    if spec == "draft":
+        draft = make_model("llama", seed=4, dtype=torch.float32).cuda()
+        spec = SpecConfig(method="draft_model", num_speculative_tokens=3, model=draft)
     prompts = random_prompts(7, max_len=14, seed=4)
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=32, seed=1)
     outs = [

@@ -21,8 +21,9 @@ from specdec.verify import RaceKeys, verify_exact
 
 def padded_generator(model, graphs: bool, **kwargs) -> Generator:
     gen = Generator(model, kv_layout="paged", cuda_graphs=False, **kwargs)
-    if graphs:
-        gen.runner.use_graphs(gen.max_block, capture=False)
+    if graphs:  # the target's runner, and a draft model's
+        for runner in gen._runners():
+            runner.use_graphs(gen.max_block, capture=False)
     return gen
 
 
@@ -44,17 +45,25 @@ def test_row_buckets():
         SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1),
         SpecConfig(method="suffix", num_speculative_tokens=4),
         SpecConfig(method="suffix", num_speculative_tokens=3, num_speculative_tokens_per_batch_size="auto"),
+        "draft",
     ],
-    ids=["none", "ngram", "suffix", "suffix-auto"],
+    ids=["none", "ngram", "suffix", "suffix-auto", "draft"],
 )
 def test_the_padded_forward_generates_what_the_paged_forward_generates(spec):
     """Rows padded to their bucket (6 slots: buckets 1, 2, 4, 6; rows finish and refill) and to the step's width."""
     model = make_model("llama")
+    if spec == "draft":
+        spec = SpecConfig(method="draft_model", num_speculative_tokens=3, model=make_model("qwen2", seed=4))
     prompts = random_prompts(11, max_len=14, seed=3)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=5)
-    plain = padded_generator(model, False, max_batch_size=6, max_seq_len=64, spec=spec).generate(prompts, params)
+    plain_gen = padded_generator(model, False, max_batch_size=6, max_seq_len=64, spec=spec)
+    plain = plain_gen.generate(prompts, params)
     gen = padded_generator(model, True, max_batch_size=6, max_seq_len=64, spec=spec)
     padded = gen.generate(prompts, params)
+    if spec is None or spec.num_speculative_tokens_per_batch_size is None:  # auto K follows measured step times
+        # the same drafts step by step (a draft model's own forwards are padded too)
+        trace = [(r.batch_size, r.num_drafted, r.num_accepted) for r in gen.last_trace]
+        assert trace == [(r.batch_size, r.num_drafted, r.num_accepted) for r in plain_gen.last_trace]
     assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
     for a, b in zip(padded, plain):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-12, rtol=0)

@@ -90,6 +90,27 @@ def test_paged_samples_are_the_slot_layouts_whatever_the_speculation(name):
         assert sum(r.num_accepted for r in gen.last_trace) > 0, "no draft accepted: the comparison tested nothing"
 
 
+def test_a_draft_model_takes_the_targets_paged_layout_and_drafts_what_it_drafts_on_slots():
+    """The draft model's runner follows the target's layout; on either, the draft proposes the same tokens (the same
+    acceptance step by step), and a paged draft's blocks go back to its pool as rows finish."""
+    model, draft = make_model("qwen2", seed=2, vocab_size=23), make_model("llama", seed=3, vocab_size=23)
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=3, model=draft)
+    prompts = random_prompts(9, vocab_size=23, max_len=10, seed=7)  # 18 samples through 6 slots: rows move and refill
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=3)
+    runs = {}
+    for layout in ("slots", "paged"):
+        gen = Generator(model, max_batch_size=6, max_seq_len=48, spec=spec, kv_layout=layout)
+        runner = gen.proposers.proposers["draft_model"].runner
+        assert runner.kv_layout == layout
+        outs = gen.generate(prompts, params)
+        runs[layout] = (outs, [(r.num_drafted, r.num_accepted) for r in gen.last_trace])
+        if layout == "paged":
+            assert runner.cache.manager.num_used == 0, "expected every draft block back in its pool"
+    assert [o.token_ids for o in runs["paged"][0]] == [o.token_ids for o in runs["slots"][0]]
+    assert runs["paged"][1] == runs["slots"][1]
+    assert sum(accepted for _, accepted in runs["paged"][1]) > 0, "no draft accepted: the comparison tested nothing"
+
+
 def test_a_groups_samples_share_their_prompts_blocks_until_they_write():
     model = make_model("llama")
     prompt = list(range(1, 41))  # 40 tokens: 2 full blocks of 16 and a partial one

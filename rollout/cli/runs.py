@@ -158,11 +158,15 @@ def kv_cache_header(gen, max_seq_len: int) -> str:
     """The run header's KV-cache line: the planned bytes, and how they are laid out."""
     size = f"KV cache {gen.kv_cache_bytes / 2**20:.1f} MiB"
     if gen.runner.paged:
-        cache, graphs = gen.runner.cache, gen.runner.graphs
+        cache, graphs = gen.runner.cache, [g for g in gen.graph_runners if g.capture]
         size = f"{size} (paged: {cache.max_blocks} blocks of {cache.block_size} tokens, {gen.max_batch_size} slots)"
-        if graphs is not None and graphs.capture:
-            held = f"{len(graphs.graphs)} captured in {gen.graph_seconds:.1f} s, {graphs.memory_bytes / 2**20:.0f} MiB"
-            size += f"; CUDA graphs: {held}" if graphs.error is None else f"; CUDA graphs off: {graphs.error}"
+        errors = [g.error for g in graphs if g.error is not None]
+        if errors:
+            size += f"; CUDA graphs off: {errors[0]}"
+        elif graphs:
+            memory = sum(g.memory_bytes for g in graphs) / 2**20
+            size += f"; CUDA graphs: {sum(len(g.graphs) for g in graphs)} captured in {gen.graph_seconds:.1f} s, "
+            size += f"{memory:.0f} MiB"
         return size
     return f"{size} ({gen.max_batch_size} slots x {max_seq_len} tokens)"
 

@@ -112,7 +112,8 @@ class Admission:
             if self.proposers is not None:
                 self.proposers.copy_rows(src, dst, longest)
             s.move(movers, holes, longest)
-        self.runner.release_rows(remaining, self.num_active)
+        for runner in self._runners():  # a paged draft model's cache frees its rows too
+            runner.release_rows(remaining, self.num_active)
         self.num_active = remaining
 
     def _preempt_for_next_step(self) -> int:

@@ -134,16 +134,15 @@ class Generator(Admission, DecodeStep):
         if max_kv_blocks is not None and not self.runner.paged:  # planned paged, but the model runs on slots
             self.kv_cache_bytes = check_kv_cache_fits(model, spec, max_batch_size, max_seq_len)
         self.device = self.runner.device
-        self.graph_seconds = 0.0
         if cuda_graphs is True and not (self.runner.paged and self.device.type == "cuda"):
             raise ValueError(
                 f"cuda_graphs=True needs a CUDA device and the paged KV layout; this generator has {self.device} and "
                 f"kv_layout {self.runner.kv_layout!r}: pass cuda_graphs='auto' or False"
             )
         if cuda_graphs is not False and self.runner.paged and self.device.type == "cuda":
-            start = time.perf_counter()  # before the auto policy's warm-up, so that it times the captured steps
+            # before the auto policy's warm-up, so that it times the captured steps
             self.runner.use_graphs(self.max_block).capture_all(max_batch_size)
-            self.graph_seconds = time.perf_counter() - start
+        # a draft model's runner takes the target's layout and graphs
         self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
         self._methods = spec.methods if spec else ()
         self._default_route = default_route(spec) if spec else ""
@@ -178,6 +177,16 @@ class Generator(Admission, DecodeStep):
     @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
+
+    @property
+    def graph_runners(self) -> list:
+        """The CUDA-graph runners of the target's and a draft model's model runners (empty: eager decoding)."""
+        return [r.graphs for r in self._runners() if r.graphs is not None]
+
+    @property
+    def graph_seconds(self) -> float:
+        """Seconds the CUDA graphs took to capture, the target's and a draft model's."""
+        return sum(g.capture_seconds for g in self.graph_runners)
 
     @property
     def max_uniform_context(self) -> int:
@@ -293,7 +302,8 @@ class Generator(Admission, DecodeStep):
         """Drop every request queued or in flight (their KV is garbage the next admission overwrites)."""
         self._queue.clear()
         # every slot, not only those in flight: a restore to fewer rows left the others holding their blocks
-        self.runner.release_rows(0, self.max_batch_size)
+        for runner in self._runners():
+            runner.release_rows(0, self.max_batch_size)
         self.num_active = 0
 
     def step(

@@ -57,7 +57,10 @@ def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_p
             )
         else:
             draft = load_draft_model(spec.model, target)
-            runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions)
+            # the target's KV layout (a draft that cannot page falls back to slots, with a warning), and its graphs
+            runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions, kv_layout=target.kv_layout)
+            if target.graphs is not None and runner.paged:
+                runner.use_graphs(target.graphs.max_width, target.graphs.capture).capture_all(num_slots)
             proposers[method] = DraftModelProposer(runner, spec.num_speculative_tokens, target.vocab_size)
     return ProposerSet(proposers, max_k=spec.num_speculative_tokens)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rollout_kernels.device_io import upload
 from rollout_kernels.race_sample import race_exponentials_ref
 from specdec.processing import RowSampling, processed_logprobs, target_probs
 from specdec.proposers.base import Drafts, ModelRunnerProtocol, ProposalBatch, Proposer
@@ -42,8 +43,12 @@ class DraftModelProposer(Proposer):
         self._base = torch.zeros(0, dtype=torch.long)  # [slots]
         self._num_cached = torch.zeros(0, dtype=torch.long)  # [slots]
         self._cached = torch.full((0, 1), -1, dtype=torch.long)  # [slots, >= K - 1]
+        # on a GPU the step's cached drafts come back without waiting: (pinned copy, rows, width, copied event), landed
+        # in `_cached` before anything reads it (by then the step's one read of the device has waited for the copy)
+        self._landing: tuple[Tensor, int, int, torch.cuda.Event] | None = None
 
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
+        self._land()
         self.runner.prefill(row_start, prompts)
         if len(states) > len(prompts):
             dst = torch.arange(row_start, row_start + len(states))
@@ -55,6 +60,7 @@ class DraftModelProposer(Proposer):
         self._num_cached[rows] = 0
 
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
+        self._land()
         self.runner.copy_rows(src, dst, num_positions)
         src, dst = src.cpu(), dst.cpu()
         for field in (self._cache_len, self._base, self._num_cached, self._cached):
@@ -78,6 +84,7 @@ class DraftModelProposer(Proposer):
         device = self.runner.device
         num_tokens, asked = host_longs(batch.num_tokens), host_longs(batch.num_asked)
         # catch up: feed every row the committed tokens its draft cache lacks (the pending token at least)
+        self._land()
         self._reserve(num_rows, max_k - 1)
         cache_lens = self._reconciled(batch.token_ids, num_tokens)
         num_inputs = num_tokens - cache_lens
@@ -85,11 +92,11 @@ class DraftModelProposer(Proposer):
         columns = (cache_lens[:, None] + offsets).clamp(max=batch.token_ids.shape[1] - 1)
         input_ids = torch.where(offsets < num_inputs[:, None], batch.token_ids.gather(1, columns), 0)
         logits = self.runner.decode(0, input_ids, num_inputs, cache_lens)
-        step_logits = logits[torch.arange(num_rows, device=device), (num_inputs - 1).to(device)]
+        step_logits = logits[torch.arange(num_rows, device=device), upload(num_inputs - 1, device)]
         cache_lens = num_tokens.clone()
         draft_ids = torch.full((num_rows, max_k), -1, dtype=torch.long, device=device)
         draft_probs = []
-        uniforms = batch.draft_uniforms.to(device)
+        uniforms = upload(batch.draft_uniforms, device)
         for j in range(max_k):
             if batch.sampling.all_greedy:
                 tokens = step_logits.argmax(dim=-1)
@@ -99,7 +106,7 @@ class DraftModelProposer(Proposer):
                 probs = _draft_distribution(step_logits, batch.sampling)
                 tokens = _sample(probs, uniforms[:, j], batch.sampling)
                 draft_probs.append(probs)
-            draft_ids[:, j] = torch.where((asked > j).to(device), tokens, -1)
+            draft_ids[:, j] = torch.where(upload(asked > j, device), tokens, -1)
             if j + 1 < max_k:  # the last draft is never fed: verification decides whether it is kept
                 feeding = (asked > j + 1).long()
                 step_logits = self.runner.decode(0, tokens[:, None], feeding, cache_lens)[:, 0]
@@ -108,14 +115,36 @@ class DraftModelProposer(Proposer):
         self._cache_len[:num_rows], self._base[:num_rows] = cache_lens, num_tokens
         self._num_cached[:num_rows] = (asked - 1).clamp(min=0)
         if max_k > 1:
-            self._cached[:num_rows, : max_k - 1] = draft_ids[:, : max_k - 1].cpu()
+            self._keep_cached(draft_ids[:, : max_k - 1])
         if batch.race is not None:  # exact verification: a draft is checked against the target's race, as one-hot
             return Drafts(draft_ids, list(batch.num_asked))
         # rows back to back, each row's positions j < K_i, matching the verifier's flattened layout
         stacked = torch.stack(draft_probs, dim=1) if draft_probs else None  # [rows, max_k, V]
-        keep = (torch.arange(max_k)[None, :] < asked[:, None]).to(device)
+        keep = upload(torch.arange(max_k)[None, :] < asked[:, None], device)
         flat_probs = stacked[keep] if stacked is not None else None
         return Drafts(draft_ids, list(batch.num_asked), flat_probs)
+
+    def _keep_cached(self, drafts: Tensor) -> None:
+        """`_cached[:rows, :width] = drafts`: at once from host memory; from a GPU through a pinned buffer, landed
+        by `_land` (the drafts are read on the host only at the next step, after the step's one device read)."""
+        if not drafts.is_cuda:
+            self._cached[: drafts.shape[0], : drafts.shape[1]] = drafts
+            return
+        pinned = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+        pinned.copy_(drafts, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._landing = (pinned, drafts.shape[0], drafts.shape[1], copied)
+
+    def _land(self) -> None:
+        """Put the last step's drafts, copied from the GPU, into `_cached`."""
+        if self._landing is None:
+            return
+        pinned, num_rows, width, copied = self._landing
+        self._landing = None
+        if not copied.query():  # done already when the step's results were read
+            copied.synchronize()
+        self._cached[:num_rows, :width] = pinned
 
     def _reconciled(self, token_ids: Tensor, num_tokens: Tensor) -> Tensor:
         """`[rows]` each row's draft-cache length after reconciling: the cached draft tokens that match the committed
@@ -171,7 +200,7 @@ def _race_draft(
     else:
         rows, candidates = torch.nonzero(log_q >= log_q.amax(dim=1, keepdim=True) - max_log_ratio, as_tuple=True)
         scores = log_q[rows, candidates].to(torch.float64)
-    seeds, positions = race.seeds.to(logits.device)[rows], race.positions.to(logits.device)[rows] + j
+    seeds, positions = upload(race.seeds, logits.device)[rows], upload(race.positions, logits.device)[rows] + j
     log_noise = race_exponentials_ref(seeds, positions, candidates[:, None])[:, 0].log()
     if sampling.any_greedy:  # a greedy row's q is one-hot at its argmax: no noise, the top candidate wins
         log_noise = torch.where(sampling.temperature[rows] == 0, 0.0, log_noise)
