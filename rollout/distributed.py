@@ -8,7 +8,9 @@ One process (no `WORLD_SIZE` above 1 in the environment) is `Ranks()`: rank 0 of
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import sys
 import time
@@ -346,3 +348,14 @@ def _torch():
 def prompt_key(ids: Sequence[int]) -> bytes:
     """A prompt's token ids as bytes: the key of its earlier lengths and of its history."""
     return np.asarray(ids, dtype=np.int32).tobytes()
+
+
+@contextlib.contextmanager
+def signals_ignored():
+    """SIGTERM and SIGINT ignored inside the block (main thread): a stopping rank finishes its last writes."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

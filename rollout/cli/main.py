@@ -18,7 +18,7 @@ import signal
 import sys
 
 from rollout.cli.library_log import capture_library_warnings, route_transformers
-from rollout.distributed import VANISHED, Ranks, RankStopped, start_ranks
+from rollout.distributed import VANISHED, Ranks, RankStopped, signals_ignored, start_ranks
 
 
 def _setup(recipe_path: str, overrides: list[str]):
@@ -247,8 +247,11 @@ def _fail(args: argparse.Namespace, err: BaseException, status: int, with_type: 
         message = f"{type(err).__name__}: {message}"
     ranks = args.ranks
     if ranks.distributed:
-        if _stopped_by_another(args) or not ranks.claim_failure(message):
+        if _stopped_by_another(args):
             return 1
+        with signals_ignored():  # as above: the claim and the line are not broken off by the launcher's SIGTERM
+            if not ranks.claim_failure(message):
+                return 1
         message = f"rank {ranks.rank} of {ranks.world_size}: {message}"
     print(f"rollout {args.command}: error: {message}", file=sys.stderr)
     return status
@@ -258,12 +261,16 @@ def _stopped_by_another(args: argparse.Namespace) -> bool:
     """Whether this rank stopped because another rank failed. A rank that recorded its failure printed it; one whose
     process vanished (killed) is named here, by the first rank to notice."""
     ranks = args.ranks
-    cause = ranks.stop_cause() if ranks.distributed else None
-    if cause is None:
+    if not ranks.distributed:
         return False
-    rank, _, what = cause.partition(": ")
-    if what == VANISHED and ranks.claim_failure(what, rank=int(rank.split()[1])):
-        print(f"rollout {args.command}: error: {rank} of {ranks.world_size}: {what}", file=sys.stderr)
+    # the launcher's SIGTERM follows a peer's death: it must not break off the look (up to a second) and the one line
+    with signals_ignored():
+        cause = ranks.stop_cause()
+        if cause is None:
+            return False
+        rank, _, what = cause.partition(": ")
+        if what == VANISHED and ranks.claim_failure(what, rank=int(rank.split()[1])):
+            print(f"rollout {args.command}: error: {rank} of {ranks.world_size}: {what}", file=sys.stderr)
     return True
 
 

@@ -12,10 +12,8 @@ incomplete that names the rank and the cause.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import pathlib
-import signal
 import time
 
 from rollout.cli.files import append_lines
@@ -40,6 +38,7 @@ from rollout.distributed import (
     group_costs,
     prompt_key,
     shard_groups,
+    signals_ignored,
 )
 
 
@@ -167,14 +166,3 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     if tracker is None:
         return None, None
     return tracker.finish(), tracker
-
-
-@contextlib.contextmanager
-def signals_ignored():
-    """SIGTERM and SIGINT ignored inside the block (main thread): a stopping rank finishes its last writes."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

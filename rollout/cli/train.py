@@ -25,11 +25,10 @@ from transformers.trainer_callback import PrinterCallback
 
 from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.cli.library_log import attach_library_log
-from rollout.cli.ranked import signals_ignored
 from rollout.cli.recipe import Recipe, recipe_dict
 from rollout.cli.runs import load_inputs, on_rank_device, recipe_spec, stop_reason
 from rollout.cli.tracking import start_wandb_run
-from rollout.distributed import Ranks, RankStopped
+from rollout.distributed import Ranks, RankStopped, signals_ignored
 from rollout.rewards import WeightedReward, build_rewards, score
 
 # the per-step keys copied from the trainer's logs to train.jsonl (besides every rollout/ key)
