@@ -9,23 +9,31 @@ for step, rows in enumerate(prompt_batches):
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+
+import torch
 
 from rollout.batch import SAMPLE_FIELDS, RolloutBatch
 from rollout.engine.generator import Generator
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.phases import PhaseLabeler, summarize
 from rollout.prompts import PromptFormatter, check_prompt_column, prompt_kind
-from rollout.rewards import RewardFn, WeightedReward, build_rewards, mean_reward, score
+from rollout.rewards import (
+    RESERVED_REWARD_KWARGS,
+    RewardError,
+    RewardFn,
+    WeightedReward,
+    build_rewards,
+    check_reward_columns,
+    mean_reward,
+    score,
+)
 from specdec.config import SpecConfig
 
 # on_step(step, num_finished_samples, num_total_samples); `step` is a step-trace dict with its phase labelled
 StepCallback = Callable[[dict, int, int], None]
-# the keyword arguments the loop itself passes to reward functions; dataset columns of these names are not passed
-RESERVED_REWARD_KWARGS = ("prompts", "completion_ids", "finish_reasons")
 
 
 class Rollout:
@@ -51,6 +59,9 @@ class Rollout:
         kv_layout: the generator's KV layout: "auto" (paged on a GPU, slots on a CPU), "paged" or "slots" (see
             `Generator`).
         cuda_graphs: "auto" (on with the paged layout on a GPU), True or False: decode steps replay CUDA graphs.
+        threads: torch's CPU threads for this process (`torch.set_num_threads`), set before the generator is built;
+            None leaves torch's setting. On a small CPU one thread is often the fastest: torch's default (one per
+            core) slows many times over when another process holds a core. No effect on what is sampled.
     """
 
     def __init__(
@@ -71,7 +82,12 @@ class Rollout:
         non_finite_rewards_as_null: bool = False,
         kv_layout: str = "auto",
         cuda_graphs: bool | str = "auto",
+        threads: int | None = None,
     ):
+        if threads is not None:
+            if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+                raise ValueError(f"threads ({threads!r}) must be an integer >= 1, or None to keep torch's setting")
+            torch.set_num_threads(threads)
         self.non_finite_rewards_as_null = bool(non_finite_rewards_as_null)
         self.tokenizer = tokenizer
         self.sampling = sampling if sampling is not None else SamplingParams()
@@ -162,11 +178,8 @@ class Rollout:
             columns["finish_reasons"] = [o.finish_reason for o in outs]
             try:
                 reward, terms = score(self.rewards, completions, columns, self.non_finite_rewards_as_null)
-            except ValueError as err:
-                raise ValueError(f"prompt {index}: {err}") from None
-            except Exception as err:  # a reward's own bug: name it, the prompt and the exception
-                names = ", ".join(t.name for t in self.rewards)
-                raise ValueError(f"prompt {index}: a reward ({names}) raised {type(err).__name__}: {err}") from err
+            except RewardError as err:  # it names the reward and what it raised or returned: add the prompt
+                raise RewardError(f"prompt {index}: {err}") from err.__cause__
         return RolloutBatch(
             group_index=[index] * len(outs),
             sample_index=[o.sample_index for o in outs],
@@ -183,14 +196,7 @@ class Rollout:
 
     def _check_reward_columns(self, row: dict) -> None:
         """Before any generation: every reward's required keyword arguments must be columns the loop passes."""
-        available = {name for name in row} | set(RESERVED_REWARD_KWARGS)
-        for term in self.rewards:
-            missing = [name for name in required_arguments(term.fn)[1:] if name not in available]
-            if missing:
-                raise ValueError(
-                    f"reward {term.name!r} needs the column(s) {missing}, which the data lacks; it has "
-                    f"{sorted(set(row)) or 'no columns (bare prompts)'}: pass rows with those columns"
-                )
+        check_reward_columns(self.rewards, list(row))
 
     def _prompts(self, data) -> tuple[list[dict], list[str], list[list[int]]]:
         """(rows, prompt texts, prompt ids) of the call's data: dataset rows, or bare prompts as rows of one column."""
@@ -248,16 +254,6 @@ class Rollout:
 
         self.generator.generate(prompt_ids, params, on_step=record_step, on_group=on_group, seed_indices=indices)
         return steps
-
-
-def required_arguments(fn) -> list[str]:
-    """The names of `fn`'s parameters that have no default (positional or keyword); [] when it cannot be read."""
-    try:
-        parameters = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty]
 
 
 def concat_groups(groups: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:

@@ -13,6 +13,7 @@ sample. Accept `**kwargs` so that new columns do not break the function.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import os
 import re
@@ -24,6 +25,8 @@ from types import MappingProxyType
 from rollout.tasks.arithmetic import arithmetic_reward
 
 RewardFn = Callable[..., list[float]]
+# what the rollout loop passes to every reward function itself (dataset columns of these names are left out)
+RESERVED_REWARD_KWARGS = ("prompts", "completion_ids", "finish_reasons")
 
 
 def arithmetic(completions: list[str], answer: list[str], **kwargs) -> list[float]:
@@ -82,6 +85,10 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
     return fn
 
 
+class RewardError(ValueError):
+    """A reward function raised, or returned what a reward may not: the message names the reward."""
+
+
 @dataclass
 class WeightedReward:
     """One term of the total reward: `weight * fn(completions, **columns)`."""
@@ -101,6 +108,29 @@ def build_rewards(specs: Sequence[tuple[str | RewardFn, float]]) -> list[Weighte
             name = f"{name}#{len(terms)}"
         terms.append(WeightedReward(name, fn, float(weight)))
     return terms
+
+
+def required_arguments(fn) -> list[str]:
+    """The names of `fn`'s parameters that have no default (positional or keyword); [] when it cannot be read."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty]
+
+
+def check_reward_columns(terms: Sequence[WeightedReward], columns: Sequence[str], where: str = "the data") -> None:
+    """Every reward's required keyword arguments are among `columns` or the ones the loop passes itself; raises
+    ValueError naming the reward and the missing columns."""
+    available = set(columns) | set(RESERVED_REWARD_KWARGS)
+    for term in terms:
+        missing = [name for name in required_arguments(term.fn)[1:] if name not in available]
+        if missing:
+            raise ValueError(
+                f"reward {term.name!r} needs the column(s) {missing}, which {where} lacks; it has "
+                f"{sorted(set(columns)) or 'no columns (bare prompts)'}: pass rows with those columns"
+            )
 
 
 def mean_reward(values: Sequence[float | None]) -> float | None:
@@ -129,16 +159,24 @@ def score(
         try:
             values = term.fn(completions, **columns)
         except TypeError as err:  # most often a reward that needs a column the dataset lacks
-            raise ValueError(
-                f"reward {term.name!r} failed: {err}; it was given the columns {sorted(columns)}"
-            ) from None
+            raise RewardError(
+                f"reward {term.name!r} raised TypeError: {err}; it was given the columns {sorted(columns)}"
+            ) from err
+        except Exception as err:  # the reward's own failure, whatever its type: name the reward and the type
+            raise RewardError(f"reward {term.name!r} raised {type(err).__name__}: {err}") from err
         if values is None or len(values) != len(completions):
             got = "None" if values is None else f"{len(values)} values"
-            raise ValueError(f"reward {term.name!r} returned {got} for {len(completions)} completions: return one each")
-        values = [float(v) for v in values]
+            raise RewardError(
+                f"reward {term.name!r} returned {got} for {len(completions)} completions: return one each"
+            )
+        try:
+            values = [float(v) for v in values]
+        except (TypeError, ValueError):
+            odd = next(v for v in values if not isinstance(v, (int, float)))
+            raise RewardError(f"reward {term.name!r} returned {odd!r:.40}, not a number: return floats") from None
         bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
         if bad and not non_finite_as_null:
-            raise ValueError(
+            raise RewardError(
                 f"reward {term.name!r} returned {values[bad[0]]} for sample {bad[0]} ({len(bad)} non-finite values): "
                 "a reward must be a finite number (or set non_finite_rewards_as_null to record such samples as null)"
             )

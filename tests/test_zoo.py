@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout.models import zoo
 from rollout.models.zoo import MODEL_NAMES, load_model, model_path
 from rollout.tasks.arithmetic import arithmetic_reward, format_prompt, generate_problems
 
@@ -133,3 +134,10 @@ def test_quality_checks_fail_for_random_weights(models, eval_prompts, greedy):
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     assert sum(arithmetic_reward(texts, answers)) / len(answers) < 0.45
     assert ev.draft_agreement(target, random_draft, tokenizer, prompts[:4], greedy[:4]) < 0.78
+
+
+def test_the_widened_names_are_the_widened_models():
+    from rollout.models.widen import WIDENED
+
+    # zoo lists them without importing torch (the command line checks names before it loads anything)
+    assert zoo.WIDENED_NAMES == tuple(WIDENED)

@@ -19,7 +19,15 @@ import torch
 
 from rollout.cli.files import write_atomic
 from rollout.cli.recipe import Recipe, method_name
-from rollout.cli.runs import RecipeInputs, batch_size, load_inputs, make_rollout, on_rank_device, recipe_spec
+from rollout.cli.runs import (
+    RecipeInputs,
+    batch_size,
+    length_warning,
+    load_inputs,
+    make_rollout,
+    on_rank_device,
+    recipe_spec,
+)
 from rollout.distributed import Ranks, group_costs, shard_groups
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES
@@ -39,6 +47,8 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
     log = log if log is not None and ranks.is_main else (lambda line: None)
     recipe = on_rank_device(recipe, ranks)
     inputs = load_inputs(recipe)
+    if (warning := length_warning(recipe, inputs)) is not None:
+        log(warning)
     if ranks.distributed:
         costs = group_costs(inputs.prompt_ids, recipe.sampling.n, prior=recipe.sampling.max_new_tokens)
         shard = shard_groups(costs, ranks.world_size, recipe.distributed.balance)[ranks.rank]

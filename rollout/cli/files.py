@@ -45,20 +45,63 @@ def atomic_path(path: str | pathlib.Path):
         tmp.unlink(missing_ok=True)
 
 
-def prepare_output_dir(path: str | pathlib.Path, overwrite: bool, resumable: bool = True) -> pathlib.Path:
-    """Create the run's output folder; refuse one that holds a run's files unless `overwrite`, which removes them
-    first (so nothing stale from the old run stays beside the new one)."""
+def check_output_dir(path: str | pathlib.Path, overwrite: bool, resumable: bool = True) -> None:
+    """Refuse, without writing anything, an output folder a new run may not write to: a file; a folder that holds a
+    run's files, or other files, unless `overwrite`. (Hidden files, e.g. a half-written temporary one, are ignored.)"""
     folder = pathlib.Path(path)
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise ValueError(f"output_dir {folder} is a file: choose a folder")
+    if overwrite:
+        return
     existing = [name for name in (*RUN_FILES, *RUN_FOLDERS) if (folder / name).exists()]
-    if existing and not overwrite:
+    if existing:
         raise ValueError(
             f"output_dir {folder} already holds a run ({', '.join(existing)}): "
             + ("pass resume=true to continue it, " if resumable else "")
             + "pass overwrite=true to replace it, or choose another output_dir"
         )
-    for name in existing:
+    others = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ValueError(
+            f"output_dir {folder} holds files that are not a run's ({shown}): choose another output_dir, or pass "
+            "overwrite=true to write the run among them (only a run's own files are replaced)"
+        )
+
+
+def check_resumable(path: str | pathlib.Path, config: dict | None) -> None:
+    """Refuse to resume where there is no run, or a run made with another recipe (sections that change samples)."""
+    folder = pathlib.Path(path)
+    saved_path = folder / "config.yaml"
+    if not saved_path.is_file():
+        raise ValueError(f"resume=true but {folder} holds no run (no config.yaml): drop resume=true")
+    if config is None:
+        return
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(OmegaConf.load(saved_path))
+    ignored = {"resume", "overwrite", "logging", "distributed"}  # none of these changes a sample
+    for key in sorted(set(saved) | set(config)):
+        if key not in ignored and saved.get(key) != config.get(key):
+            raise ValueError(
+                f"resume=true but the run in {folder} was made with another {key!r} section: resume with the same "
+                "recipe and overrides, or start afresh with overwrite=true"
+            )
+
+
+def prepare_output_dir(path: str | pathlib.Path, overwrite: bool, resumable: bool = True) -> pathlib.Path:
+    """Create the run's output folder (`check_output_dir` first); with `overwrite`, a run's files already there are
+    removed (so nothing stale from the old run stays beside the new one)."""
+    folder = pathlib.Path(path)
+    check_output_dir(folder, overwrite, resumable)
+    for name in (*RUN_FILES, *RUN_FOLDERS):
         target = folder / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

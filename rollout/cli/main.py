@@ -21,12 +21,15 @@ from rollout.cli.library_log import capture_library_warnings, route_transformers
 from rollout.distributed import VANISHED, Ranks, RankStopped, signals_ignored, start_ranks
 
 
-def _setup(recipe_path: str, overrides: list[str]):
-    """Load the recipe, then set torch threads, quiet the model loaders' progress bars and send transformers' log
-    warnings to the run's log."""
+def _setup(args: argparse.Namespace):
+    """Load the recipe and check everything it states (`rollout.cli.preflight`), all before torch is imported; then
+    set torch threads, quiet the model loaders' progress bars and send transformers' log warnings to the run's log.
+    The preflight's notes go in `args.notes`, for the run's header."""
+    from rollout.cli.preflight import preflight
     from rollout.cli.recipe import load_recipe
 
-    recipe = load_recipe(recipe_path, overrides)
+    recipe = load_recipe(args.recipe, args.overrides)
+    args.notes = preflight(recipe, args.command)
     import torch
     import transformers
 
@@ -38,7 +41,7 @@ def _setup(recipe_path: str, overrides: list[str]):
 
 
 def _run(args: argparse.Namespace) -> None:
-    recipe = _setup(args.recipe, args.overrides)  # a bad recipe is reported before torch is imported
+    recipe = _setup(args)  # a bad recipe is reported before torch is imported
     from rollout.cli.recipe import method_name
     from rollout.cli.runs import run_recipe
     from rollout.phases import format_table, summarize
@@ -57,6 +60,8 @@ def _run(args: argparse.Namespace) -> None:
             + (f" | {ranks.world_size} processes, balance {recipe.distributed.balance}" if ranks.distributed else ""),
             flush=True,
         )
+        for note in args.notes:
+            print(note, flush=True)
     if args.ranks.distributed:
         from rollout.cli.ranked import run_recipe_ranked
 
@@ -101,7 +106,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> None:
-    recipe = _setup(args.recipe, args.overrides)
+    recipe = _setup(args)
     from rollout.cli.recipe import method_name
     from rollout.cli.train import run_training
 
@@ -129,8 +134,12 @@ def _train(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    recipe = _setup(args.recipe, args.overrides)
+    recipe = _setup(args)
     from rollout.cli.bench import format_bench, run_bench
+
+    if args.ranks.is_main:
+        for note in args.notes:
+            print(note, file=sys.stderr, flush=True)
 
     rows = run_bench(recipe, log=lambda line: print(line, file=sys.stderr, flush=True), ranks=args.ranks)
     if not args.ranks.is_main:
@@ -163,6 +172,7 @@ def _report(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollout", description="RL rollout generation with speculative decoding")
+    parser.add_argument("--version", action="version", version=f"rollout {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     overrides_help = "recipe overrides key.sub=value (win over the file), e.g. sampling.n=8 spec.method=null"
     run = sub.add_parser("run", help="run a recipe and write its output folder")
@@ -181,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("output_dir", help="the output_dir of a finished `rollout run`")
     report.set_defaults(func=_report)
     return parser
+
+
+def _version() -> str:
+    """The installed package's version (the source tree's pyproject.toml when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollout")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 class Terminated(KeyboardInterrupt):

@@ -21,6 +21,7 @@ from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe
 from rollout.cli.runs import (
     kept_responses,
+    length_warning,
     load_inputs,
     make_rollout,
     make_tracker,
@@ -69,6 +70,8 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     local = on_rank_device(recipe, ranks)
     inputs = load_inputs(local)
     rollout = make_rollout(local, inputs, recipe_spec(local), ranks.world_size)
+    if ranks.is_main and (warning := length_warning(recipe, inputs)) is not None:
+        print(warning, flush=True)
     tracker, error = None, None
     if ranks.is_main:
         try:

@@ -20,6 +20,25 @@ from rollout.engine.sampling import SamplingParams
 from specdec.config import SpecConfig
 from specdec.policies import TablePolicy
 
+# TRL's GRPO losses (GRPOConfig.loss_type, TRL 1.16) and transformers' schedulers (SchedulerType): checked when the
+# recipe loads, since TRL checks the loss only when it first computes it, after a whole rollout (tests/test_recipe.py
+# compares both lists with the installed TRL and transformers)
+TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+LR_SCHEDULER_TYPES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "reduce_lr_on_plateau",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+    "greedy",
+)
+
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
@@ -163,6 +182,14 @@ class TrainRecipe:
         _require(self.warmup_steps >= 0, f"train.warmup_steps ({self.warmup_steps}) must be >= 0")
         _require(self.beta >= 0, f"train.beta ({self.beta}) must be >= 0 (0 = no KL term)")
         _require(self.max_grad_norm > 0, f"train.max_grad_norm ({self.max_grad_norm}) must be > 0")
+        _require(
+            self.loss_type in TRL_LOSS_TYPES,
+            f"train.loss_type ({self.loss_type!r}) must be one of TRL's GRPO losses: {', '.join(TRL_LOSS_TYPES)}",
+        )
+        _require(
+            self.lr_scheduler_type in LR_SCHEDULER_TYPES,
+            f"train.lr_scheduler_type ({self.lr_scheduler_type!r}) must be one of {', '.join(LR_SCHEDULER_TYPES)}",
+        )
 
 
 @dataclass
@@ -257,7 +284,8 @@ class Recipe:
         train: `rollout train`: GRPO through TRL.
         distributed: under `accelerate launch`: sharding and history sharing.
         output_dir: where the run writes rollouts.jsonl, steps.jsonl, summary.json, ...
-        overwrite: replace a run already in output_dir (its files removed first); false: refuse it.
+        overwrite: replace a run already in output_dir (its files removed first), or write among other files there;
+            false: refuse a folder that holds either.
         resume: continue the interrupted run in output_dir (same recipe): finished groups are kept.
         threads: torch CPU threads (1 gives stable timings); 0 keeps torch's default.
     """
@@ -315,18 +343,21 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
             where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ValueError(f"{where}: invalid YAML: {problem}") from None
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must be key=value, e.g. sampling.n=8")
-        try:
-            sources.append((f"override {item!r}", OmegaConf.from_dotlist([item])))
-        except OmegaConfBaseException as err:
-            raise _error(err, f"override {item!r}") from None
     for source, values in sources:
         try:
             config = OmegaConf.merge(config, values)
         except OmegaConfBaseException as err:
             raise _error(err, source) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must be key=value, e.g. sampling.n=8")
+        try:
+            config = _override(config, item)
+        except OmegaConfBaseException as err:
+            error = _error(err, f"override {item!r}")
+            if item.partition("=")[2].startswith("{") and "DictConfig" in str(error):  # e.g. data.template={x}
+                error = ValueError(f"{error}; a text that starts with a brace needs quotes: key='\"{{...}}\"'")
+            raise error from None
     try:
         recipe = OmegaConf.to_object(config)
     except OmegaConfBaseException as err:
@@ -336,6 +367,33 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         raise ValueError(f"{section}: {err}" if section in ("sampling", "spec") else str(err)) from None
     check_recipe(recipe)
     return recipe
+
+
+def _override(config, item: str):
+    """`config` with one `key.sub=value` override; a key through a list names an entry by its index
+    (`rewards.0.weight=2`), which must exist."""
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    node, through_list = config, False
+    for depth, part in enumerate(parts):
+        if OmegaConf.is_list(node):
+            if not part.isdigit() or int(part) >= len(node):
+                where = ".".join(parts[:depth])
+                entries = f"{len(node)} entr{'y' if len(node) == 1 else 'ies'}"
+                raise ValueError(
+                    f"override {item!r}: {where} is a list of {entries}, so {part!r} must be an index from 0 to "
+                    f"{len(node) - 1}; to add entries, give the whole list, e.g. {where}=[{{...}}, {{...}}]"
+                )
+            node, through_list = node[int(part)], True
+        elif depth < len(parts) - 1 and OmegaConf.is_dict(node) and part in node:
+            node = node[part]
+        else:
+            break  # a key that is not there: the merge names it
+    if not through_list:
+        return OmegaConf.merge(config, OmegaConf.from_dotlist([item]))
+    value = OmegaConf.from_dotlist([f"value={text}"])["value"]  # parsed as the command line parses any value
+    OmegaConf.update(config, key.strip(), value, merge=True)
+    return config
 
 
 def _failing_section(config) -> str | None:

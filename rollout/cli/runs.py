@@ -13,6 +13,7 @@ from rollout.cli.sources import draft_model_spec, load_dataset, load_model
 from rollout.cli.tracking import RunTracker
 from rollout.distributed import Ranks
 from rollout.engine.memory_plan import fitting_batch_size
+from rollout.engine.requests import length_cap_note
 from rollout.loop import Rollout
 from rollout.prompts import PromptFormatter, check_prompt_column
 from rollout.rewards import build_rewards
@@ -51,6 +52,13 @@ def load_inputs(recipe: Recipe) -> RecipeInputs:
     if max_seq_len is None:
         max_seq_len = max(len(p) for p in prompt_ids) + recipe.sampling.max_new_tokens
     return RecipeInputs(model, tokenizer, data, prompts, prompt_ids, max_seq_len)
+
+
+def length_warning(recipe: Recipe, inputs: RecipeInputs) -> str | None:
+    """The header's warning when rollout.max_seq_len cuts completions shorter than sampling.max_new_tokens."""
+    wanted = [recipe.sampling.max_new_tokens] * len(inputs.prompt_ids)
+    note = length_cap_note(inputs.prompt_ids, wanted, inputs.max_seq_len)
+    return None if note is None else f"warning: {note} (sampling.max_new_tokens, rollout.max_seq_len)"
 
 
 def on_rank_device(recipe: Recipe, ranks: Ranks) -> Recipe:
@@ -118,6 +126,8 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
     inputs = load_inputs(recipe)
     rollout = make_rollout(recipe, inputs, recipe_spec(recipe))
     print(kv_cache_header(rollout.generator, inputs.max_seq_len), flush=True)
+    if (warning := length_warning(recipe, inputs)) is not None:
+        print(warning, flush=True)
     log = recipe.logging
     tracker = make_tracker(recipe)
     rows = list(inputs.data)

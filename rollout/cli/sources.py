@@ -2,54 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
-import re
 
 import torch
 
+from rollout.cli.preflight import DATA_FILE_BUILDERS, EMBEDDED_DATASETS, name_kind, resolve_device
 from rollout.models import zoo
 
-EMBEDDED_DATASETS = ("arithmetic",)
-DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def _kind(name: str, short_names: tuple[str, ...]) -> str:
-    """ "short", "path", "hub", or raises: a missing path or an unknown short name is a user error."""
-    if name in short_names:
-        return "short"
-    path = pathlib.Path(name).expanduser()
-    if path.exists():
-        return "path"
-    if name.startswith(("/", "./", "../", "~")) or path.suffix in DATA_FILE_BUILDERS:
-        raise FileNotFoundError(f"{name}: no such file or folder")
-    if _HUB_ID.match(name):
-        return "hub"
-    raise ValueError(
-        f"unknown name {name!r}: not one of the shipped names ({', '.join(short_names)}), not an existing path, "
-        "and not a hub id of the form 'org/name'"
-    )
-
-
-def resolve_device(device: str) -> torch.device:
-    """`auto` is CUDA when there is a GPU, else the CPU; a CUDA device that is not there is a user error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"model.device ({device!r}) is not a device: use cpu, cuda, cuda:N or auto") from None
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"model.device is {device!r} but this torch ({torch.__version__}) sees no CUDA device: use "
-                "model.device=cpu, or auto (CUDA when there is one)"
-            )
-        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise ValueError(f"model.device is {device!r} but there are {torch.cuda.device_count()} CUDA devices")
-    return resolved
 
 
 def load_model(name: str, dtype: str = "float32", device: str = "cpu", key: str = "model.name"):
@@ -67,7 +27,7 @@ def load_model(name: str, dtype: str = "float32", device: str = "cpu", key: str 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        kind = _kind(name, zoo.ALL_NAMES)
+        kind = name_kind(name, zoo.ALL_NAMES)
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(f"{key}: {err}") from None
     if kind == "short":  # a widened model is built on the device: its random init is much faster on a GPU
@@ -85,7 +45,7 @@ def draft_model_spec(name, dtype: str, device: str):
     if name is None or not isinstance(name, str):
         return name
     try:
-        kind = _kind(name, zoo.ALL_NAMES)
+        kind = name_kind(name, zoo.ALL_NAMES)
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(f"spec.model: {err}") from None
     if kind != "hub" and name not in zoo.WIDENED_NAMES:
@@ -100,7 +60,7 @@ def load_dataset(name: str, split: str = "eval", config_name: str | None = None,
     import datasets
 
     try:
-        kind = _kind(name, EMBEDDED_DATASETS)
+        kind = name_kind(name, EMBEDDED_DATASETS)
     except (ValueError, FileNotFoundError) as err:
         raise type(err)(f"data.dataset: {err}") from None
     if kind == "short":
@@ -114,10 +74,6 @@ def load_dataset(name: str, split: str = "eval", config_name: str | None = None,
         builder = DATA_FILE_BUILDERS.get(path.suffix)
         if builder is None:
             raise ValueError(f"data.dataset: {name}: unknown file type; use one of {', '.join(DATA_FILE_BUILDERS)}")
-        if not path.read_text().strip():
-            raise ValueError(f"data.dataset: {name} is empty: it needs one row per prompt")
-        if path.suffix == ".jsonl":
-            _check_jsonl(path)
         data = datasets.load_dataset(builder, data_files=str(path), split="train")
     elif kind == "path":
         data = datasets.load_from_disk(str(path))
@@ -130,19 +86,3 @@ def load_dataset(name: str, split: str = "eval", config_name: str | None = None,
     if num_prompts is not None:
         data = data.select(range(min(num_prompts, len(data))))
     return data
-
-
-def _check_jsonl(path: pathlib.Path) -> None:
-    """Every non-blank line is a JSON object; the first that is not is named with its line and column."""
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"data.dataset: {path}:{number}:{err.colno}: invalid JSON: {err.msg}") from None
-            if not isinstance(row, dict):
-                raise ValueError(
-                    f"data.dataset: {path}:{number}: a line must be a JSON object (one row), got {row!r:.40}"
-                )

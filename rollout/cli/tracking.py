@@ -31,7 +31,7 @@ import pathlib
 import sys
 
 from rollout.batch import RolloutBatch
-from rollout.cli.files import append_lines, prepare_output_dir, read_jsonl, write_atomic
+from rollout.cli.files import append_lines, check_resumable, prepare_output_dir, read_jsonl, write_atomic
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.plots import plot_steps
 from rollout.phases import PHASES, SUMMARY_KEYS, straggler_ratio, summarize, summarize_ranks
@@ -53,8 +53,8 @@ class RunTracker:
         project: W&B project. run_name: W&B run name (None: W&B picks one).
         num_table_rows: samples per rollout logged to the W&B table of completions and rewards.
         plot: write the PNG plot at `finish`.
-        overwrite: replace a run already in `output_dir` (its files are removed first); without it such a folder
-            is refused.
+        overwrite: replace a run already in `output_dir` (its files are removed first), or write among other files
+            there; without it a folder holding a run or other files is refused.
         resume: continue the interrupted run in `output_dir` (same config): its complete groups (`group_size`
             samples of a prompt) are kept and listed in `done`, a group cut short is dropped, and the run clock goes
             on from its last step. The W&B run is a new one.
@@ -76,7 +76,7 @@ class RunTracker:
         self.done: dict[int, set[int]] = {}  # with resume: the prompts of each rollout whose samples are all on disk
         if resume:
             self.output_dir = pathlib.Path(output_dir)
-            self._check_resumable(config)
+            check_resumable(self.output_dir, config)
         else:
             self.output_dir = prepare_output_dir(output_dir, overwrite)
         attach_library_log(self.output_dir)  # the folder is this run's now: library warnings go to its log
@@ -102,23 +102,6 @@ class RunTracker:
         if resume:
             self._load_finished(group_size)
         self.wandb_run = self._start_wandb(os.environ.get("WANDB_MODE") or wandb_mode, project, run_name)
-
-    def _check_resumable(self, config: dict | None) -> None:
-        saved_path = self.output_dir / "config.yaml"
-        if not saved_path.is_file():
-            raise ValueError(f"resume=true but {self.output_dir} holds no run (no config.yaml): drop resume=true")
-        if config is None:
-            return
-        from omegaconf import OmegaConf
-
-        saved = OmegaConf.to_container(OmegaConf.load(saved_path))
-        ignored = {"resume", "overwrite", "logging", "distributed"}  # none of these changes a sample
-        for key in sorted(set(saved) | set(config)):
-            if key not in ignored and saved.get(key) != config.get(key):
-                raise ValueError(
-                    f"resume=true but the run in {self.output_dir} was made with another {key!r} section: resume with "
-                    "the same recipe and overrides, or start afresh with overwrite=true"
-                )
 
     def _load_finished(self, group_size: int | None) -> None:
         """Keep the complete groups of the run on disk (rewriting rollouts.jsonl without cut ones) and its steps."""

@@ -25,8 +25,9 @@ from transformers.trainer_callback import PrinterCallback
 
 from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.cli.library_log import attach_library_log
+from rollout.cli.preflight import preflight
 from rollout.cli.recipe import Recipe, recipe_dict
-from rollout.cli.runs import load_inputs, on_rank_device, recipe_spec, stop_reason
+from rollout.cli.runs import length_warning, load_inputs, on_rank_device, recipe_spec, stop_reason
 from rollout.cli.tracking import start_wandb_run
 from rollout.distributed import Ranks, RankStopped, signals_ignored
 from rollout.rewards import WeightedReward, build_rewards, score
@@ -48,22 +49,22 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None) -> dict | None:
             f"train.prompts_per_step ({recipe.train.prompts_per_step}) must be divisible by the number of processes "
             f"({ranks.world_size}), so that each process generates whole groups: change one of them"
         )
-    if recipe.resume:
-        raise ValueError(
-            "resume=true continues a `rollout run`; `rollout train` does not resume a stopped training (it keeps no "
-            "optimiser checkpoint): run it again with overwrite=true, or into another output_dir"
-        )
-    try:
-        import trl
-    except ImportError:
-        raise ValueError(
-            "rollout train needs TRL: install the trl extra (pip install 'rollout[trl]', as the README's command does)"
-        ) from None
+    preflight(recipe, "train")  # (the command line has run it already: it is quick, and this is a public function)
+    import trl
+
     from rollout.integrations.trl import trl_rollout_func
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
+    log = recipe.logging
+    wandb_mode = os.environ.get("WANDB_MODE") or log.wandb_mode
+    # TRL's own config, checked before the model loads and before anything is written
+    args = grpo_config(
+        recipe, report_to="none" if wandb_mode == "disabled" else "wandb", num_processes=ranks.world_size
+    )
     inputs = load_inputs(on_rank_device(recipe, ranks))
+    if ranks.is_main and (warning := length_warning(recipe, inputs)) is not None:
+        print(warning, flush=True)
     output_dir = pathlib.Path(recipe.output_dir)
     error = None
     if ranks.is_main:
@@ -86,15 +87,11 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None) -> dict | None:
         tail_fraction=recipe.rollout.tail_fraction,
         share_history=recipe.distributed.share_history,
     )
-    log = recipe.logging
-    wandb_mode = os.environ.get("WANDB_MODE") or log.wandb_mode
     record = StepLog(output_dir / "train.jsonl" if ranks.is_main else None)
     trainer = trl.GRPOTrainer(
         model=inputs.model,
         reward_funcs=[_trl_reward(term, recipe.rollout.non_finite_rewards_as_null) for term in terms],
-        args=grpo_config(
-            recipe, report_to="none" if wandb_mode == "disabled" else "wandb", num_processes=ranks.world_size
-        ),
+        args=args,
         train_dataset=dataset,
         processing_class=inputs.tokenizer,
         rollout_func=func,
@@ -201,12 +198,9 @@ def _trl_reward(term: WeightedReward, as_null: bool):
 
     def reward(completions, **kwargs):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: last message
-        try:  # the same checks as `rollout run` (one value each, finite or None), through the same scorer
-            total, _ = score([term], texts, kwargs, non_finite_as_null=as_null)
-        except ValueError:
-            raise
-        except Exception as err:  # one line naming the reward, as `rollout run` gives
-            raise ValueError(f"reward {term.name!r} raised {type(err).__name__}: {err}") from err
+        # the same checks as `rollout run` (one value each, finite or None) through the same scorer, whose errors
+        # name the reward and what it raised
+        total, _ = score([term], texts, kwargs, non_finite_as_null=as_null)
         return total
 
     reward.__name__ = term.name.replace(":", "_")

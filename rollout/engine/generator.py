@@ -19,6 +19,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from rollout.engine.admission import Admission
 from rollout.engine.decode_step import DecodeStep
 from rollout.engine.memory_plan import check_kv_cache_fits, plan_kv_cache
 from rollout.engine.model_runner import ModelRunner, eval_mode
-from rollout.engine.requests import check_params, check_prompts, eos_token_ids, make_sequences
+from rollout.engine.requests import check_params, check_prompts, eos_token_ids, length_cap_note, make_sequences
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.engine.sequence import Sequence
 from rollout.engine.slots import SlotState
@@ -279,6 +280,9 @@ class Generator(Admission, DecodeStep):
         per_prompt = check_params(params, len(prompt_ids), self._methods)
         max_k = self.spec.num_speculative_tokens if self.spec is not None else 0
         sequences = make_sequences(prompt_ids, per_prompt, self.eos_token_ids, self.max_seq_len, max_k, seed_indices)
+        note = length_cap_note(prompt_ids, [p.max_new_tokens for p in per_prompt], self.max_seq_len)
+        if note is not None:  # a silent cap looks like a model that stops early
+            warnings.warn(note, stacklevel=3)
         self.abort()
         if self.proposers is not None:
             self.proposers.begin()

@@ -96,6 +96,21 @@ def make_sequences(
     return sequences
 
 
+def length_cap_note(prompt_ids: list[list[int]], max_new_tokens: list[int], max_seq_len: int) -> str | None:
+    """What `max_seq_len` cuts off: None when every prompt leaves room for its `max_new_tokens`, else one sentence
+    with the numbers and the fix. (A prompt that leaves no room at all is `check_prompts`' error.)"""
+    capped = [i for i, (p, m) in enumerate(zip(prompt_ids, max_new_tokens)) if len(p) < max_seq_len < len(p) + m]
+    if not capped:
+        return None
+    worst = max(capped, key=lambda i: len(prompt_ids[i]) + max_new_tokens[i])
+    longest, wanted = len(prompt_ids[worst]), max_new_tokens[worst]
+    return (
+        f"max_new_tokens {wanted} does not fit in max_seq_len {max_seq_len} after the longest prompt ({longest} "
+        f"tokens): its samples stop at {max_seq_len - longest} new tokens with finish reason 'length' ({len(capped)} "
+        f"of {len(prompt_ids)} prompts are cut short); raise max_seq_len to {longest + wanted} or lower max_new_tokens"
+    )
+
+
 def _mix_seed(base: int, prompt_index: int, sample_index: int) -> int:
     """A per-sample seed: independent of batch composition, so a sample's stream never depends on its neighbours."""
     digest = hashlib.blake2b(f"{base}:{prompt_index}:{sample_index}".encode(), digest_size=8).digest()

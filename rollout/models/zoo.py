@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import pathlib
 from importlib import resources
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from rollout.models.widen import WIDENED, widen
-
+# the names are known without importing torch, so that the command line checks a recipe before it loads anything
 MODEL_NAMES = ("tiny-target", "tiny-draft")  # shipped, each a folder in assets/
-WIDENED_NAMES = tuple(WIDENED)  # built at load time from a shipped model
+WIDENED_NAMES = ("tiny-target-1b", "tiny-draft-150m")  # built at load time from a shipped model: widen.WIDENED
 ALL_NAMES = MODEL_NAMES + WIDENED_NAMES  # every name `load_model` takes
 
 
 def model_path(name: str) -> pathlib.Path:
     """The folder of shipped model `name` (a Hugging Face folder: config, weights, tokenizer)."""
     if name in WIDENED_NAMES:
+        from rollout.models.widen import WIDENED
+
         raise ValueError(
             f"{name!r} has no folder: it is built at load time from {WIDENED[name][0]!r}; load it with load_model"
         )
@@ -39,22 +42,27 @@ def model_path(name: str) -> pathlib.Path:
     return path
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
+def load_model(name: str, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
     """Load model `name` and its tokenizer offline, in eval mode.
 
     Args:
         name: a shipped model ("tiny-target", "tiny-draft") or a widened one ("tiny-target-1b", "tiny-draft-150m":
             the shipped model's function in a large Llama shape, built here in seconds; see `rollout.models.widen`).
-        dtype: parameter dtype, e.g. torch.float64 for exactness tests (widened models: not float16).
+        dtype: parameter dtype, e.g. torch.float64 for exactness tests (widened models: not float16); None is
+            torch.float32.
         device: where the model is put (a widened one is built there, random init included); None is the CPU.
 
     Returns:
         (model, tokenizer): a `PreTrainedModel` and a left-padding `PreTrainedTokenizerFast` with EOS and pad set.
         A widened model's vocabulary is larger than the tokenizer's; its added ids have probability 0.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy import, only when a model is loaded
 
+    dtype = torch.float32 if dtype is None else dtype
     if name in WIDENED_NAMES:
+        from rollout.models.widen import WIDENED, widen
+
         base, shape = WIDENED[name]
         small, tokenizer = load_model(base, torch.float64)
         return widen(small, shape, dtype=dtype, device=device), tokenizer

@@ -150,6 +150,10 @@ def generate_problems(
     return problems
 
 
+# the columns of `arithmetic_dataset` (what a recipe's template and rewards may name, checked before it builds)
+ARITHMETIC_COLUMNS = ("prompt", "answer", "solution", "completion", "num_steps", "problem")
+
+
 def arithmetic_dataset(num_problems: int, split: str = "train", seed: int = 0, config: ArithmeticConfig | None = None):
     """A `datasets.Dataset` with columns prompt, answer, solution, completion, num_steps, problem.
 
@@ -158,7 +162,7 @@ def arithmetic_dataset(num_problems: int, split: str = "train", seed: int = 0, c
     import datasets  # imported here: the generator itself needs only the standard library
 
     problems = generate_problems(num_problems, split=split, seed=seed, config=config)
-    return datasets.Dataset.from_dict(
+    data = datasets.Dataset.from_dict(
         {
             "prompt": [format_prompt(p.problem) for p in problems],
             "answer": [p.answer for p in problems],
@@ -168,6 +172,8 @@ def arithmetic_dataset(num_problems: int, split: str = "train", seed: int = 0, c
             "problem": [p.problem for p in problems],
         }
     )
+    assert tuple(data.column_names) == ARITHMETIC_COLUMNS, f"expected {ARITHMETIC_COLUMNS}, got {data.column_names}"
+    return data
 
 
 _FINAL_NUMBER = re.compile(r"^\s*(-?\d+)")

@@ -1,0 +1,161 @@
+"""A newcomer's bad inputs: everything a recipe states is refused in one line before torch is imported, a model
+loads or a file is written; hub ids are asked once; what a run will do unexpectedly is said in its header."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from rollout.cli.main import main
+from rollout.cli.recipe import LR_SCHEDULER_TYPES, TRL_LOSS_TYPES, load_recipe
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+QUICKSTART = str(ROOT / "recipes" / "quickstart.yaml")
+GRPO = str(ROOT / "recipes" / "grpo_quickstart.yaml")
+SMALL = ["data.num_prompts=3", "sampling.n=2", "sampling.max_new_tokens=32", "rollout.max_batch_size=4"]
+SMALL += ["spec.method=null", "logging.wandb_mode=disabled", "logging.plot=false", "logging.progress=false"]
+REWARDS = """
+def explodes(completions, **kwargs):
+    raise RuntimeError("reward exploded on purpose")
+
+
+def needs_answer(completions, answer, **kwargs):
+    return [1.0] * len(completions)
+"""
+CHECK = (
+    "import sys, time; start = time.perf_counter(); from rollout.cli.main import main; rc = main(sys.argv[1:]); "
+    "print(rc, 'torch' in sys.modules, round(time.perf_counter() - start, 2))"
+)
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    """A folder with a notes folder (not a run), a model-less folder, a data file and a rewards module."""
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine\n")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "Question: 2 + 2?\\nAnswer:"}\n')
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    (tmp_path / "bad_reward.yaml").write_text("rewards:\n  - name: accuracy\n")
+    return tmp_path
+
+
+# (arguments, text the one line must hold, extra environment)
+REFUSED = [
+    (["run", QUICKSTART, "output_dir=notes"], ["output_dir notes holds files that are not a run's", "todo.txt"], {}),
+    (["run", QUICKSTART, "model.name=tiny-targt"], ["model.name", "tiny-targt", "tiny-target"], {}),
+    (["run", "bad_reward.yaml"], ["unknown reward name 'accuracy'", "arithmetic"], {}),
+    (["train", GRPO, "train.loss_type=ppo2"], ["train.loss_type ('ppo2')", "dapo"], {}),
+    (["train", GRPO, "train.lr_scheduler_type=cosin"], ["train.lr_scheduler_type ('cosin')", "cosine"], {}),
+    (["train", GRPO, "sampling.temperature=0"], ["sampling.temperature is 0", "sampling.n 8"], {}),
+    (["train", GRPO, "resume=true"], ["does not resume a stopped training"], {}),
+    # no network here: the hub cannot be reached; with one, the hub answers that the id is not there
+    (["run", QUICKSTART, "model.name=nobody/no-such-model"], ["model.name", "'nobody/no-such-model'"], {}),
+    (["run", QUICKSTART, "data.dataset=nobody/no-such-data"], ["data.dataset", "'nobody/no-such-data'"], {}),
+    (
+        ["run", QUICKSTART, "model.name=nobody/no-such-model"],
+        ["not in the local Hugging Face cache and HF_HUB_OFFLINE is set"],
+        {"HF_HUB_OFFLINE": "1"},
+    ),
+    (["run", QUICKSTART, "spec.model=tiny-drft"], ["spec.model", "tiny-drft"], {}),
+    (["run", QUICKSTART, "data.template='\"Q: {question}\"'"], ["data.template names the column 'question'"], {}),
+    (["run", QUICKSTART, "data.dataset=prompts.jsonl"], ["reward 'arithmetic' needs the column(s) ['answer']"], {}),
+    (["run", QUICKSTART, "rewards.1.weight=2"], ["rewards is a list of 1 entry", "index from 0 to 0"], {}),
+    (["run", QUICKSTART, "output_dir=prompts.jsonl"], ["output_dir prompts.jsonl is a file"], {}),
+    (["run", QUICKSTART, "resume=true", "output_dir=nothing"], ["resume=true but nothing holds no run"], {}),
+    (["run", QUICKSTART, "model.name=./notes"], ["model.name: ./notes is not a transformers model folder"], {}),
+    (["run", QUICKSTART, "data.split=test"], ["data.split ('test')", "'train' or 'eval'"], {}),
+    (["run", QUICKSTART, "rewards.0.name=no_such_module:score"], ["cannot import module 'no_such_module'"], {}),
+]
+
+
+@pytest.mark.parametrize("argv, expected, env", REFUSED, ids=[" ".join(case[0][2:]) for case in REFUSED])
+def test_a_bad_recipe_is_refused_in_one_line_before_torch_loads_and_writes_nothing(scratch, argv, expected, env):
+    before = sorted(p.relative_to(scratch) for p in scratch.rglob("*"))
+    environ = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    result = subprocess.run(
+        [sys.executable, "-c", CHECK, *argv], capture_output=True, text=True, cwd=scratch, env={**environ, **env}
+    )
+    rc, torch_imported, seconds = result.stdout.split()[-3:]
+    assert (rc, torch_imported) == ("2", "False"), result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rollout {argv[0]}: error: "), lines
+    for text in expected:
+        assert text in lines[0]
+    assert sorted(p.relative_to(scratch) for p in scratch.rglob("*") if "__pycache__" not in p.parts) == before
+
+
+def test_an_existing_run_is_refused_and_overwrite_writes_among_other_files(scratch, capsys):
+    notes = scratch / "notes"
+    assert main(["run", QUICKSTART, *SMALL, f"output_dir={notes}", "overwrite=true"]) == 0
+    assert (notes / "todo.txt").read_text() == "mine\n"  # only a run's own files are replaced
+    assert (notes / "rollouts.jsonl").is_file()
+    capsys.readouterr()
+    assert main(["run", QUICKSTART, *SMALL, f"output_dir={notes}"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "already holds a run" in line and "resume=true" in line and "overwrite=true" in line
+    # a different recipe cannot resume this run; the same one can
+    assert main(["run", QUICKSTART, *SMALL, "sampling.n=3", "resume=true", f"output_dir={notes}"]) == 2
+    assert "another 'sampling' section" in capsys.readouterr().err
+
+
+def test_a_raising_reward_is_named_with_its_exception_type_and_prompt(scratch, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(scratch))
+    argv = ["run", QUICKSTART, *SMALL, "rewards.0.name=my_rewards:explodes", f"output_dir={scratch / 'out'}"]
+    assert main(argv) == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        "rollout run: error: prompt 0: reward 'my_rewards:explodes' raised RuntimeError: reward exploded on purpose"
+    )
+
+
+def test_the_header_says_what_a_run_will_cut_or_repeat(tmp_path, capsys):
+    argv = ["run", QUICKSTART, *SMALL, "sampling.max_new_tokens=1024", "rollout.max_seq_len=160"]
+    assert main([*argv, f"output_dir={tmp_path / 'a'}"]) == 0
+    out = capsys.readouterr().out
+    [warning] = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert "max_new_tokens 1024 does not fit in max_seq_len 160 after the longest prompt" in warning
+    assert "(sampling.max_new_tokens, rollout.max_seq_len)" in warning
+    records = [json.loads(line) for line in (tmp_path / "a" / "rollouts.jsonl").read_text().splitlines()]
+    assert {r["finish_reason"] for r in records} <= {"stop", "length"}
+    argv = ["run", QUICKSTART, *SMALL, "sampling.temperature=0", "sampling.n=3"]
+    assert main([*argv, f"output_dir={tmp_path / 'b'}"]) == 0
+    out = capsys.readouterr().out
+    assert "note: sampling.temperature is 0 (greedy): the n=3 samples of each prompt are identical" in out
+
+
+def test_list_entries_are_overridden_by_index():
+    recipe = load_recipe(QUICKSTART, ["rewards.0.weight=2", "rewards.0.name=gsm8k", "bench.static_k.1=7"])
+    assert (recipe.rewards[0].name, recipe.rewards[0].weight) == ("gsm8k", 2.0)
+    assert recipe.bench.static_k == [1, 7, 5]
+    with pytest.raises(ValueError, match=r"rewards\[0\]\.weight: Value 'x' .* could not be converted"):
+        load_recipe(QUICKSTART, ["rewards.0.weight=x"])
+    with pytest.raises(ValueError, match="bench.static_k is a list of 3 entries, so '3' must be an index from 0 to 2"):
+        load_recipe(QUICKSTART, ["bench.static_k.3=1"])
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    from importlib.metadata import version
+
+    assert capsys.readouterr().out.strip() == f"rollout {version('rollout')}"
+
+
+def test_the_checked_trainer_choices_are_the_installed_trl_and_transformers_ones():
+    """The recipe refuses a loss or scheduler by these lists (TRL checks a loss only after a rollout): they must be
+    the ones the installed TRL and transformers take."""
+    pytest.importorskip("trl", reason="the trl extra is not installed")
+    import dataclasses
+
+    from transformers.trainer_utils import SchedulerType
+    from trl import GRPOConfig
+
+    assert LR_SCHEDULER_TYPES == tuple(s.value for s in SchedulerType)
+    help_text = next(f for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type").metadata["help"]
+    supported = help_text.split("Supported values are ", 1)[1].split(". ", 1)[0]
+    assert sorted(TRL_LOSS_TYPES) == sorted(re.findall(r"'(\w+)'", supported))
