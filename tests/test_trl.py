@@ -249,7 +249,7 @@ def test_a_longer_prompt_grows_the_generator_and_keeps_the_drafting_history(tmp_
     assert func.generator.max_seq_len >= len(out["prompt_ids"][0]) + 40
     before = first.draft_history.stats()["responses"]
     assert before == 2
-    long_prompt = "Question: " + "Ann has 3 apples and buys 2 more. " * 40 + "\nAnswer:"
+    long_prompt = "Question: " + "Ann has 3 apples and buys 2 more. " * 80 + "\nAnswer:"  # longer than the data set's
     out = func([long_prompt, *short], trainer)
     assert [len(ids) for ids in out["completion_ids"]] and len(out["completion_ids"]) == 3
     assert func.generator is not first and func.generator.max_seq_len >= len(out["prompt_ids"][0]) + 40
@@ -257,3 +257,17 @@ def test_a_longer_prompt_grows_the_generator_and_keeps_the_drafting_history(tmp_
     bounded = trl_rollout_func(max_seq_len=64)
     with pytest.raises(ValueError, match="needs .* positions but max_seq_len is 64"):
         bounded([long_prompt], trainer)
+
+
+def test_the_generator_is_built_once_with_room_for_the_datasets_longest_prompt(tmp_path):
+    func = trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=3))
+    short = "Question: Ann has 3 apples.\nAnswer:"
+    long_prompt = "Question: " + "Ann has 3 apples and buys 2 more. " * 20 + "\nAnswer:"
+    dataset = Dataset.from_dict({"prompt": [short] * 7 + [long_prompt], "answer": ["3"] * 8})
+    trainer = make_trainer(tmp_path, func, dataset=dataset, max_steps=1)
+    func([short] * 4, trainer)
+    first = func.generator
+    long_ids = tokenize_prompts([long_prompt], trainer)[0]
+    assert first.max_seq_len >= len(long_ids) + 40  # sized from the data set, not from the first call's prompts
+    func([long_prompt] * 4, trainer)
+    assert func.generator is first

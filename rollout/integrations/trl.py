@@ -141,11 +141,14 @@ class TRLRolloutFunc:
         )
 
     def _generator(self, trainer, model, needed: int, num_completions: int) -> Generator:
-        """The generator over `model`, built on the first call; rebuilt (drafting history kept) when a prompt needs
-        more positions than it has, or when the trainer hands over another model object."""
+        """The generator over `model`, built on the first call with room for the longest prompt of the trainer's data
+        set; rebuilt (drafting history kept) when a prompt needs more positions than it has (one from outside that
+        data set), or when the trainer hands over another model object."""
         gen = self.generator
         if gen is not None and gen.model is model and gen.max_seq_len >= needed:
             return gen
+        if gen is None and self.max_seq_len is None:  # room for the whole data set's prompts: built once
+            needed = max(needed, longest_dataset_prompt(trainer) + trainer.max_completion_length)
         if self.max_seq_len is not None and needed > self.max_seq_len:
             raise ValueError(
                 f"a prompt of this batch plus max_completion_length needs {needed} positions but max_seq_len is "
@@ -231,6 +234,26 @@ def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
     else:
         encoded = tokenizer(text=prompts)
     return [list(ids) for ids in encoded["input_ids"]]
+
+
+def longest_dataset_prompt(trainer, num_longest: int = 16) -> int:
+    """Tokens in the longest prompt of the trainer's `train_dataset`, measured on its `num_longest` longest by
+    characters; 0 when its prompts cannot be listed (an iterable data set)."""
+    data = getattr(trainer, "train_dataset", None)
+    try:
+        prompts = list(data["prompt"])
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return 0
+    if not prompts:
+        return 0
+    longest = sorted(prompts, key=_num_chars, reverse=True)[:num_longest]
+    return max(len(ids) for ids in tokenize_prompts(longest, trainer))
+
+
+def _num_chars(prompt) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(str(m.get("content", ""))) for m in prompt if isinstance(m, dict))
 
 
 def generation_dtype(model, mixed_precision: str = "no") -> torch.dtype:
