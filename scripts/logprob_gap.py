@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--layouts", nargs="+", default=["slots", "paged"])
+    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto", help="decode steps replayed")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = zoo.load_model(args.model, DTYPES[args.dtype], device=args.device)
@@ -60,7 +61,10 @@ def main() -> None:
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
     results = {}
     for layout in args.layouts:
-        gen = Generator(model, max_batch_size=args.num_prompts * args.n, max_seq_len=512, kv_layout=layout)
+        graphs = {"auto": "auto", "on": True, "off": False}[args.cuda_graphs]
+        gen = Generator(
+            model, max_batch_size=args.num_prompts * args.n, max_seq_len=512, kv_layout=layout, cuda_graphs=graphs
+        )
         gaps = []
         for out in gen.generate(prompts, params):
             expected = teacher_forced(model, prompts[out.prompt_index], out.token_ids, params.temperature)

@@ -116,7 +116,8 @@ class SpecConfig:
                 )
         if self.model is not None and "draft_model" not in methods:
             raise ValueError(
-                f"model is set but method is {self.method!r}: add 'draft_model' to method to use a draft model"
+                f"model is set but method is {self.method!r}: add 'draft_model' to method to use a draft model, or "
+                "unset model (spec.model=null in a recipe)"
             )
         if not isinstance(self.num_candidates, int) or self.num_candidates < 1:
             raise ValueError(f"num_candidates ({self.num_candidates!r}) must be an integer >= 1 (1 = a chain)")

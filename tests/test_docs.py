@@ -130,3 +130,35 @@ def test_the_api_reference_shows_every_public_name():
     for name in rollout.__all__:
         module = getattr(rollout, name).__module__
         assert f"::: {module}.{name}" in page, f"docs/reference/api.md does not render {module}.{name}"
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """(where, arguments) of every `rollout run|train|bench RECIPE ...` line in a bash block of the README and the
+    guide (comments dropped)."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.DOTALL):
+            for line in block.splitlines():
+                words = line.split("#", 1)[0].split()
+                for i, word in enumerate(words[:-2]):
+                    if (
+                        word.endswith("rollout")
+                        and words[i + 1] in ("run", "train", "bench")
+                        and words[i + 2] != "RECIPE"
+                    ):
+                        found.append((f"{path.relative_to(ROOT)}: {line.strip()}", words[i + 1 :]))
+    return found
+
+
+def test_every_documented_command_states_a_valid_recipe():
+    """A command a page gives loads its recipe with its overrides (a wrong override fails here, not in a user's
+    hands)."""
+    from rollout.cli.recipe import load_recipe
+
+    commands = documented_commands()
+    assert len(commands) >= 10, commands
+    for where, (_, recipe, *overrides) in commands:
+        try:
+            load_recipe(ROOT / recipe, overrides)
+        except ValueError as err:
+            pytest.fail(f"{where}: {err}")

@@ -40,6 +40,7 @@ def scratch(tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "Question: 2 + 2?\\nAnswer:"}\n')
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     (tmp_path / "bad_reward.yaml").write_text("rewards:\n  - name: accuracy\n")
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
     return tmp_path
 
 
@@ -69,6 +70,7 @@ REFUSED = [
     (["run", QUICKSTART, "model.name=./notes"], ["model.name: ./notes is not a transformers model folder"], {}),
     (["run", QUICKSTART, "data.split=test"], ["data.split ('test')", "'train' or 'eval'"], {}),
     (["run", QUICKSTART, "rewards.0.name=no_such_module:score"], ["cannot import module 'no_such_module'"], {}),
+    (["run", "empty.yaml"], ["empty.yaml: a recipe is a mapping of sections", "got nothing (an empty file)"], {}),
 ]
 
 
@@ -86,6 +88,29 @@ def test_a_bad_recipe_is_refused_in_one_line_before_torch_loads_and_writes_nothi
     for text in expected:
         assert text in lines[0]
     assert sorted(p.relative_to(scratch) for p in scratch.rglob("*") if "__pycache__" not in p.parts) == before
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["run"], "rollout run: error: the following arguments are required: recipe"),
+        (["runn", QUICKSTART], "rollout: error: argument command: invalid choice: 'runn'"),
+        (["run", QUICKSTART, "--n", "8"], "rollout: error: unrecognized arguments: --n 8"),
+    ],
+)
+def test_a_bad_command_line_is_one_line_with_the_usage(argv, expected):
+    result = subprocess.run([sys.executable, "-m", "rollout.cli", *argv], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith(expected) and "(usage: rollout" in line, line
+
+
+def test_a_prompt_longer_than_max_seq_len_is_refused_before_the_folder_is_made(tmp_path, capsys):
+    argv = ["run", QUICKSTART, *SMALL, "rollout.max_seq_len=10", f"output_dir={tmp_path / 'out'}"]
+    assert main(argv) == 2
+    line = capsys.readouterr().err.strip()
+    assert "rollout.max_seq_len (10) leaves no room for a completion after prompt" in line
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_existing_run_is_refused_and_overwrite_writes_among_other_files(scratch, capsys):

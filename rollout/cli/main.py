@@ -170,10 +170,18 @@ def _report(args: argparse.Namespace) -> None:
     print(f"plot: {plot_steps(steps, folder / PLOT_NAME, title=str(folder))}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: `rollout <command>: error: ...` and the usage in the same line."""
+
+    def error(self, message: str):
+        usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        self.exit(2, f"{self.prog}: error: {message} (usage: {usage}; {self.prog.split()[0]} --help for more)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollout", description="RL rollout generation with speculative decoding")
+    parser = _Parser(prog="rollout", description="RL rollout generation with speculative decoding")
     parser.add_argument("--version", action="version", version=f"rollout {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     overrides_help = "recipe overrides key.sub=value (win over the file), e.g. sampling.n=8 spec.method=null"
     run = sub.add_parser("run", help="run a recipe and write its output folder")
     run.add_argument("recipe", help="a recipe YAML file, e.g. recipes/quickstart.yaml")
@@ -194,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    """The installed package's version (the source tree's pyproject.toml when it is not installed)."""
+    """The installed package's version ("(not installed)" when run from a source tree that pip did not install)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:

@@ -337,12 +337,19 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         if not path.is_file():
             raise FileNotFoundError(f"recipe file not found: {path}")
         try:
-            sources.append((str(path), OmegaConf.load(path)))
+            values = OmegaConf.load(path)
         except Exception as err:  # the YAML parser's own error types
             mark = getattr(err, "problem_mark", None)
             where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ValueError(f"{where}: invalid YAML: {problem}") from None
+        if not OmegaConf.is_dict(values) or not values:
+            got = "nothing (an empty file)" if not values else "a list"
+            raise ValueError(
+                f"{path}: a recipe is a mapping of sections (model:, data:, sampling:, ...), got {got}; start from "
+                "recipes/quickstart.yaml"
+            )
+        sources.append((str(path), values))
     for source, values in sources:
         try:
             config = OmegaConf.merge(config, values)

@@ -48,9 +48,16 @@ def load_inputs(recipe: Recipe) -> RecipeInputs:
     model, tokenizer = load_model(recipe.model.name, recipe.model.dtype, recipe.model.device)
     formatter = PromptFormatter(tokenizer, d.prompt_column, d.template, d.chat_template, d.system_prompt)
     prompts, prompt_ids = formatter(list(data))
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     max_seq_len = recipe.rollout.max_seq_len
     if max_seq_len is None:
-        max_seq_len = max(len(p) for p in prompt_ids) + recipe.sampling.max_new_tokens
+        max_seq_len = len(prompt_ids[longest]) + recipe.sampling.max_new_tokens
+    elif len(prompt_ids[longest]) >= max_seq_len:  # refused here, before the output folder is made
+        raise ValueError(
+            f"rollout.max_seq_len ({max_seq_len}) leaves no room for a completion after prompt {longest} "
+            f"({len(prompt_ids[longest])} tokens): raise it above {len(prompt_ids[longest])} (e.g. "
+            f"{len(prompt_ids[longest]) + recipe.sampling.max_new_tokens}), or null to size it from the prompts"
+        )
     return RecipeInputs(model, tokenizer, data, prompts, prompt_ids, max_seq_len)
 
 

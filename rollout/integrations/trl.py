@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import os
 import time
 
 import torch
@@ -62,7 +63,12 @@ def trl_rollout_func(
         log_metrics: add the per-phase metrics (`rollout/<phase>/tokens_per_s`, ...) to the trainer's logs.
         share_history: with several processes (TRL under `accelerate launch`), all-gather each rollout's finished
             responses into every process's suffix drafting history, so each drafts from the whole run's responses.
+
+    TRL warns at `GRPOTrainer(rollout_func=...)` that `rollout_func` is experimental unless TRL_EXPERIMENTAL_SILENCE
+    is set; this sets it (unless it is set already): the adapter is tested against the newest and the oldest TRL this
+    library supports.
     """
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     return TRLRolloutFunc(spec, max_batch_size, max_seq_len, tail_fraction, log_metrics, share_history)
 
 
