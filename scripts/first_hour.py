@@ -89,6 +89,9 @@ def cases() -> list[tuple[str, list[str], dict]]:
         ("a reward that returns text", [*run, *SMALL, "rewards.0.name=my_rewards:words", "output_dir=words"], {}),
         ("model.device=cuda without a GPU", [*run, "model.device=cuda", "output_dir=a"], {}),
         ("an unknown key", [*run, "sampling.temprature=0.7", "output_dir=a"], {}),
+        ("a misspelt command", ["runn", QUICKSTART], {}),
+        ("an empty recipe file", ["run", "empty.yaml", "output_dir=a"], {}),
+        ("max_seq_len shorter than a prompt", [*run, "rollout.max_seq_len=64", "output_dir=short"], {}),
     ]
 
 
@@ -97,6 +100,7 @@ def prepare(folder: pathlib.Path, command: list[str]) -> None:
     (folder / "notes").mkdir()
     (folder / "notes" / "todo.txt").write_text("my own notes\n")
     (folder / "bad_reward.yaml").write_text("rewards:\n  - name: accuracy\n")
+    (folder / "empty.yaml").write_text("# to do\n")
     (folder / "prompts.jsonl").write_text('{"prompt": "Question: 2 + 2?\\nAnswer:"}\n')
     (folder / "my_rewards.py").write_text(REWARDS)
     done = subprocess.run([*command, "run", QUICKSTART, *SMALL, "output_dir=done"], cwd=folder, capture_output=True)
@@ -158,7 +162,7 @@ def main() -> None:
     print("| case | exit | s | stderr lines | the line (stderr; or the header's warning / note) | written |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        line = r["line"].replace("|", "\\|")
+        line = r["line"].replace("|", "\\|").replace("[", "\\[")  # a table cell; no link syntax
         print(f"| {r['case']} | {r['exit']} | {r['seconds']:.2f} | {r['stderr_lines']} | {line} | {r['written']} |")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
