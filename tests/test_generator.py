@@ -218,13 +218,32 @@ def test_trace_counts_add_up():
     assert all(r.seconds > 0 for r in trace)
 
 
-def test_max_seq_len_caps_completions():
+def test_max_seq_len_caps_completions_and_says_so():
     model = make_model("qwen2")
     prompt = random_prompts(1, min_len=10, max_len=10, seed=11)[0]
-    outs = Generator(model, max_batch_size=2, max_seq_len=14).generate(
-        [prompt], SamplingParams(temperature=0, max_new_tokens=50)
-    )
+    with pytest.warns(UserWarning, match="max_new_tokens 50 does not fit in max_seq_len 14 .* stop at 4 new tokens"):
+        outs = Generator(model, max_batch_size=2, max_seq_len=14).generate(
+            [prompt], SamplingParams(temperature=0, max_new_tokens=50)
+        )
     assert len(outs[0].token_ids) == 4 and outs[0].finish_reason == "length"
+
+
+def test_requests_added_mid_flight_join_the_batch_and_draw_what_they_would_alone():
+    model = make_model("qwen2")
+    prompts = random_prompts(4, seed=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, n=2)
+    alone = Generator(model, max_batch_size=8, max_seq_len=64).generate(prompts, params)
+    gen = Generator(model, max_batch_size=8, max_seq_len=64)
+    gen.add_requests(prompts[:2], params, seed_indices=[0, 1])
+    finished = []
+    for _ in range(3):
+        finished += gen.step().finished
+    gen.add_requests(prompts[2:], params, seed_indices=[2, 3], keep_in_flight=True)  # the first two keep going
+    while gen.has_unfinished:
+        finished += gen.step().finished
+    # every sample is the one a single call draws (its seed index, not its batch, decides), none lost or repeated
+    assert sorted(tuple(o.token_ids) for o in finished) == sorted(tuple(o.token_ids) for o in alone)
+    assert len({tuple(o.token_ids) for o in alone}) == 8
 
 
 @pytest.mark.parametrize(

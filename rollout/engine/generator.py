@@ -269,9 +269,12 @@ class Generator(Admission, DecodeStep):
         prompt_ids: list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         seed_indices: list[int] | None = None,
+        keep_in_flight: bool = False,
     ) -> list[Sequence]:
         """Check and queue `params.n` samples of every prompt (see `generate`); rows still in flight from an earlier,
-        interrupted call are dropped first. Returns the queued sequences, prompt-major."""
+        interrupted call are dropped first, unless `keep_in_flight`: then the new samples queue behind them and join
+        the batch as slots free up (a server's continuous batching: `step()` until `has_unfinished` is False).
+        Returns the queued sequences, prompt-major."""
         prompt_ids = check_prompts(prompt_ids, self.vocab_size, self.max_seq_len)
         if seed_indices is not None and len(seed_indices) != len(prompt_ids):
             raise ValueError(
@@ -283,9 +286,10 @@ class Generator(Admission, DecodeStep):
         note = length_cap_note(prompt_ids, [p.max_new_tokens for p in per_prompt], self.max_seq_len)
         if note is not None:  # a silent cap looks like a model that stops early
             warnings.warn(note, stacklevel=3)
-        self.abort()
-        if self.proposers is not None:
-            self.proposers.begin()
+        if not keep_in_flight:
+            self.abort()
+            if self.proposers is not None:
+                self.proposers.begin()
         # room for the longest request now, at admission, rather than by growing the caches mid-rollout
         longest = max(len(seq.prompt) + seq.max_new_tokens for seq in sequences) + self.max_block
         for runner in self._runners():

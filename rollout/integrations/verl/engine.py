@@ -1,0 +1,329 @@
+"""One `Generator` behind many concurrent callers: requests submitted from any thread or event loop join the batch
+in flight at the next step (continuous batching), weights are copied into the model in place, and sleep / wake drop
+and rebuild the KV cache (and CUDA graphs).
+
+A thread of its own drives the generator: it takes the requests that arrived since its last step, queues them
+behind the rows in flight, runs one step, and resolves the futures of the samples that finished. Requests that
+arrive together with the same prompt and settings (veRL sends a GRPO group as `n` requests of one prompt) share one
+prefill and are one group for suffix drafting. Plain Python and torch: nothing here imports veRL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import hashlib
+import io
+import logging
+import random
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from rollout.engine.generator import Generator
+from rollout.engine.requests import check_params, check_prompts
+from rollout.engine.sampling import Completion, SamplingParams
+from rollout.integrations.verl.weights import copy_weights
+from specdec.config import SpecConfig
+
+logger = logging.getLogger(__name__)
+
+ABORTED = "aborted"  # a Completion's finish_reason when abort_all dropped it
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: concurrent.futures.Future
+
+
+class ServingEngine:
+    """Continuous batching over one `Generator` for callers that each ask for one completion.
+
+    Args:
+        model: the causal LM to generate with (kept, never copied: `update_weights` writes into it).
+        max_batch_size: generator slots.
+        max_seq_len: prompt + completion tokens a sequence may hold.
+        spec: speculative decoding settings; None decodes without drafts.
+        kv_layout, kv_pool_blocks, cuda_graphs, max_prefill_tokens: passed to `Generator`.
+        seed: a request without a seed of its own samples from the stream `(seed, seed_offset, its arrival index)`:
+            the same requests arriving in the same order give the same samples, however they were batched; a request
+            with `params.seed` samples from that seed alone. None draws a fresh seed.
+        seed_offset: tells engines with the same seed apart (veRL's replicas).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_batch_size: int,
+        max_seq_len: int,
+        spec: SpecConfig | None = None,
+        kv_layout: str = "auto",
+        kv_pool_blocks: int | None = None,
+        cuda_graphs: bool | str = "auto",
+        max_prefill_tokens: int | None = None,
+        seed: int | None = None,
+        seed_offset: int = 0,
+    ):
+        self.model = model.eval()  # the engine's own model: generation never trains it
+        self.device = next(model.parameters()).device
+        self._generator_kwargs = dict(
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            spec=spec,
+            kv_layout=kv_layout,
+            kv_pool_blocks=kv_pool_blocks,
+            cuda_graphs=cuda_graphs,
+            max_prefill_tokens=max(max_prefill_tokens or 16384, max_seq_len),
+        )
+        self.max_seq_len = max_seq_len
+        self.generator: Generator | None = None  # None while asleep (and before the first request)
+        # steps taken, draft tokens proposed / accepted, tokens emitted, seconds by step kind, over the engine's life
+        self.totals: dict[str, float] = {"steps": 0, "num_drafted": 0, "num_accepted": 0, "num_emitted": 0}
+        self._history: io.BytesIO | None = None  # the suffix drafter's history kept over a sleep
+        self._incoming: list[_Request] = []
+        self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}  # (prompt_index, sample_index) in flight
+        self._num_groups = 0  # groups queued so far: the next group's prompt index
+        self._num_requests = 0  # requests queued so far: the next one's arrival index
+        self._seed = random.SystemRandom().getrandbits(62) if seed is None else int(seed)
+        self._seed_offset = int(seed_offset)
+        self._asleep = False
+        self._paused = False  # abort_all(...) without resume: new requests wait (or are refused)
+        self._rejecting = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._step_lock = threading.Lock()  # held by a step; weights and sleep change only between steps
+        self._thread = threading.Thread(target=self._run, name="rollout-serving-engine", daemon=True)
+        self._thread.start()
+
+    # ---- callers ---------------------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
+        """Queue one completion of `prompt_ids` (`params.n` must be 1); the future resolves to its `Completion`
+        (finish_reason "aborted" with no tokens if `abort_all` dropped it), or to the ValueError that refused it."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if params.n != 1:
+            future.set_exception(ValueError(f"params.n ({params.n}) must be 1: submit one request per sample"))
+            return future
+        with self._cond:
+            if self._closed:
+                future.set_exception(RuntimeError("this ServingEngine is closed"))
+            elif self._rejecting:
+                future.set_result(Completion(0, 0, [], [], ABORTED))
+            else:
+                self._incoming.append(_Request(list(prompt_ids), params, future))
+                self._cond.notify_all()
+        return future
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        """`submit` for a coroutine: awaits the completion without blocking the event loop."""
+        return await asyncio.wrap_future(self.submit(prompt_ids, params))
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet resolved."""
+        with self._cond:
+            return len(self._incoming) + len(self._futures)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until every submitted request is resolved (or paused ones are all that is left); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._futures and (not self._incoming or self._paused), timeout)
+
+    def update_weights(self, named_tensors, strict: bool = False) -> int:
+        """`copy_weights` into the model between two steps (see `rollout.integrations.verl.weights`)."""
+        with self._step_lock:
+            return copy_weights(self.model, named_tensors, strict)
+
+    def sleep(self) -> None:
+        """Wait for the requests in flight, then drop the generator: its KV cache, CUDA graphs and a draft model's
+        cache are freed (the suffix drafter's history is kept for `wake_up`). Requests submitted while asleep wait."""
+        with self._cond:
+            self._asleep = True  # nothing new is admitted; rows in flight finish first
+            self._cond.wait_for(lambda: not self._futures)
+        with self._step_lock:
+            self._drop_generator()
+
+    def wake_up(self, build: bool = True) -> None:
+        """Leave sleep; with `build`, allocate the KV cache (and capture graphs) now rather than at the first
+        request."""
+        if build:
+            with self._step_lock:
+                self._ensure_generator()
+        with self._cond:
+            self._asleep = False
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        """Forget the suffix drafter's history (responses of earlier weights stay useful drafts; this is for a
+        caller that wants none)."""
+        with self._step_lock:
+            self._history = None
+            if self.generator is not None and self.generator.draft_history is not None:
+                self.generator.draft_history.clear()
+
+    def abort_all(self, reject: bool = False) -> int:
+        """Drop every request queued or in flight (each resolves to an "aborted" completion) and hold new ones until
+        `resume`; with `reject`, new ones resolve to "aborted" at once. Returns the number dropped."""
+        with self._step_lock, self._cond:
+            self._paused, self._rejecting = True, reject
+            dropped = list(self._futures.values()) + [r.future for r in self._incoming]
+            self._futures.clear()
+            self._incoming.clear()
+            if self.generator is not None:
+                self.generator.abort()
+            self._cond.notify_all()
+        for future in dropped:
+            future.set_result(Completion(0, 0, [], [], ABORTED))
+        return len(dropped)
+
+    def resume(self) -> None:
+        """Admit requests again after `abort_all`."""
+        with self._cond:
+            self._paused = self._rejecting = False
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop the engine's thread (requests still queued resolve to RuntimeError)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # ---- the engine's thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(self._has_work)
+                if self._closed:
+                    break
+            with self._step_lock:
+                # taken under the step lock: `abort_all` (which takes it too) sees every request either still
+                # incoming or queued with its future in `_futures`, never one in between
+                with self._cond:
+                    admit = not (self._asleep or self._paused)
+                    batch, self._incoming = (self._incoming, []) if admit else ([], self._incoming)
+                try:
+                    self._queue(batch)
+                    self._step()
+                except Exception as error:  # a failed step fails the requests in flight, not the engine
+                    logger.exception("rollout serving engine: a step failed")
+                    self._fail_all(error, batch)
+        with self._cond:
+            for request in self._incoming:
+                request.future.set_exception(RuntimeError("the ServingEngine was closed"))
+            self._incoming.clear()
+
+    def _has_work(self) -> bool:
+        admit = bool(self._incoming) and not (self._asleep or self._paused)
+        return self._closed or admit or bool(self._futures)
+
+    def _queue(self, batch: list[_Request]) -> None:
+        """Check each request on its own (a bad one fails alone), then queue runs of equal requests as groups."""
+        if not batch:
+            return
+        gen = self._ensure_generator()
+        valid = []
+        for request in batch:
+            try:
+                check_prompts([request.prompt_ids], gen.vocab_size, gen.max_seq_len)
+                check_params(request.params, 1, gen.spec.methods if gen.spec is not None else ())
+            except ValueError as error:
+                request.future.set_exception(error)
+                continue
+            valid.append(request)
+        groups: list[list[_Request]] = []
+        for request in valid:
+            if groups and groups[-1][0].prompt_ids == request.prompt_ids and groups[-1][0].params == request.params:
+                groups[-1].append(request)
+            else:
+                groups.append([request])
+        if not groups:
+            return
+        prompts = [group[0].prompt_ids for group in groups]
+        params = [_with_n(group[0].params, len(group)) for group in groups]
+        first = self._num_groups
+        sequences = gen.add_requests(prompts, params, keep_in_flight=gen.has_unfinished)
+        position = 0
+        for g, group in enumerate(groups):
+            for sample, request in enumerate(group):
+                seq = sequences[position]
+                # unique over the engine's life: admission shares one prefill between neighbours of one prompt index
+                seq.prompt_index = first + g
+                seq.seed = self._request_seed(request.params)
+                self._futures[(seq.prompt_index, sample)] = request.future
+                position += 1
+        self._num_groups += len(groups)
+
+    def _request_seed(self, params: SamplingParams) -> int:
+        """A sample's random stream: its own seed's, else the engine's at its arrival index (never its batch's)."""
+        if params.seed is not None:
+            return _mix_seed("request", params.seed)
+        self._num_requests += 1
+        return _mix_seed("engine", self._seed, self._seed_offset, self._num_requests - 1)
+
+    def _step(self) -> None:
+        gen = self.generator
+        if gen is None or not gen.has_unfinished:
+            if self._futures:  # never expected: waiting requests with nothing in flight would spin this thread
+                self._fail_all(RuntimeError(f"{len(self._futures)} requests wait with no rows in flight"), [])
+            return
+        out = gen.step()
+        gen.last_trace.clear()  # a server steps for ever: the record is counted here instead of kept
+        record = out.record
+        totals = self.totals
+        totals["steps"] += 1
+        totals[f"{record.kind}_seconds"] = totals.get(f"{record.kind}_seconds", 0.0) + record.seconds
+        for key in ("num_drafted", "num_accepted", "num_emitted"):
+            totals[key] += getattr(record, key)
+        for completion in out.finished:
+            future = self._futures.pop((completion.prompt_index, completion.sample_index), None)
+            if future is not None:  # None: dropped by abort_all meanwhile
+                future.set_result(completion)
+        if out.finished:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _fail_all(self, error: Exception, batch: list[_Request]) -> None:
+        futures = set(self._futures.values()) | {r.future for r in batch if not r.future.done()}
+        self._futures.clear()
+        if self.generator is not None:
+            self.generator.abort()
+        for future in futures:
+            future.set_exception(error)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _ensure_generator(self) -> Generator:
+        if self.generator is None:
+            self.generator = Generator(self.model, **self._generator_kwargs)
+            if self._history is not None and self.generator.draft_history is not None:
+                self._history.seek(0)
+                self.generator.draft_history.load(self._history)
+            self._history = None
+        return self.generator
+
+    def _drop_generator(self) -> None:
+        gen, self.generator = self.generator, None
+        if gen is None:
+            return
+        if gen.draft_history is not None:
+            self._history = io.BytesIO()
+            gen.draft_history.save(self._history)
+        del gen
+        gc.collect()  # the generator's parts refer to each other: their memory goes back only once the cycles are
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _with_n(params: SamplingParams, n: int) -> SamplingParams:
+    return SamplingParams(**{**params.__dict__, "n": n})
+
+
+def _mix_seed(*parts) -> int:
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2

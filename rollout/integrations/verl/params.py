@@ -1,0 +1,189 @@
+"""veRL's settings in this library's terms: a request's `sampling_params` dict as `SamplingParams`, the rollout
+config's `engine_kwargs.rollout` (with a vLLM-style `speculative_config`) as `EngineOptions` and a `SpecConfig`.
+
+Plain Python: nothing here imports veRL, so the mapping is checked where veRL is not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from rollout.engine.sampling import SamplingParams
+from specdec.config import SpecConfig
+
+# what veRL's agent loops and vLLM-style callers put in a request's sampling_params that this backend honours
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "max_new_tokens", "logprobs", "seed", "ignore_eos",
+                 "stop_token_ids", "n")  # fmt: skip
+# settings this backend does not implement, accepted only at the value that turns them off
+NEUTRAL_VALUES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0}
+SPEC_KEYS = tuple(f.name for f in dataclasses.fields(SpecConfig))
+KV_LAYOUTS = ("auto", "paged", "slots")
+
+
+@dataclass
+class RequestLimits:
+    """The lengths a request is capped by, from veRL's rollout config.
+
+    Attributes:
+        prompt_length: `rollout.prompt_length`: the longest prompt veRL builds.
+        response_length: `rollout.response_length`: the most tokens a response keeps.
+        max_model_len: prompt + response tokens a sequence may hold (`rollout.max_model_len`, or the two above).
+        ignore_eos: `rollout.ignore_eos`: the default when a request does not say.
+    """
+
+    prompt_length: int
+    response_length: int
+    max_model_len: int
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_length", "response_length", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} ({value!r}) must be a positive integer")
+
+
+def sampling_params_from_verl(
+    sampling_params: dict[str, Any], num_prompt_tokens: int, limits: RequestLimits
+) -> tuple[SamplingParams, bool]:
+    """One veRL request's `sampling_params` as this library's `SamplingParams`, and whether it asked for log-probs.
+
+    veRL's conventions: temperature 0 is greedy; top_k -1 (or 0) is off; `max_tokens` (or SGLang's `max_new_tokens`)
+    caps the response, else `min(response_length, prompt_length + response_length - prompt tokens)`, as veRL's vLLM
+    server does; either way at most `max_model_len - prompt tokens`. A request's own `seed` is kept (None without).
+
+    Raises:
+        ValueError: a key this backend does not know, a setting it does not implement at a value other than off
+            (repetition_penalty, presence/frequency_penalty, min_p), `n` other than 1, or a prompt that leaves no
+            room for a response.
+    """
+    params = dict(sampling_params)
+    unknown = sorted(set(params) - set(SAMPLING_KEYS) - set(NEUTRAL_VALUES))
+    if unknown:
+        raise ValueError(
+            f"sampling_params has {unknown}, which the 'rollout' backend does not know; it takes "
+            f"{', '.join(SAMPLING_KEYS)} (and {', '.join(NEUTRAL_VALUES)} at their off values)"
+        )
+    for key, off in NEUTRAL_VALUES.items():
+        if key in params and params[key] is not None and float(params[key]) != off:
+            raise ValueError(
+                f"sampling_params[{key!r}] ({params[key]!r}) is not supported by the 'rollout' backend (it would break "
+                f"exact drafting): set it to {off}"
+            )
+    if params.get("n", 1) != 1:
+        raise ValueError(f"sampling_params['n'] ({params['n']!r}) must be 1: veRL sends each sample as its own request")
+    room = limits.max_model_len - num_prompt_tokens
+    if room < 1:
+        raise ValueError(
+            f"a prompt of {num_prompt_tokens} tokens leaves no room for a response within max_model_len "
+            f"({limits.max_model_len}): raise rollout.max_model_len or shorten the prompt"
+        )
+    max_tokens = params.get("max_tokens", params.get("max_new_tokens"))
+    if max_tokens is None:
+        max_tokens = min(limits.response_length, limits.prompt_length + limits.response_length - num_prompt_tokens)
+    max_tokens = max(1, min(int(max_tokens), room))
+    top_k = params.get("top_k", -1)
+    top_k = 0 if top_k is None or int(top_k) in (-1, 0) else int(top_k)
+    top_p = params.get("top_p", 1.0)
+    request_seed = params.get("seed")
+    converted = SamplingParams(
+        n=1,
+        temperature=float(params.get("temperature", 1.0)),
+        top_p=1.0 if top_p is None else float(top_p),
+        top_k=top_k,
+        max_new_tokens=max_tokens,
+        stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
+        ignore_eos=bool(params.get("ignore_eos", limits.ignore_eos)),
+        seed=int(request_seed) if request_seed is not None else None,
+    )
+    return converted, bool(params.get("logprobs", False))
+
+
+def spec_config_from_dict(options: dict[str, Any] | None) -> SpecConfig | None:
+    """A vLLM-style `speculative_config` dict as a `SpecConfig` (None, `{}` or `method: none`: no speculation).
+
+    Raises:
+        ValueError: a key that is not a `SpecConfig` field (the valid ones are listed), or a value `SpecConfig`
+            refuses.
+    """
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise ValueError(f"speculative_config ({options!r}) must be a mapping of SpecConfig fields or None")
+    if not options:
+        return None
+    unknown = sorted(set(options) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(
+            f"speculative_config has {unknown}, which are not SpecConfig fields; valid keys: {', '.join(SPEC_KEYS)}"
+        )
+    values = {key: _plain(value) for key, value in options.items()}
+    spec = SpecConfig(**values)
+    return spec if spec.methods else None
+
+
+@dataclass
+class EngineOptions:
+    """What `actor_rollout_ref.rollout.engine_kwargs.rollout` sets for this backend (veRL keeps one dict per backend
+    under `engine_kwargs`).
+
+    Attributes:
+        speculative_config: vLLM's `--speculative-config` dict (`SpecConfig`'s fields); None, `{}` or
+            `method: none` decodes without drafts.
+        max_batch_size: generator slots (sequences decoded at once); None: `rollout.max_num_seqs`, at most 256.
+        kv_layout: "auto" (paged on a GPU, slots on a CPU), "paged" or "slots".
+        kv_pool_blocks: paged: the KV pool's size in blocks of 16 tokens; None plans it from the free memory.
+        cuda_graphs: "auto", True or False (`rollout.enforce_eager=True` turns them off).
+        max_prefill_tokens: cap on padded prompt tokens per prefill forward; None: 16384, at least max_model_len.
+    """
+
+    speculative_config: dict | None = None
+    max_batch_size: int | None = None
+    kv_layout: str = "auto"
+    kv_pool_blocks: int | None = None
+    cuda_graphs: Any = "auto"
+    max_prefill_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        self.spec = spec_config_from_dict(self.speculative_config)  # checks it now
+        for name in ("max_batch_size", "kv_pool_blocks", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"engine_kwargs.rollout.{name} ({value!r}) must be a positive integer or null")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"engine_kwargs.rollout.kv_layout ({self.kv_layout!r}) must be one of {KV_LAYOUTS}")
+        if self.cuda_graphs not in (True, False, "auto"):
+            raise ValueError(f"engine_kwargs.rollout.cuda_graphs ({self.cuda_graphs!r}) must be true, false or auto")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None, fallback_spec: dict | None = None) -> EngineOptions:
+        """From `engine_kwargs.rollout`; `fallback_spec` (a vLLM user's `engine_kwargs.vllm.speculative_config`) is
+        used when `engine_kwargs.rollout` sets no `speculative_config`.
+
+        Raises:
+            ValueError: an unknown key (the valid ones are listed) or a value out of range.
+        """
+        options = _plain(options) or {}
+        if not isinstance(options, dict):
+            raise ValueError(f"engine_kwargs.rollout ({options!r}) must be a mapping")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(f"engine_kwargs.rollout has {unknown}; valid keys: {', '.join(names)}")
+        values = {key: value for key, value in options.items() if value is not None}
+        if "speculative_config" not in values and fallback_spec:
+            values["speculative_config"] = _plain(fallback_spec)
+        return cls(**values)
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf containers (veRL's configs) as plain dicts and lists; anything else unchanged."""
+    if hasattr(value, "items") and not isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) or type(value).__name__ == "ListConfig":
+        return [_plain(item) for item in value]
+    return value

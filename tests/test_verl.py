@@ -1,0 +1,420 @@
+"""The veRL backend (`rollout.integrations.verl`) without a cluster, on the shipped tiny models.
+
+The serving engine, the sampling-parameter mapping and the weight copy need no veRL and run everywhere; the server
+actor, the trainer-side adapter and the registration need veRL 0.9.1 (`pip install '.[verl]'`) and skip without it.
+The end-to-end `main_ppo` run is `tests/verl_e2e/` (`scripts/verl_e2e.sh`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+import pytest
+import torch
+
+from rollout.engine.sampling import SamplingParams
+from rollout.integrations.verl import EngineOptions, RequestLimits, ServingEngine, sampling_params_from_verl
+from rollout.integrations.verl.engine import ABORTED
+from rollout.integrations.verl.params import spec_config_from_dict
+from rollout.models.zoo import load_model, model_path
+from rollout.tasks import format_prompt, generate_problems
+from specdec.config import SpecConfig
+
+LIMITS = RequestLimits(prompt_length=160, response_length=48, max_model_len=208)
+
+
+def prompts_of(tokenizer, num: int, seed: int = 0) -> list[list[int]]:
+    return [tokenizer(format_prompt(p.problem))["input_ids"] for p in generate_problems(num, split="eval", seed=seed)]
+
+
+def perturbed(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose weights are far from the model's (what veRL's `load_format=dummy` starts from)."""
+    copied = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in copied.parameters():
+            param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype).to(param.device) * 0.5)
+    return copied
+
+
+def run_all(engine: ServingEngine, requests: list[tuple[list[int], SamplingParams]]):
+    """Submit every request concurrently, as veRL's agent loop does, and wait for all."""
+
+    async def main():
+        return await asyncio.gather(*[engine.generate(ids, params) for ids, params in requests])
+
+    return asyncio.run(main())
+
+
+def verl_params(sampling_params: dict, prompt_ids: list[int]) -> SamplingParams:
+    return sampling_params_from_verl(sampling_params, len(prompt_ids), LIMITS)[0]
+
+
+@pytest.fixture(scope="module")
+def tiny64():
+    return load_model("tiny-target", torch.float64)
+
+
+@pytest.fixture(scope="module")
+def tiny32():
+    return load_model("tiny-target", torch.float32)
+
+
+def test_update_weights_then_greedy_equals_model_generate(tiny64):
+    model, tokenizer = tiny64
+    prompts = prompts_of(tokenizer, 6)
+    engine = ServingEngine(perturbed(model), max_batch_size=4, max_seq_len=LIMITS.max_model_len)  # 6 requests, 4 slots
+    try:
+        greedy = {"temperature": 0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+        requests = [(ids, verl_params(greedy, ids)) for ids in prompts]
+        before = run_all(engine, requests)
+        copied = engine.update_weights(model.state_dict().items(), strict=True)
+        after = run_all(engine, requests)
+    finally:
+        engine.close()
+    assert copied == len(model.state_dict())
+    num_new = LIMITS.response_length
+    expected = []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=num_new, do_sample=False, pad_token_id=1)
+        expected.append(out[0, len(ids) :].tolist())
+    assert [c.token_ids for c in after] == expected
+    assert [c.token_ids for c in before] != expected  # the perturbed weights were in use until the update
+    for completion in after:
+        assert completion.finish_reason == ("stop" if completion.token_ids[-1] == 0 else "length")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_weights_land_under_captured_graphs_and_sleep_gives_the_memory_back():
+    """The paged cache and CUDA graphs: weights copied in place after the graphs were captured are what the replayed
+    steps compute with; sleep (the server also moves the weights to the CPU) frees the cache and graphs, and after
+    waking up with the weights moved back the graphs captured anew give the same tokens."""
+    model, tokenizer = load_model("tiny-target", torch.float32, device="cuda")
+    prompts = prompts_of(tokenizer, 6)
+    engine = ServingEngine(perturbed(model), max_batch_size=8, max_seq_len=LIMITS.max_model_len)
+    greedy = {"temperature": 0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    requests = [(ids, verl_params(greedy, ids)) for ids in prompts]
+    try:
+        before = run_all(engine, requests)
+        assert engine.generator.runner.paged and engine.generator.graph_runners  # captured with the old weights
+        engine.update_weights(model.state_dict().items(), strict=True)
+        after = run_all(engine, requests)
+        torch.cuda.synchronize()
+        generating = torch.cuda.memory_allocated()
+        engine.sleep()
+        engine.model.to("cpu")
+        torch.cuda.empty_cache()
+        asleep = torch.cuda.memory_allocated()
+        engine.model.to("cuda")
+        engine.wake_up()
+        again = run_all(engine, requests)
+    finally:
+        engine.close()
+    expected = []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=LIMITS.response_length, do_sample=False)
+        expected.append(out[0, len(ids) :].tolist())
+    assert [c.token_ids for c in after] == expected
+    assert [c.token_ids for c in before] != expected
+    assert [c.token_ids for c in again] == expected
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(
+        f"GPU memory: {generating / 2**20:.1f} MiB generating, {asleep / 2**20:.1f} MiB asleep (the test's own "
+        f"reference model, {weights / 2**20:.1f} MiB, stays on the GPU in both)"
+    )
+    assert asleep < generating - weights  # the engine's weights and more (its KV cache, graphs) left the GPU
+
+
+def test_update_weights_refuses_unknown_names_and_shapes(tiny32):
+    model, _ = tiny32
+    engine = ServingEngine(copy.deepcopy(model), max_batch_size=2, max_seq_len=64)
+    try:
+        with pytest.raises(ValueError, match="does not have"):
+            engine.update_weights([("model.not_a_layer.weight", torch.zeros(3))])
+        name, tensor = next(iter(model.state_dict().items()))
+        with pytest.raises(ValueError, match="shape"):
+            engine.update_weights([(name, torch.zeros(tensor.shape[0] + 1, *tensor.shape[1:]))])
+        with pytest.raises(ValueError, match="unset"):
+            engine.update_weights([(name, tensor)], strict=True)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpecConfig(method="suffix", num_speculative_tokens=4),
+        SpecConfig(method="ngram", num_speculative_tokens=3),
+        SpecConfig(method="draft_model", model="tiny-draft", num_speculative_tokens=3),
+    ],
+    ids=["suffix", "ngram", "draft_model"],
+)
+def test_sampling_with_speculation_equals_plain_sampling(tiny32, spec):
+    """Pathwise exactness behind veRL's interface: the same seed and arrival order give the same tokens with and
+    without drafts (four samples per prompt, as a GRPO group arrives)."""
+    model, tokenizer = tiny32
+    prompts = prompts_of(tokenizer, 4, seed=1)
+    sampled = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+    requests = [(ids, verl_params(sampled, ids)) for ids in prompts for _ in range(4)]
+    results = {}
+    for name, config in (("plain", None), ("spec", spec)):
+        engine = ServingEngine(model, max_batch_size=8, max_seq_len=LIMITS.max_model_len, spec=config, seed=123)
+        try:
+            results[name] = run_all(engine, requests)
+            if name == "spec":
+                drafted = engine.totals["num_drafted"]
+        finally:
+            engine.close()
+    assert [c.token_ids for c in results["spec"]] == [c.token_ids for c in results["plain"]]
+    for plain, spec_out in zip(results["plain"], results["spec"]):
+        assert spec_out.logprobs == pytest.approx(plain.logprobs, abs=1e-4)
+    assert drafted > 0  # speculation really ran
+    groups = [tuple(c.token_ids) for c in results["plain"]]
+    assert len(set(groups)) > len(prompts)  # a group's samples are not copies of each other
+
+
+@pytest.mark.parametrize("settings", [{"temperature": 1.0}, {"temperature": 0.7}, {"temperature": 0}])
+def test_logprobs_equal_a_teacher_forced_forward(tiny32, settings):
+    model, tokenizer = tiny32
+    prompts = prompts_of(tokenizer, 3, seed=2)
+    engine = ServingEngine(model, max_batch_size=4, max_seq_len=LIMITS.max_model_len, seed=5)
+    try:
+        params = {"top_k": -1, "top_p": 1.0, "logprobs": True, **settings}
+        outs = run_all(engine, [(ids, verl_params(params, ids)) for ids in prompts])
+    finally:
+        engine.close()
+    temperature = settings["temperature"] or 1.0  # greedy: the model's plain log-softmax
+    for ids, completion in zip(prompts, outs):
+        sequence = torch.tensor([ids + completion.token_ids])
+        with torch.no_grad():
+            logits = model(sequence).logits[0, len(ids) - 1 : -1].double() / temperature
+        expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+        assert len(completion.logprobs) == len(completion.token_ids)
+        assert torch.allclose(torch.tensor(completion.logprobs, dtype=torch.float64), expected, atol=1e-4)
+
+
+def test_a_request_joins_the_batch_in_flight(tiny64):
+    """Continuous batching: a short request sent while a long one decodes finishes first, with the tokens it gets
+    alone."""
+    model, tokenizer = tiny64
+    long_prompt, short_prompt = prompts_of(tokenizer, 2, seed=3)
+    long_params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    short_params = SamplingParams(temperature=0, max_new_tokens=3)
+    engine = ServingEngine(model, max_batch_size=4, max_seq_len=LIMITS.max_model_len)
+    try:
+        long_future = engine.submit(long_prompt, long_params)
+        deadline = time.monotonic() + 30
+        while (engine.generator is None or engine.generator.num_active == 0) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        short_future = engine.submit(short_prompt, short_params)
+        short = short_future.result(timeout=60)
+        assert not long_future.done()  # the short one did not wait for the long one
+        long = long_future.result(timeout=60)
+        alone = run_all(engine, [(short_prompt, short_params)])[0]
+    finally:
+        engine.close()
+    assert len(long.token_ids) == 40 and long.finish_reason == "length"
+    assert short.token_ids == alone.token_ids
+
+
+def test_sleep_frees_the_cache_keeps_the_history_and_holds_requests(tiny32):
+    model, tokenizer = tiny32
+    prompts = prompts_of(tokenizer, 2, seed=4)
+    spec = SpecConfig(method="suffix", num_speculative_tokens=4)
+    engine = ServingEngine(model, max_batch_size=4, max_seq_len=LIMITS.max_model_len, spec=spec, seed=0)
+    try:
+        params = SamplingParams(temperature=0, max_new_tokens=32)
+        run_all(engine, [(ids, params) for ids in prompts])
+        responses = len(engine.generator.draft_history.history)
+        engine.sleep()
+        assert engine.generator is None  # KV cache (and graphs) gone
+        held = engine.submit(prompts[0], params)
+        time.sleep(0.2)
+        assert not held.done()  # asleep: the request waits
+        engine.wake_up()
+        assert engine.generator is not None
+        assert len(engine.generator.draft_history.history) == responses > 0
+        assert held.result(timeout=60).finish_reason in ("stop", "length")
+    finally:
+        engine.close()
+
+
+def test_abort_all_answers_aborted_and_resume_serves_again(tiny32):
+    model, tokenizer = tiny32
+    prompt = prompts_of(tokenizer, 1, seed=5)[0]
+    engine = ServingEngine(model, max_batch_size=2, max_seq_len=LIMITS.max_model_len)
+    try:
+        long = SamplingParams(max_new_tokens=LIMITS.max_model_len - len(prompt), ignore_eos=True)
+        futures = [engine.submit(prompt, long) for _ in range(4)]  # two in flight, two queued
+        deadline = time.monotonic() + 30
+        while (engine.generator is None or engine.generator.num_active == 0) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine.abort_all() == 4
+        aborted = [f.result(timeout=10) for f in futures]
+        assert all(c.finish_reason == ABORTED and c.token_ids == [] for c in aborted)
+        held = engine.submit(prompt, SamplingParams(max_new_tokens=4))
+        time.sleep(0.2)
+        assert not held.done()  # paused until resume
+        engine.resume()
+        assert len(held.result(timeout=60).token_ids) <= 4
+        engine.abort_all(reject=True)
+        assert engine.submit(prompt, SamplingParams(max_new_tokens=4)).result(timeout=10).finish_reason == ABORTED
+    finally:
+        engine.close()
+
+
+def test_a_bad_request_fails_alone(tiny32):
+    model, tokenizer = tiny32
+    prompt = prompts_of(tokenizer, 1)[0]
+    engine = ServingEngine(model, max_batch_size=2, max_seq_len=LIMITS.max_model_len)
+    try:
+        bad = engine.submit([10_000], SamplingParams(max_new_tokens=4))
+        good = engine.submit(prompt, SamplingParams(max_new_tokens=4))
+        with pytest.raises(ValueError, match="outside the model's vocabulary"):
+            bad.result(timeout=60)
+        assert len(good.result(timeout=60).token_ids) <= 4
+    finally:
+        engine.close()
+
+
+def test_verl_sampling_params_map_onto_the_library():
+    greedy, wants = sampling_params_from_verl(
+        {"temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}, 100, LIMITS
+    )
+    assert (greedy.temperature, greedy.top_k, greedy.top_p, wants) == (0.0, 0, 1.0, False)
+    # veRL's cap without max_tokens: min(response_length, prompt_length + response_length - prompt tokens)
+    assert greedy.max_new_tokens == 48
+    assert sampling_params_from_verl({}, 190, LIMITS)[0].max_new_tokens == 18
+    sampled, wants = sampling_params_from_verl(
+        {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "logprobs": 1}, 10, LIMITS
+    )
+    assert (sampled.temperature, sampled.top_k, sampled.top_p, wants) == (0.8, 20, 0.9, True)
+    assert sampling_params_from_verl({"max_tokens": 500}, 10, LIMITS)[0].max_new_tokens == 198  # max_model_len cap
+    assert sampling_params_from_verl({"max_new_tokens": 7, "seed": 3}, 10, LIMITS)[0].seed == 3
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        sampling_params_from_verl({"repetition_penalty": 1.1}, 10, LIMITS)
+    with pytest.raises(ValueError, match="best_of"):
+        sampling_params_from_verl({"best_of": 2}, 10, LIMITS)
+    with pytest.raises(ValueError, match="no room"):
+        sampling_params_from_verl({}, 208, LIMITS)
+
+
+def test_a_vllm_speculative_config_carries_over():
+    vllm_style = {"method": "suffix", "num_speculative_tokens": 8, "suffix_decoding_max_tree_depth": 24}
+    spec = spec_config_from_dict(vllm_style)
+    assert (spec.method, spec.num_speculative_tokens) == ("suffix", 8)
+    assert spec_config_from_dict({"method": "none"}) is None and spec_config_from_dict({}) is None
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
+        spec_config_from_dict({"method": "draft_model", "model": "tiny-draft", "draft_tensor_parallel_size": 1})
+    options = EngineOptions.from_dict({"max_batch_size": 16}, fallback_spec={"method": "ngram"})
+    assert options.spec.method == "ngram" and options.max_batch_size == 16
+    own = EngineOptions.from_dict({"speculative_config": {"method": "suffix"}}, fallback_spec={"method": "ngram"})
+    assert own.spec.method == "suffix"  # engine_kwargs.rollout wins over engine_kwargs.vllm
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineOptions.from_dict({"max_num_batched_tokens": 8})
+
+
+# ---- with veRL installed ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def verl():
+    return pytest.importorskip("verl", reason="veRL is not installed (pip install '.[verl]')")
+
+
+def rollout_config(verl, **overrides):
+    from verl.workers.config import RolloutConfig
+
+    settings = dict(
+        name="rollout",
+        tensor_model_parallel_size=1,
+        prompt_length=LIMITS.prompt_length,
+        response_length=LIMITS.response_length,
+        dtype="float32",
+        max_num_seqs=8,
+        load_format="dummy",
+        calculate_log_probs=True,
+        engine_kwargs={"rollout": {"speculative_config": {"method": "suffix", "num_speculative_tokens": 4}}},
+    )
+    settings.update(overrides)
+    return RolloutConfig(**settings)
+
+
+def test_the_plugin_registers_both_halves(verl):
+    from verl.workers.rollout.base import get_rollout_class
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    import rollout.integrations.verl.plugin  # noqa: F401
+    from rollout.integrations.verl.adapter import RolloutAdapter
+    from rollout.integrations.verl.server import Replica
+
+    assert get_rollout_class("rollout", "async") is RolloutAdapter
+    assert get_rollout_replica_class("rollout") is Replica
+
+
+def test_the_adapter_sends_weights_to_the_server_actor_then_greedy_equals_generate(verl, tiny32, monkeypatch):
+    """The whole weight path on a local Ray: the server starts from random weights (`load_format=dummy`), the
+    trainer-side adapter streams the true ones in buckets, and the server's greedy answer is `model.generate`'s."""
+    import ray
+    from verl.workers.config import HFModelConfig
+
+    from rollout.integrations.verl.adapter import RolloutAdapter
+    from rollout.integrations.verl.server import RolloutServer, server_name
+
+    model, tokenizer = tiny32
+    prompt = prompts_of(tokenizer, 1, seed=6)[0]
+    monkeypatch.setenv("RANK", "0")
+    from verl.workers.config import CheckpointEngineConfig
+
+    # several buckets for a 3 MB model
+    config = rollout_config(verl, checkpoint_engine=CheckpointEngineConfig(update_weights_bucket_megabytes=1))
+    model_config = HFModelConfig(path=str(model_path("tiny-target")))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        server = ray.remote(RolloutServer).options(name=server_name(0)).remote(config, model_config, 0)
+        adapter = RolloutAdapter(config, model_config, None)
+        greedy = {"temperature": 0, "top_k": -1, "top_p": 1.0, "logprobs": True, "max_tokens": 24}
+
+        async def main():
+            await adapter.release()
+            await adapter.resume(["weights"])
+            await adapter.update_weights(iter(model.state_dict().items()), global_steps=3)
+            await adapter.resume(["kv_cache"])
+            return await server.generate.remote(prompt_ids=prompt, sampling_params=greedy, request_id="a")
+
+        output = asyncio.run(main())
+    finally:
+        ray.shutdown()
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=1)
+    assert output.token_ids == expected[0, len(prompt) :].tolist()
+    assert output.stop_reason == "completed" and output.extra_fields["global_steps"] == 3
+    assert len(output.log_probs) == len(output.token_ids)
+
+
+def test_the_server_refuses_what_it_cannot_do(verl):
+    from verl.workers.config import HFModelConfig
+
+    from rollout.integrations.verl.server import RolloutServer
+
+    model_config = HFModelConfig(path=str(model_path("tiny-target")))
+    with pytest.raises(ValueError, match="SpecConfig fields"):
+        RolloutServer(
+            rollout_config(verl, engine_kwargs={"rollout": {"speculative_config": {"gamma": 3}}}), model_config
+        )
+    server = RolloutServer(rollout_config(verl), model_config)
+    try:
+        with pytest.raises(ValueError, match="multimodal"):
+            asyncio.run(server.generate([5, 6], {}, "r", image_data=["x"]))
+    finally:
+        server.engine.close()
+    from verl.workers.config import CheckpointEngineConfig
+
+    from rollout.integrations.verl.server import Replica
+
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=1"):
+        Replica(0, rollout_config(verl, tensor_model_parallel_size=2), model_config)
+    nccl = rollout_config(verl, checkpoint_engine=CheckpointEngineConfig(backend="nccl"))
+    with pytest.raises(ValueError, match="backend=naive"):
+        asyncio.run(Replica(0, nccl, model_config).launch_servers())
