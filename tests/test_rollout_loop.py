@@ -318,3 +318,28 @@ def test_tracker_appends_rollouts_of_a_training_loop(batch, tmp_path, monkeypatc
     assert summary["total"]["tokens"] == 2 * batch.num_tokens == sum(len(r["completion_ids"]) for r in rows)
     assert (tmp_path / "config.yaml").read_text() == "lr: 1.0e-06\n"
     assert (tmp_path / "rollout.png").is_file() and not (tmp_path / "wandb").exists()
+
+
+def test_threads_sets_torchs_cpu_threads_and_refuses_a_bad_count(tiny):
+    model, tokenizer = tiny
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        Rollout(model, tokenizer, threads=1, max_batch_size=2, max_seq_len=64)
+        assert torch.get_num_threads() == 1
+        Rollout(model, tokenizer, max_batch_size=2, max_seq_len=64)  # None: torch's setting left as it is
+        assert torch.get_num_threads() == 1
+        with pytest.raises(ValueError, match=r"threads \(0\) must be an integer >= 1, or None"):
+            Rollout(model, tokenizer, threads=0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_raising_reward_is_named_with_its_type(tiny, data):
+    def explodes(completions, **kwargs):
+        raise KeyError("no such field")
+
+    model, tokenizer = tiny
+    rollout = Rollout(model, tokenizer, rewards=[explodes], sampling=SamplingParams(n=2, max_new_tokens=4, seed=0))
+    with pytest.raises(ValueError, match=r"^prompt 0: reward 'explodes' raised KeyError: 'no such field'$"):
+        rollout(data.select([0]))

@@ -1,7 +1,7 @@
 """Hugging Face hub ids checked once, before anything loads: one request without retries, one line when it fails.
 
 A model or data set loaded from the hub by transformers or datasets retries every file it asks for (5 times with
-back-off): with no network, a misspelt id took 52 s and 23 lines of retries to fail. `check_hub_id` asks the hub once
+back-off): with no network, a misspelt id failed only after a minute of retries. `check_hub_id` asks the hub once
 whether the repository is there, with a short timeout, and says in one line what to do when it is not: a local
 folder, `HF_HUB_OFFLINE=1` with a copy in the local cache, or the network. With `HF_HUB_OFFLINE` set it asks nothing
 and looks in the local cache only.

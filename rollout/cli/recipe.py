@@ -21,7 +21,7 @@ from specdec.config import SpecConfig
 from specdec.policies import TablePolicy
 
 # TRL's GRPO losses (GRPOConfig.loss_type, TRL 1.16) and transformers' schedulers (SchedulerType): checked when the
-# recipe loads, since TRL checks the loss only when it first computes it, after a whole rollout (tests/test_recipe.py
+# recipe loads, since TRL checks the loss only when it first computes it, after a whole rollout (tests/test_preflight.py
 # compares both lists with the installed TRL and transformers)
 TRL_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 LR_SCHEDULER_TYPES = (
