@@ -71,6 +71,8 @@ REFUSED = [
     (["run", QUICKSTART, "data.split=test"], ["data.split ('test')", "'train' or 'eval'"], {}),
     (["run", QUICKSTART, "rewards.0.name=no_such_module:score"], ["cannot import module 'no_such_module'"], {}),
     (["run", "empty.yaml"], ["empty.yaml: a recipe is a mapping of sections", "got nothing (an empty file)"], {}),
+    # what the recipe asks for comes before where it writes: a typo is named even where the folder is taken
+    (["run", QUICKSTART, "output_dir=notes", "model.name=tiny-targt"], ["model.name: unknown name 'tiny-targt'"], {}),
 ]
 
 

@@ -4,13 +4,13 @@
 naming the key and the fix, in a second or two (a hub id: one request), where it used to surface after the model
 loaded, or after a whole rollout:
 
-- the output folder: one that holds a run (unless `overwrite` or `resume` say what to do with it), one that holds
-  other files (unless `overwrite`), a file in its place, a `resume` with no run or another recipe there;
 - the model and draft names: shipped, a local model folder, or a hub id the hub has (or, offline, the local cache);
 - the rewards, and the data: its prompt column, the template's fields and the columns each reward needs, read from
   the embedded task or a local file's header without loading it;
 - `rollout train`: options TRL would refuse only after a rollout, and a group of identical samples (greedy);
-- last, a device other than the CPU (the one check that imports torch): CUDA must be there.
+- a device other than the CPU (the one check that imports torch): CUDA must be there;
+- last, the output folder: one that holds a run (unless `overwrite` or `resume` say what to do with it), one that
+  holds other files (unless `overwrite`), a file in its place, a `resume` with no run or another recipe there.
 
 It returns the notes a run's header prints: what the recipe will do that a user may not expect.
 """
@@ -49,14 +49,6 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
             "resume=true continues a `rollout run`; `rollout train` does not resume a stopped training (it keeps no "
             "optimiser checkpoint): run it again with overwrite=true, or into another output_dir"
         )
-    if command == "bench":  # it writes bench.json only, replacing an earlier benchmark's
-        folder = pathlib.Path(recipe.output_dir)
-        if folder.exists() and not folder.is_dir():
-            raise ValueError(f"output_dir {folder} is a file: choose a folder")
-    elif recipe.resume:
-        check_resumable(recipe.output_dir, recipe_dict(recipe))
-    else:
-        check_output_dir(recipe.output_dir, recipe.overwrite, resumable=command == "run")
     check_model_name(recipe.model.name, "model.name")
     spec = recipe.spec
     methods = [spec.method] if isinstance(spec.method, str) else list(spec.method or [])
@@ -82,8 +74,17 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
                 f"sampling.temperature is 0 (greedy) with sampling.n {s.n}: the samples of a prompt are identical, "
                 "so every GRPO advantage is 0 and nothing is learned; set sampling.temperature > 0, e.g. 1.0"
             )
-    if recipe.model.device != "cpu":  # the one check that needs torch, last
+    if recipe.model.device != "cpu":  # the one check that needs torch
         resolve_device(recipe.model.device)
+    # the output folder after what the recipe asks for: a typo is worth fixing before choosing where to write
+    if command == "bench":  # it writes bench.json only, replacing an earlier benchmark's
+        folder = pathlib.Path(recipe.output_dir)
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(f"output_dir {folder} is a file: choose a folder")
+    elif recipe.resume:
+        check_resumable(recipe.output_dir, recipe_dict(recipe))
+    else:
+        check_output_dir(recipe.output_dir, recipe.overwrite, resumable=command == "run")
     notes = []
     if identical:
         notes.append(
