@@ -271,3 +271,29 @@ def test_the_generator_is_built_once_with_room_for_the_datasets_longest_prompt(t
     assert first.max_seq_len >= len(long_ids) + 40  # sized from the data set, not from the first call's prompts
     func([long_prompt] * 4, trainer)
     assert func.generator is first
+
+
+def test_a_rebuilt_generator_is_planned_after_the_old_one_is_freed(tmp_path, monkeypatch):
+    """The old generator's KV pool (and on a GPU its graphs) must be gone when the new one is planned from the free
+    memory: two at once would plan the new pool smaller, or refuse it."""
+    import weakref
+
+    import rollout.integrations.trl as adapter
+
+    func = trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=3))
+    trainer = make_trainer(tmp_path, func, max_steps=1)
+    short = "Question: Ann has 3 apples.\nAnswer:"
+    func([short] * 2, trainer)
+    old = weakref.ref(func.generator)
+    alive_when_planned = []
+    planner = adapter.fitting_batch_size
+
+    def planning(*args, **kwargs):
+        alive_when_planned.append(old() is not None)
+        return planner(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "fitting_batch_size", planning)
+    long_prompt = "Question: " + "Ann has 3 apples and buys 2 more. " * 80 + "\nAnswer:"
+    func([long_prompt], trainer)  # needs more positions than the first generator has: a rebuild
+    assert alive_when_planned == [False]
+    assert func.generator.draft_history.stats()["responses"] == 3  # the history still came along

@@ -20,6 +20,7 @@ top_p = 1.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import logging
@@ -161,8 +162,13 @@ class TRLRolloutFunc:
                 f"{self.max_seq_len}: raise trl_rollout_func(max_seq_len=...) or shorten the prompts"
             )
         max_seq_len = self.max_seq_len or 1 << (needed - 1).bit_length()
-        slots = self.max_batch_size or fitting_batch_size(model, self.spec, max_seq_len, min(num_completions, 512))
         history = _saved_history(gen)
+        if gen is not None:  # its KV pool and graphs go back before the new one is planned from the free memory
+            self.generator = gen = None
+            gc.collect()  # a generator's parts refer to each other: their memory returns only once the cycles go
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        slots = self.max_batch_size or fitting_batch_size(model, self.spec, max_seq_len, min(num_completions, 512))
         self.generator = Generator(model, max_batch_size=slots, max_seq_len=max_seq_len, spec=self.spec)
         if history is not None and self.generator.draft_history is not None:
             self.generator.draft_history.load(history)
