@@ -133,3 +133,24 @@ def test_graphs_sample_what_the_eager_engine_samples(spec):
     # float32 on a GPU: a padded batch may round differently, so a rare near-tie may flip a token
     same = sum(a.token_ids == b.token_ids for a, b in zip(*outs))
     assert same >= len(outs[0]) - 1, f"{same} of {len(outs[0])} samples equal"
+
+
+def test_graphs_captured_from_a_policy_in_train_mode_replay_it_without_dropout():
+    """A trainer builds the generator with its policy in train mode (a LoRA with dropout here): the captured decode
+    steps must be the eval-mode policy's, as the eager steps are, and the trainer gets its mode back."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.5, init_lora_weights=False)
+    model = get_peft_model(make_model("llama", dtype=torch.float32), config).cuda()  # random LoRA B: adapters count
+    prompts = random_prompts(6, max_len=14, seed=8)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=24)
+    model.eval()
+    eager = Generator(model, max_batch_size=16, max_seq_len=64, cuda_graphs=False).generate(prompts, params)
+    model.train()
+    gen = Generator(model, max_batch_size=16, max_seq_len=64, cuda_graphs=True)
+    assert gen.runner.graphs.graphs and gen.runner.graphs.error is None, "the decode steps must be captured"
+    assert model.training
+    replayed = gen.generate(prompts, params)
+    assert model.training
+    same = sum(a.token_ids == b.token_ids for a, b in zip(eager, replayed))
+    assert same >= len(eager) - 1, f"{same} of {len(eager)} greedy samples equal"  # a near-tie may flip one

@@ -30,7 +30,8 @@ from transformers import PreTrainedModel
 from rollout.engine.admission import Admission
 from rollout.engine.decode_step import DecodeStep
 from rollout.engine.memory_plan import check_kv_cache_fits, plan_kv_cache
-from rollout.engine.model_runner import ModelRunner, eval_mode
+from rollout.engine.model_runner import ModelRunner
+from rollout.engine.policy_mode import eval_mode
 from rollout.engine.requests import check_params, check_prompts, eos_token_ids, length_cap_note, make_sequences
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.engine.sequence import Sequence

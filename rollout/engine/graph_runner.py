@@ -32,6 +32,7 @@ from torch import Tensor
 
 from rollout.engine.attention import paged_attention_for
 from rollout.engine.paged_cache import PagedKVCache, PagedStep
+from rollout.engine.policy_mode import eval_mode
 from rollout_kernels.device_io import upload_into
 
 # config fields with which a causal LM changes its logits after the LM head (softcapping, scaling)
@@ -198,8 +199,10 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         try:
             # inference mode: with autograd on, every layer's activations were kept for a backward until the
-            # forward returned, and the pool grew by them (13 GB for 24 graphs of a 1B model at up to 512 rows)
-            with torch.inference_mode(), torch.cuda.stream(stream):
+            # forward returned, and the pool grew by them (13 GB for 24 graphs of a 1B model at up to 512 rows);
+            # eval mode: a trainer builds the generator with its policy in train mode, and dropout captured in a
+            # graph would be replayed in every decode step
+            with torch.inference_mode(), eval_mode(self.model), torch.cuda.stream(stream):
                 self._body(rows, width)
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()

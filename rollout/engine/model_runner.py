@@ -9,7 +9,6 @@ follows the tokens in flight.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import warnings
 
@@ -22,6 +21,7 @@ from rollout.engine.attention_mask import build_attention_mask, to_additive
 from rollout.engine.graph_runner import GraphRunner
 from rollout.engine.kv_cache import SlotKVCache, kv_head_shape
 from rollout.engine.paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from rollout.engine.policy_mode import eval_mode
 from rollout_kernels.device_io import upload
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -305,14 +305,3 @@ def _probe(runner: ModelRunner, layout: str) -> bool:
     if not torch.isfinite(logits).all():
         raise ValueError(f"{name} produced non-finite logits on a probe forward with the slot KV cache")
     return True
-
-
-@contextlib.contextmanager
-def eval_mode(model: PreTrainedModel):
-    """Generate in eval mode (no dropout) and hand the model back in the mode the trainer left it."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from rollout.engine.model_runner import eval_mode
+from rollout.engine.policy_mode import eval_mode
 from rollout.engine.sampling import SamplingParams
 from specdec.auto_policy import StepObservation
 
