@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 
 import pytest
 import torch
@@ -244,6 +245,26 @@ def test_requests_added_mid_flight_join_the_batch_and_draw_what_they_would_alone
     # every sample is the one a single call draws (its seed index, not its batch, decides), none lost or repeated
     assert sorted(tuple(o.token_ids) for o in finished) == sorted(tuple(o.token_ids) for o in alone)
     assert len({tuple(o.token_ids) for o in alone}) == 8
+    assert sorted((o.prompt_index, o.sample_index) for o in finished) == [(p, s) for p in range(4) for s in range(2)]
+
+
+def test_a_prompt_added_mid_flight_never_shares_the_prefill_of_one_still_queued():
+    """Two slots, four samples of prompt A (two of them still queued), then prompt B: B's samples must be prefilled
+    from B, although both calls number their first prompt 0."""
+    model = make_model("qwen2")
+    first, second = random_prompts(2, min_len=6, max_len=12, seed=9)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=2)
+    alone_a = Generator(model, max_batch_size=2, max_seq_len=64).generate([first], replace(params, n=4))
+    alone_b = Generator(model, max_batch_size=2, max_seq_len=64).generate([second], replace(params, n=2))
+    gen = Generator(model, max_batch_size=2, max_seq_len=64)
+    gen.add_requests([first], replace(params, n=4))
+    finished = list(gen.step().finished)  # the first two samples admitted; two wait
+    gen.add_requests([second], replace(params, n=2), keep_in_flight=True)
+    while gen.has_unfinished:
+        finished += gen.step().finished
+    by_prompt = {p: sorted(tuple(o.token_ids) for o in finished if o.prompt_index == p) for p in (0, 1)}
+    assert by_prompt[0] == sorted(tuple(o.token_ids) for o in alone_a)
+    assert by_prompt[1] == sorted(tuple(o.token_ids) for o in alone_b)
 
 
 @pytest.mark.parametrize(

@@ -274,8 +274,9 @@ class Generator(Admission, DecodeStep):
     ) -> list[Sequence]:
         """Check and queue `params.n` samples of every prompt (see `generate`); rows still in flight from an earlier,
         interrupted call are dropped first, unless `keep_in_flight`: then the new samples queue behind them and join
-        the batch as slots free up (a server's continuous batching: `step()` until `has_unfinished` is False).
-        Returns the queued sequences, prompt-major."""
+        the batch as slots free up (a server's continuous batching: `step()` until `has_unfinished` is False), their
+        prompt indices numbered on from the highest queued or in flight (`Completion.prompt_index` tells them apart;
+        `seed_indices` still seed them). Returns the queued sequences, prompt-major."""
         prompt_ids = check_prompts(prompt_ids, self.vocab_size, self.max_seq_len)
         if seed_indices is not None and len(seed_indices) != len(prompt_ids):
             raise ValueError(
@@ -287,7 +288,11 @@ class Generator(Admission, DecodeStep):
         note = length_cap_note(prompt_ids, [p.max_new_tokens for p in per_prompt], self.max_seq_len)
         if note is not None:  # a silent cap looks like a model that stops early
             warnings.warn(note, stacklevel=3)
-        if not keep_in_flight:
+        if keep_in_flight:  # prompt indices never shared with rows already here: admission groups samples by them
+            taken = [s.prompt_index for s in itertools.chain(self._queue, self.slots.sequences) if s is not None]
+            for seq in sequences:
+                seq.prompt_index += max(taken) + 1 if taken else 0
+        else:
             self.abort()
             if self.proposers is not None:
                 self.proposers.begin()
