@@ -120,7 +120,7 @@ def _train(args: argparse.Namespace) -> None:
             + (f" | {args.ranks.world_size} processes" if args.ranks.distributed else ""),
             flush=True,
         )
-    summary = run_training(recipe, args.ranks)
+    summary = run_training(recipe, args.ranks, checked=True)  # `_setup` ran the preflight
     if not args.ranks.is_main:
         return
     print(

@@ -36,8 +36,9 @@ from rollout.rewards import WeightedReward, build_rewards, score
 TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "learning_rate", "step_time", "completions/mean_length")
 
 
-def run_training(recipe: Recipe, ranks: Ranks | None = None) -> dict | None:
-    """Train the recipe's model with GRPO; write the output folder; return the summary.
+def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = False) -> dict | None:
+    """Train the recipe's model with GRPO; write the output folder; return the summary. `checked`: the recipe has been
+    through `preflight(recipe, "train")` already (the command line's), which is otherwise run here first.
 
     Under `accelerate launch` (`ranks` of several processes) TRL runs data-parallel: each process generates the
     completions of its own prompts (whole groups: `train.prompts_per_step` must divide by the processes) with its own
@@ -49,7 +50,8 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None) -> dict | None:
             f"train.prompts_per_step ({recipe.train.prompts_per_step}) must be divisible by the number of processes "
             f"({ranks.world_size}), so that each process generates whole groups: change one of them"
         )
-    preflight(recipe, "train")  # (the command line has run it already: it is quick, and this is a public function)
+    if not checked:  # once: it may ask the hub
+        preflight(recipe, "train")
     import trl
 
     from rollout.integrations.trl import trl_rollout_func
