@@ -56,7 +56,6 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
 
     from rollout.integrations.trl import trl_rollout_func
 
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
     log = recipe.logging
     wandb_mode = os.environ.get("WANDB_MODE") or log.wandb_mode

@@ -18,7 +18,7 @@ import io
 import logging
 import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -245,7 +245,7 @@ class ServingEngine:
         if not groups:
             return
         prompts = [group[0].prompt_ids for group in groups]
-        params = [_with_n(group[0].params, len(group)) for group in groups]
+        params = [replace(group[0].params, n=len(group)) for group in groups]
         first = self._num_groups
         sequences = gen.add_requests(prompts, params, keep_in_flight=gen.has_unfinished)
         position = 0
@@ -318,10 +318,6 @@ class ServingEngine:
         gc.collect()  # the generator's parts refer to each other: their memory goes back only once the cycles are
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _with_n(params: SamplingParams, n: int) -> SamplingParams:
-    return SamplingParams(**{**params.__dict__, "n": n})
 
 
 def _mix_seed(*parts) -> int:
