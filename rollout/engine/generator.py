@@ -160,6 +160,7 @@ class Generator(Admission, DecodeStep):
         self._lock = threading.Lock()  # one generate call at a time
         self._admissions = itertools.count()  # admission order: a paged cache short of blocks preempts the latest
         self.warm_up_seconds = 0.0
+        self._graph_epoch = 0  # raised by `invalidate_graphs`
         if isinstance(self.policy, AutoPolicy) and self.max_uniform_context < self.max_block + 4:
             cache = self.runner.cache
             raise ValueError(
@@ -252,8 +253,9 @@ class Generator(Admission, DecodeStep):
             by_prompt[seq.prompt_index].append(seq)
         num_finished = 0
         with torch.inference_mode(), eval_mode(self.model):
+            self._refresh_graphs()  # once per call: the policy does not change under a call
             while self.has_unfinished:
-                out = self.step()
+                out = self._step(None, False, None)
                 num_finished += len(out.finished)
                 if on_step is not None:
                     on_step(out.record, num_finished, len(sequences))
@@ -330,9 +332,23 @@ class Generator(Admission, DecodeStep):
         calibration times every width this way; the output stays exact, only the fillers are mostly rejected).
         `with_models` (a cascade's calibration): True, every row is passed on to the proposers that run a model (a
         draft model); False, those sit the step out; None, the cascade's own rule. Finished rows are released before
-        it returns."""
-        with torch.inference_mode():  # as in `generate`: the state tensors are inference tensors
+        it returns. The step runs the policy in eval mode, whatever mode it is in (and hands it back in that mode)."""
+        with torch.inference_mode(), eval_mode(self.model):  # as in `generate`: the state tensors are inference tensors
+            self._refresh_graphs()
             return self._step(num_draft_tokens, fill_drafts, with_models)
+
+    def invalidate_graphs(self) -> None:
+        """Capture the CUDA graphs again at the next call. The graphs follow what they can see by themselves (weights
+        or buffers replaced, KV pools reallocated, PEFT adapters disabled, merged, switched or rescaled, the autocast
+        dtype, the training flag); call this after a change they cannot see: a module's forward patched, a Python
+        number a forward reads changed (a custom adapter's scale), weights copied into other tensors that the model
+        then reads through a hook. No effect without graphs."""
+        self._graph_epoch += 1
+
+    def _refresh_graphs(self) -> None:
+        """Drop the graphs captured from a policy that has changed since (`GraphRunner.refresh`)."""
+        for graphs in self.graph_runners:
+            graphs.refresh(self._graph_epoch)
 
     def _step(self, num_draft_tokens: int | None, fill_drafts: bool, with_models: bool | None) -> StepOutput:
         admissible = self._num_admissible() if self._queue else 0

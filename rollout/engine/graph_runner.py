@@ -14,15 +14,19 @@ most) changes every step with the batch, so a graph is captured per width and pe
   persistent buffer; the LM head then runs eagerly over the real rows only, so no graph keeps a `[rows, width,
   vocab]` output of its own.
 
-Graphs are captured largest first into one memory pool shared by all of them. They hold the addresses of the
-weights and of the KV pools: when either changes (a pool that grew, weights replaced rather than updated in place)
-the graphs are dropped and captured again. Under autocast, for prefills, trees, and for rows or widths past the
-largest bucket the forward runs eagerly. `capture=False` runs the same padded forward without capturing (how a CPU
-tests the padding and buffers).
+Graphs are captured largest first into one memory pool shared by all of them, in eval mode and inference mode, and
+under the autocast the policy's forward computes in (a trainer's bf16 over float32 weights), so that a replayed step
+computes in the precision of the eager prefills and trees. What a graph depends on besides its shape (the weights'
+and KV pools' addresses, the adapters' state, the autocast dtype, the training flag, a user counter) is one
+`GraphKey` (`rollout.engine.graph_key`), compared by `refresh` once per call: a changed key drops the graphs, and
+each shape is captured again when a step first needs it. A step in train mode, a prefill, a tree, and rows or
+widths past the largest bucket run eagerly. `capture=False` runs the same padded forward without capturing (how a
+CPU tests the padding and buffers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -31,6 +35,7 @@ import torch
 from torch import Tensor
 
 from rollout.engine.attention import paged_attention_for
+from rollout.engine.graph_key import GraphKey, graph_key, tuner_layers
 from rollout.engine.paged_cache import PagedKVCache, PagedStep
 from rollout.engine.policy_mode import eval_mode
 from rollout_kernels.device_io import upload_into
@@ -53,10 +58,19 @@ class GraphRunner:
         cache: the paged KV cache the forwards read and write.
         max_width: the widest step (1 + the largest K).
         capture: False runs the padded forward eagerly (no CUDA needed).
+        forward_autocast: the autocast dtype the policy's own forward enters (accelerate's wrapper), None without.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, max_width: int, capture: bool = True):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: PagedKVCache,
+        max_width: int,
+        capture: bool = True,
+        forward_autocast: torch.dtype | None = None,
+    ):
         self.model, self.cache, self.max_width, self.capture = model, cache, max_width, capture
+        self.forward_autocast = forward_autocast
         self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
         self.max_rows, self.table_width = cache.manager.tables.shape
         self.buckets = row_buckets(self.max_rows)
@@ -76,7 +90,10 @@ class GraphRunner:
         # captures run on one side stream: the allocator caches blocks per stream, so the warm-up runs of all
         # captures reuse one stream's blocks
         self._stream = torch.cuda.Stream(self.device) if capture else None
-        self._bound = self._binding()
+        self._layers = tuner_layers(model)
+        with eval_mode(model):  # the state the graphs in `graphs` are captured from (in eval mode, as steps run)
+            self.key = self._key(epoch=0)
+        self.recaptures: list[str] = []  # what changed, each time `refresh` dropped the graphs
         self.memory_bytes = 0
         self.capture_seconds = 0.0
         self.error: str | None = None  # a failed capture: the reason, and the graphs are off
@@ -91,13 +108,32 @@ class GraphRunner:
         return next(b for b in self.buckets if b >= num_rows)
 
     def serves(self, num_rows: int, width: int) -> bool:
-        """Whether a chain step of this shape runs here (False: eager)."""
-        return (
-            self.error is None
-            and 0 < num_rows <= self.max_rows
-            and width <= self.max_width
-            and not torch.is_autocast_enabled(self.device.type)
-        )
+        """Whether a chain step of this shape runs here (False: eager). A step in train mode runs eagerly: its dropout
+        masks are drawn anew at every forward."""
+        fits = 0 < num_rows <= self.max_rows and width <= self.max_width
+        return fits and self.error is None and not self.key.training
+
+    def refresh(self, epoch: int = 0) -> list[str]:
+        """Compare the policy's state with the graphs' key (once per call: see `rollout.engine.graph_key`); on a
+        change, drop the graphs (each shape is captured again when first needed). Returns what changed."""
+        key = self._key(epoch)
+        changed = key.changes(self.key)
+        if "tensors" in changed:  # new modules (an adapter injected) come with new tensors
+            self._layers = tuner_layers(self.model)
+            key = self._key(epoch)
+        if changed:
+            self.graphs.clear()
+            self.recaptures.append(", ".join(changed))
+            self.key = key
+        return changed
+
+    def _key(self, epoch: int) -> GraphKey:
+        return graph_key(self.model, self._layers, self.device, self.forward_autocast, self.cache.generation, epoch)
+
+    def _autocast(self):
+        """The autocast a forward of the policy runs under (see `refresh`); nothing without one."""
+        dtype = self.key.autocast
+        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def forward(
         self,
@@ -124,7 +160,8 @@ class GraphRunner:
             self._body(padded, width)
         else:
             graph.replay()
-        return self.lm_head(self.hidden[: num_rows * width]).view(num_rows, width, -1)
+        with self._autocast():
+            return self.lm_head(self.hidden[: num_rows * width]).view(num_rows, width, -1)
 
     # ---- the captured part ----------------------------------------------------------------------------------------
 
@@ -162,7 +199,7 @@ class GraphRunner:
         positions, slot_mapping, tables, lens, starts, counts = self._views(rows, width)
         step = PagedStep(self.cache, slot_mapping, tables, lens, starts, counts)
         ids = self.ids[: rows * width].view(rows, width)
-        with paged_attention_for(self.model):
+        with paged_attention_for(self.model), self._autocast():
             out = self.decoder(input_ids=ids, position_ids=positions, use_cache=False, rollout_step=step)
         self.hidden[: rows * width].copy_(out.last_hidden_state.reshape(rows * width, -1))
 
@@ -170,9 +207,8 @@ class GraphRunner:
         """The graph of this shape, captured now if it is missing; None where graphs are not captured."""
         if not self.capture or self.error is not None:
             return None
-        if self._binding() != self._bound:  # weights or KV pools at new addresses: the graphs read stale ones
-            self.graphs.clear()
-            self._bound = self._binding()
+        if self.cache.generation != self.key.pools:  # pools reallocated mid-call: the graphs read stale ones
+            self.refresh(self.key.epoch)
         graph = self.graphs.get((rows, width))
         return graph if graph is not None else self._capture(rows, width)
 
@@ -224,7 +260,3 @@ class GraphRunner:
         self.memory_bytes += torch.cuda.memory_reserved(self.device) - before
         self.capture_seconds += time.perf_counter() - start
         return graph
-
-    def _binding(self) -> tuple:
-        """What the graphs hold the addresses of: the weights and the KV pools."""
-        return (self.cache.generation, *(p.data_ptr() for p in self.model.parameters()))

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from rollout.engine.attention import paged_attention_for
 from rollout.engine.attention_mask import build_attention_mask, to_additive
+from rollout.engine.graph_key import observing_autocast
 from rollout.engine.graph_runner import GraphRunner
 from rollout.engine.kv_cache import SlotKVCache, kv_head_shape
 from rollout.engine.paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
@@ -74,7 +75,10 @@ class ModelRunner:
         self.graphs: GraphRunner | None = None  # captured chain steps (`use_graphs`)
         if kv_layout == "auto":
             kv_layout = "paged" if self.device.type == "cuda" else "slots"
-        _probe(self, "slots")
+        seen: list = []  # the autocast the decoder runs under when the policy is called (accelerate's wrapper)
+        with observing_autocast(model, self.device, seen):
+            _probe(self, "slots")
+        self.forward_autocast = seen[0] if seen else None
         if kv_layout == "paged" and not _probe(self, "paged"):
             kv_layout = "slots"
         self.kv_layout = kv_layout
@@ -89,7 +93,7 @@ class ModelRunner:
         `capture=False` runs the same padded forward eagerly."""
         if not self.paged:
             raise ValueError("CUDA graphs need the paged KV layout (kv_layout='paged')")
-        self.graphs = GraphRunner(self.model, self.cache, max_width, capture)
+        self.graphs = GraphRunner(self.model, self.cache, max_width, capture, self.forward_autocast)
         return self.graphs
 
     def _paged_cache(self, num_slots: int, num_positions: int, max_blocks: int, block_size: int) -> PagedKVCache:

@@ -1,0 +1,201 @@
+"""Generation samples from the policy as it is now: eval mode whatever mode the trainer left it in, the trainer's
+precision, the adapters as they are switched (`rollout.engine.graph_key`, `rollout.engine.graph_runner`).
+
+A CPU cannot capture graphs; it runs the graph runner's padded forward (`capture=False`), which is what a graph
+replays, and checks the key that decides when graphs are captured again. The replay itself: `tests/test_gpu.py`."""
+
+from __future__ import annotations
+
+import functools
+from types import MethodType
+
+import pytest
+import torch
+from conftest import make_model, random_prompts
+from test_graphs import padded_generator
+
+from rollout import Generator, SamplingParams
+from specdec.config import SpecConfig
+
+
+def lora_policy(dropout: float = 0.0, dtype: torch.dtype = torch.float64, **overrides):
+    """A Llama with live LoRA adapters (random B: a fresh LoRA is the identity) on q and v."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=dropout, init_lora_weights=False)
+    return get_peft_model(make_model("llama", dtype=dtype, **overrides), config)
+
+
+def wrapped_in_autocast(model, dtype=torch.bfloat16):
+    """`model` with its forward wrapped as accelerate's `prepare` wraps a trainer's policy for mixed precision: the
+    plain forward kept as `_original_forward`, the new one under autocast with float32 outputs."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    model._original_forward = model.forward
+    autocast_forward = torch.autocast("cpu", dtype=dtype)(model.forward.__func__)
+    model.forward = MethodType(convert_outputs_to_fp32(autocast_forward), model)
+    return model
+
+
+def samples(outs) -> list[tuple[list[int], list[float]]]:
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
+def assert_same_samples(outs, expected) -> None:
+    """The same tokens, and float64 log-probs equal to rounding (a batch of other widths rounds differently)."""
+    got = samples(outs)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, logprobs), (_, want) in zip(got, expected):
+        assert logprobs == pytest.approx(want, rel=0, abs=1e-9)
+
+
+# ---- dropout: a policy left in train mode ---------------------------------------------------------------------------
+
+
+def test_the_dropout_under_test_is_live_in_train_mode():
+    """What the tests below rely on: this policy's forwards in train mode differ from each other (else equality with
+    eval mode would prove nothing)."""
+    model = lora_policy(dropout=0.5, attention_dropout=0.5)
+    ids = torch.tensor([random_prompts(1, min_len=8, max_len=8, seed=1)[0]])
+    model.train()
+    assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+    model.eval()
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+SPECS = {
+    "none": None,
+    "suffix": SpecConfig(method="suffix", num_speculative_tokens=3),
+    "ngram tree": SpecConfig(method="ngram", num_speculative_tokens=4, num_candidates=3, prompt_lookup_min=1),
+}
+LAYOUTS = {
+    "slots": functools.partial(Generator, kv_layout="slots"),
+    "paged": functools.partial(Generator, kv_layout="paged"),
+    "padded": functools.partial(padded_generator, graphs=True),  # what a graph replays
+}
+
+
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_a_policy_left_in_train_mode_samples_what_it_samples_in_eval_mode(layout, spec):
+    """Attention dropout and LoRA dropout of 0.5, the policy in train mode (as TRL leaves it): `generate` and the
+    public engine (`add_requests`, then `step`, as a server drives it) sample exactly what the eval-mode policy
+    samples, and hand the policy back in train mode."""
+    model = lora_policy(dropout=0.5, attention_dropout=0.5)
+    prompts = random_prompts(5, max_len=12, seed=4)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=3)
+    model.eval()
+    expected = samples(layout(model, max_batch_size=4, max_seq_len=48, spec=spec).generate(prompts, params))
+    model.train()
+    gen = layout(model, max_batch_size=4, max_seq_len=48, spec=spec)
+    assert_same_samples(gen.generate(prompts, params), expected)
+    assert model.training
+    sequences = gen.add_requests(prompts, params)  # drafts now from the first call's history too: other widths
+    while gen.has_unfinished:
+        gen.step()
+    assert_same_samples([seq.completion() for seq in sequences], expected)
+    assert model.training
+
+
+# ---- precision: a trainer's autocast around the policy's forward ------------------------------------------------------
+
+
+def test_the_padded_forward_computes_in_the_policys_own_autocast():
+    """Float32 weights under accelerate's bf16 wrapper (TRL's `bf16=True`): prefills run through the wrapped forward in
+    bf16, and the decode steps a graph replays (which call the decoder and LM head directly) must compute in bf16 too,
+    not in the weights' float32: the same samples and log-probs as the eager paged forward."""
+    model = wrapped_in_autocast(make_model("llama", dtype=torch.float32))
+    prompts = random_prompts(5, max_len=12, seed=6)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=2)
+    eager = padded_generator(model, False, max_batch_size=4, max_seq_len=48)
+    padded = padded_generator(model, True, max_batch_size=4, max_seq_len=48)
+    assert padded.runner.forward_autocast == torch.bfloat16 and padded.runner.graphs.key.autocast == torch.bfloat16
+    expected = samples(eager.generate(prompts, params))
+    assert samples(padded.generate(prompts, params)) == expected
+    # the wrapper is what made them bf16: the plain float32 forward gives other log-probs
+    model.forward = model._original_forward
+    plain = padded_generator(model, True, max_batch_size=4, max_seq_len=48)
+    assert plain.runner.forward_autocast is None
+    assert [lp for _, lp in samples(plain.generate(prompts, params))] != [lp for _, lp in expected]
+
+
+def test_the_padded_forward_computes_in_the_callers_autocast():
+    """A caller that generates under autocast itself: decode steps in its dtype, as the eager steps."""
+    model = make_model("llama", dtype=torch.float32)
+    prompts = random_prompts(4, max_len=12, seed=7)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1)
+    eager = padded_generator(model, False, max_batch_size=4, max_seq_len=48)
+    padded = padded_generator(model, True, max_batch_size=4, max_seq_len=48)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = samples(eager.generate(prompts, params))
+        assert samples(padded.generate(prompts, params)) == expected
+    assert padded.runner.graphs.key.autocast == torch.bfloat16
+    assert samples(padded.generate(prompts, params)) != expected  # and float32 again outside it
+    assert padded.runner.graphs.key.autocast is None
+
+
+# ---- the graph key: each change asks for a recapture, nothing else does ----------------------------------------------
+
+
+def test_each_change_of_the_policy_asks_for_a_recapture_and_nothing_else_does():
+    model = lora_policy()
+    gen = padded_generator(model, True, max_batch_size=4, max_seq_len=48, kv_pool_blocks=64)  # room to grow
+    graphs = gen.runner.graphs
+    lora = next(m for m in model.modules() if hasattr(m, "merged_adapters"))
+    prompts = random_prompts(3, max_len=10, seed=2)
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+
+    def refresh() -> list[str]:
+        return graphs.refresh(gen._graph_epoch)
+
+    # nothing: calls, steps, weights trained in place (an optimizer step), the policy left in train mode by a trainer
+    gen.generate(prompts, params)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01)
+    gen.generate(prompts, params)
+    model.train()
+    gen.generate(prompts, params)
+    model.eval()
+    assert refresh() == [] and graphs.recaptures == []
+
+    changes = []
+
+    def change(name: str, before, after) -> None:
+        before()
+        changes.append((name, refresh()))
+        after()
+        changes.append((name, refresh()))
+
+    change("training", model.train, model.eval)  # a step run in train mode (here: not through the Generator)
+    disabled = model.disable_adapter()  # how TRL computes its reference model
+    change("adapters", disabled.__enter__, lambda: disabled.__exit__(None, None, None))
+    change("adapters", model.merge_adapter, model.unmerge_adapter)
+    change("adapters", lambda: lora.scale_layer(0.5), lambda: lora.unscale_layer(0.5))
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    change("autocast", autocast.__enter__, lambda: autocast.__exit__(None, None, None))
+    weight = model.get_output_embeddings().weight
+    swapped = torch.nn.Parameter(weight.detach().clone())
+    change("tensors", lambda: setattr(model.get_output_embeddings(), "weight", swapped),
+           lambda: setattr(model.get_output_embeddings(), "weight", weight))  # fmt: skip
+    change("pools", lambda: gen.runner.cache._grow(gen.runner.cache.num_blocks + 1), lambda: None)
+    gen.invalidate_graphs()
+    changes.append(("epoch", refresh()))
+    assert all(changed == [name] or (name == "pools" and changed == []) for name, changed in changes), changes
+    assert changes[-3] == ("pools", ["pools"])  # a reallocated pool is seen at once; nothing to undo after it
+    assert graphs.recaptures == [name for name, changed in changes if changed]
+    assert refresh() == []
+    # and the policy, back as it was, still generates through the padded forward what the eager one generates
+    eager = padded_generator(model, False, max_batch_size=4, max_seq_len=48)
+    assert samples(gen.generate(prompts, params)) == samples(eager.generate(prompts, params))
+
+
+def test_the_draft_models_graphs_follow_their_own_model():
+    """A draft model's runner keys its graphs on the draft model, not the target."""
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=2, model=make_model("qwen2", seed=4))
+    gen = padded_generator(make_model("llama"), True, max_batch_size=2, max_seq_len=32, spec=spec)
+    target, draft = gen.graph_runners
+    assert draft.model is spec.model and target.model is not spec.model
+    spec.model.get_output_embeddings().weight = torch.nn.Parameter(spec.model.get_output_embeddings().weight.clone())
+    gen._refresh_graphs()
+    assert target.recaptures == [] and draft.recaptures == ["tensors"]
