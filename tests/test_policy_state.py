@@ -97,7 +97,7 @@ def test_a_policy_left_in_train_mode_samples_what_it_samples_in_eval_mode(layout
     assert model.training
 
 
-# ---- precision: a trainer's autocast around the policy's forward ------------------------------------------------------
+# ---- precision: a trainer's autocast around the policy's forward ----------------------------------------------------
 
 
 def test_the_padded_forward_computes_in_the_policys_own_autocast():
