@@ -9,7 +9,10 @@ proposer. A draft equal to the race's token at its position is exactly the token
 The uniform `u_t` takes 53 bits of a SplitMix64-style hash (int64 arithmetic, wrapping multiplies and masked
 shifts: the same bits in Triton, numpy and torch); `E_t = -ln(u_t)` uses a logarithm written with IEEE basic
 operations only (exponent from the bits, then a series for the mantissa), so the interpreter's numpy and torch's CPU
-kernels round it identically (their own `log` differ in the last bit for ~0.1% of inputs).
+kernels round it identically (their own `log` differ in the last bit for ~0.1% of inputs). A GPU compile would contract
+the series' multiply-adds into FMAs (one rounding where the reference has two): kernels that use the noise are launched
+with `enable_fp_fusion=False`, and every other operation on the way to a score (int64 arithmetic, float64 add, multiply
+and divide, comparisons) is correctly rounded on the GPU as on a CPU: the compiled kernel is the reference bit for bit.
 
 The reference avoids most of the work: `-ln(u) >= 1 - u`, so `p / (1 - u)` bounds a token's score from above, and the
 bound needs only the top 23 of the 53 bits, which the hash's last round leaves as they are (it changes bits 32..0 of
@@ -55,9 +58,9 @@ def _mix64(z):
 
 
 @triton.jit
-def _neg_log(u):
-    # -ln(u) for float64 u in (0, 1): u = m 2^e with m in [sqrt(1/2), sqrt(2)), ln u = e ln 2 + ln m
-    bits = u.to(tl.int64, bitcast=True)
+def _log(x):
+    # ln(x) for positive normal float64 x: x = m 2^e with m in [sqrt(1/2), sqrt(2)), ln x = e ln 2 + ln m
+    bits = x.to(tl.int64, bitcast=True)
     exponent = ((bits >> 52) & 0x7FF) - 1023
     mantissa = ((bits & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000).to(tl.float64, bitcast=True)  # in [1, 2)
     high = mantissa >= tl.full((), 1.4142135623730951, tl.float64)
@@ -78,7 +81,25 @@ def _neg_log(u):
     series = series * s2 + tl.full((), 1.0 / 3.0, tl.float64)
     series = series * s2 + one
     log_m = tl.full((), 2.0, tl.float64) * s * series
-    return -(exponent.to(tl.float64) * tl.full((), 0.6931471805599453, tl.float64) + log_m)
+    return exponent.to(tl.float64) * tl.full((), 0.6931471805599453, tl.float64) + log_m
+
+
+@triton.jit
+def _neg_log(u):
+    # -ln(u) for float64 u in (0, 1)
+    return -_log(u)
+
+
+@triton.jit
+def _race_uniforms(key, cols):
+    # float64 in (0, 1): the uniform of each token id `cols` under the row's `key`, from 53 bits of its hash
+    bits = (_mix64(key + cols.to(tl.int64) * -7046029254386353131) >> 11) & 0x1FFFFFFFFFFFFF
+    return (bits.to(tl.float64) + tl.full((), 0.5, tl.float64)) * tl.full((), 2.0**-53, tl.float64)
+
+
+@triton.jit
+def _race_key(seed, position):
+    return _mix64(seed ^ _mix64(position + -7046029254386353131))  # + 0x9E3779B97F4A7C15
 
 
 # Row r: keys from (seed_r, position_r); token t's uniform from (keys, t); score p_t / E_t; the blocked argmax keeps
@@ -96,7 +117,7 @@ def _race_sample_kernel(
     row = tl.program_id(0)
     seed = tl.load(seeds_ptr + row)
     position = tl.load(positions_ptr + row)
-    key = _mix64(seed ^ _mix64(position + -7046029254386353131))  # + 0x9E3779B97F4A7C15
+    key = _race_key(seed, position)
     row_ptr = probs_ptr + row.to(tl.int64) * vocab_size
     best_score = tl.full((), -1.0, tl.float64)
     best_index = tl.full((), 0, tl.int64)
@@ -104,9 +125,7 @@ def _race_sample_kernel(
         cols = block_start + tl.arange(0, BLOCK_SIZE)
         in_vocab = cols < vocab_size
         p = tl.load(row_ptr + cols, mask=in_vocab, other=0.0).to(tl.float64)
-        bits = (_mix64(key + cols.to(tl.int64) * -7046029254386353131) >> 11) & 0x1FFFFFFFFFFFFF  # 53 bits
-        u = (bits.to(tl.float64) + tl.full((), 0.5, tl.float64)) * tl.full((), 2.0**-53, tl.float64)
-        score = tl.where(in_vocab, p / _neg_log(u), -1.0)
+        score = tl.where(in_vocab, p / _neg_log(_race_uniforms(key, cols)), -1.0)
         block_max = tl.max(score, axis=0)
         block_index = tl.min(tl.where(score == block_max, cols, vocab_size), axis=0)
         better = block_max > best_score
@@ -136,7 +155,13 @@ def race_sample(
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
     if num_rows:
         _race_sample_kernel[(num_rows,)](
-            probs, seeds, positions, token_ids, vocab_size, BLOCK_SIZE=block_size_for(vocab_size)
+            probs,
+            seeds,
+            positions,
+            token_ids,
+            vocab_size,
+            BLOCK_SIZE=block_size_for(vocab_size),
+            enable_fp_fusion=False,  # a fused multiply-add rounds once where the reference rounds twice
         )
     return token_ids
 
@@ -187,9 +212,9 @@ def _uniforms(keys: Tensor, token_ids: Tensor) -> Tensor:
     return _uniforms_of(_bits(keys, token_ids))
 
 
-def _neg_log_ref(u: Tensor) -> Tensor:
-    """-ln(u), float64, with the kernel's operations in the kernel's order."""
-    bits = u.view(torch.int64)
+def _log_ref(x: Tensor) -> Tensor:
+    """ln(x) of positive normal float64 `x`, with the kernel's operations in the kernel's order."""
+    bits = x.view(torch.int64)
     exponent = ((bits >> 52) & 0x7FF) - 1023
     mantissa = ((bits & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000).view(torch.float64)
     high = mantissa >= _SQRT2
@@ -202,7 +227,12 @@ def _neg_log_ref(u: Tensor) -> Tensor:
         series = series * s2 + coefficient
     series = series * s2 + 1.0
     log_m = 2.0 * s * series
-    return -(exponent.to(torch.float64) * _LN2 + log_m)
+    return exponent.to(torch.float64) * _LN2 + log_m
+
+
+def _neg_log_ref(u: Tensor) -> Tensor:
+    """-ln(u), float64, with the kernel's operations in the kernel's order."""
+    return -_log_ref(u)
 
 
 def race_exponentials_ref(
