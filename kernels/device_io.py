@@ -1,4 +1,4 @@
-"""Host-to-device copies that do not wait for the device.
+"""Host-to-device copies that do not wait for the device, and host data that needs no copy back.
 
 A plain `tensor.to("cuda")` from pageable host memory is a synchronising copy: the host waits until the GPU has run
 everything queued before it, so the host cannot prepare the next step while the device works on this one (torch's
@@ -26,3 +26,9 @@ def upload_into(target: Tensor, tensor: Tensor) -> None:
     if target.device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
         tensor = tensor.pin_memory()
     target.copy_(tensor, non_blocking=target.device.type == "cuda")
+
+
+def host(tensor: Tensor) -> Tensor:
+    """`tensor` on the host: itself when it is there already, else copied back, which waits for the device. The engine
+    reads the device once per step (`.cpu()` on the step's packed results); host-side data goes through here."""
+    return tensor if tensor.device.type == "cpu" else tensor.cpu()

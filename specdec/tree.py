@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollout_kernels.device_io import host
+
 
 def merge_candidates(candidates: Tensor, budgets: list[int]) -> tuple[Tensor, Tensor, list[int]]:
     """Merge each row's ranked continuations into a prefix tree of at most `budgets[i]` draft nodes.
@@ -116,7 +118,7 @@ def layout_drafts(num_drafted: list[int], draft_parents: Tensor | None) -> Draft
     valid = torch.arange(width)[None, :] < node_counts[:, None]
     chain = torch.where(valid, torch.arange(-1, width - 1)[None, :], -1)
     if draft_parents is not None and width > 1:
-        parents = torch.where(valid, with_root(draft_parents[:, : width - 1].cpu()), -1)
+        parents = torch.where(valid, with_root(host(draft_parents[:, : width - 1])), -1)  # a host proposer's
         if not bool((parents == chain).all()):
             depths, ancestors = depths_and_ancestors(parents, num_nodes)
             row_depths = depths.max(dim=1).values.tolist()

@@ -15,6 +15,7 @@ import torch
 from rollout.engine.sampling import Completion
 from rollout.engine.sequence import Sequence
 from rollout.engine.trace import StepRecord
+from rollout_kernels.device_io import upload
 from specdec.tree import layout_drafts
 from specdec.verify import verify
 
@@ -67,16 +68,16 @@ class Admission:
         rows = slice(row_start, row_start + len(sequences))
         uniforms = self._uniforms(rows, torch.zeros(len(sequences), dtype=torch.long))
         result = verify(
-            logits[group_of.to(self.device)],
+            logits[upload(group_of, self.device)],
             torch.zeros(len(sequences), dtype=torch.long, device=self.device),
             layout_drafts([0] * len(sequences), None),
             None,
             self.slots.row_sampling(rows, self.device),
-            uniforms[:, 0].to(self.device),
-            uniforms[:, -1].contiguous().to(self.device),
+            upload(uniforms[:, 0].contiguous(), self.device),
+            upload(uniforms[:, -1].contiguous(), self.device),
             self._race_keys(rows),
         )
-        kept, _, _ = self._commit(rows, result, in_cache=False)
+        kept, *_ = self._commit(rows, result, in_cache=False)
         return kept
 
     def _release_finished(self) -> list[Completion]:

@@ -49,11 +49,12 @@ class DecodeStep:
         )
         input_ids, logits = self._forward(num_rows, drafts, layout)
         result = self._verify(num_rows, input_ids, logits, layout, drafts, sampling, uniforms, race)
-        if not layout.is_chain:  # move accepted paths next to their roots (a chain's path is in place already)
-            rows = torch.arange(num_rows, device=self.device)
-            lens = upload(self.slots.cache_len[:num_rows], self.device)
-            self.runner.compact_paths(rows, lens, result.accepted_nodes.to(self.device))
-        num_emitted, accepted_per_row, emitted_ids = self._commit(slice(0, num_rows), result, in_cache=True)
+        base_positions = self.slots.cache_len[:num_rows].clone()  # where each root was written (the commit moves it)
+        num_emitted, accepted_per_row, emitted_ids, accepted_nodes = self._commit(
+            slice(0, num_rows), result, in_cache=True, tree=not layout.is_chain
+        )
+        if accepted_nodes is not None:  # move accepted paths next to their roots (a chain's path is in place already)
+            self.runner.compact_paths(torch.arange(num_rows), base_positions, accepted_nodes)  # host: no read
         accepted = accepted_per_row.tolist()
         seconds = time.perf_counter() - start
         if drafts is not None and not fill_drafts:  # a calibration's filled drafts on random text earn nothing real
@@ -176,21 +177,27 @@ class DecodeStep:
         s = self.slots
         return RaceKeys(s.seed[rows, 0], s.num_tokens[rows] - s.prompt_len[rows])
 
-    def _commit(self, rows: slice, result: VerifyResult, in_cache: bool) -> tuple[int, Tensor, Tensor]:
-        """Bring the step's result to the host in ONE transfer and append it to the rows.
+    def _commit(
+        self, rows: slice, result: VerifyResult, in_cache: bool, tree: bool = False
+    ) -> tuple[int, Tensor, Tensor, Tensor | None]:
+        """Bring the step's result to the host in ONE transfer (the step's one read of the device) and append it to
+        the rows.
 
-        Returns the tokens kept (after stops and length caps), the drafts accepted per row `[rows]` and the emitted
-        tokens `[rows, max depth + 1]`, both on the host (row i's first `accepted[i] + 1` are its own).
+        Returns the tokens kept (after stops and length caps), the drafts accepted per row `[rows]`, the emitted
+        tokens `[rows, max depth + 1]` (row i's first `accepted[i] + 1` are its own) and a token tree's accepted
+        nodes `[rows, max depth]` (with `tree`, else None), all on the host.
         """
-        packed = torch.cat(
-            [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)], dim=1
-        ).cpu()
+        parts = [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)]
+        if tree:
+            parts.append(result.accepted_nodes.to(torch.long))
+        packed = torch.cat(parts, dim=1).cpu()
         width = result.output_token_ids.shape[1]
         num_emitted = packed[:, 0]
         tokens = packed[:, 1 : 1 + width]
-        logprobs = packed[:, 1 + width :].contiguous().view(torch.float64)
+        logprobs = packed[:, 1 + width : 1 + 2 * width].contiguous().view(torch.float64)
+        accepted_nodes = packed[:, 1 + 2 * width :].contiguous() if tree else None
         kept = self.slots.commit(rows.start, num_emitted, tokens, logprobs, in_cache)
-        return int(kept.sum()), num_emitted - 1, tokens
+        return int(kept.sum()), num_emitted - 1, tokens, accepted_nodes
 
     def _route(self, seq: Sequence) -> str:
         """Where a row's drafts come from: the proposer its request names, or the configured cascade."""

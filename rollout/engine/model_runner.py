@@ -129,7 +129,12 @@ class ModelRunner:
             self.cache.release_rows(start, stop)
 
     def compact_paths(self, rows: Tensor, base_positions: Tensor, accepted_nodes: Tensor) -> None:
-        """Move each row's accepted token-tree path next to its root (see `SlotKVCache.compact_paths`)."""
+        """Move each row's accepted token-tree path next to its root (see `SlotKVCache.compact_paths`); the arguments
+        are host tensors, uploaded without waiting for the device where the cache needs them there."""
+        if not self.paged:
+            rows, base_positions, accepted_nodes = (
+                upload(t, self.device) for t in (rows, base_positions, accepted_nodes)
+            )
         self.cache.compact_paths(rows, base_positions, accepted_nodes)
 
     def prefill(self, row_start: int, prompts: list[list[int]]) -> Tensor:

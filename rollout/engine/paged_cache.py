@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from rollout.engine.block_manager import BlockManager, OutOfBlocks
-from rollout_kernels.device_io import upload
+from rollout_kernels.device_io import host, upload
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -82,7 +82,7 @@ class PagedKVCache:
 
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int | None = None) -> None:
         """Row `dst[i]` holds what row `src[i]` holds: the blocks are shared, nothing is copied."""
-        self.manager.share(src.cpu().numpy(), dst.cpu().numpy())
+        self.manager.share(host(src).numpy(), host(dst).numpy())
 
     def release_rows(self, start: int, stop: int) -> None:
         """Rows `[start, stop)` hold nothing any more (finished, moved away or preempted)."""
@@ -175,16 +175,17 @@ class PagedKVCache:
 
     def compact_paths(self, rows: Tensor, base_positions: Tensor, accepted_nodes: Tensor) -> None:
         """Move each row's accepted token-tree path next to its root, within the row's blocks, in every layer: node
-        `accepted_nodes[i, j]` (written at `base + node`) goes to `base + 1 + j`. Sources are read before writing."""
-        nodes = accepted_nodes.cpu().numpy()
-        base = base_positions.cpu().numpy()[:, None]
+        `accepted_nodes[i, j]` (written at `base + node`) goes to `base + 1 + j`. Sources are read before writing.
+        Every argument is on the host (the step read the accepted nodes with its results): no read of the device."""
+        nodes = accepted_nodes.numpy()
+        base = base_positions.numpy()[:, None]
         row_index, depth = np.nonzero(nodes > np.arange(nodes.shape[1])[None, :] + 1)  # node j + 1 is in place
         if not len(row_index):
             return
-        owners = rows.cpu().numpy()[row_index]
+        owners = rows.numpy()[row_index]
         src = self.manager.slots(owners, (base[row_index, 0] + nodes[row_index, depth])[:, None])[:, 0]
         dst = self.manager.slots(owners, (base[row_index, 0] + 1 + depth)[:, None])[:, 0]
-        src, dst = torch.from_numpy(src).to(self.device), torch.from_numpy(dst).to(self.device)
+        src, dst = upload(torch.from_numpy(src), self.device), upload(torch.from_numpy(dst), self.device)
         for pool in (*self.k_pools, *self.v_pools):
             flat = pool.view(-1, *self.shape)
             flat[dst] = flat[src]

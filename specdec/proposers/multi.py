@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollout_kernels.device_io import host, upload
 from specdec.auto_policy import AcceptanceStats
 from specdec.proposers.base import Drafts, ProposalBatch, Proposer
 
@@ -161,7 +162,7 @@ class ProposerSet(Proposer):
                 keeps, stops = self._keeps(index, drafts.scores, asked, only, with_models)
                 takes, stopped = drafted & keeps, stopped | stops
                 scored_drafts[index] = (
-                    drafts.token_ids.cpu(),
+                    host(drafts.token_ids),  # a scoring proposer drafts on the host
                     torch.where(asked > 0, num_drafted, 0),
                     drafts.scores.to(torch.float64),
                 )
@@ -254,10 +255,13 @@ def _combine(results: dict[int, Drafts], served: Tensor) -> Drafts:
     device = next((d.token_ids.device for d in results.values() if d.probs is not None), torch.device("cpu"))
     token_ids = torch.full((num_rows, width), -1, dtype=torch.long, device=device)
     counts = torch.zeros(num_rows, dtype=torch.long)
+    # index tensors are built on the host and uploaded without waiting (`upload`): a plain `.to(device)` of a host
+    # tensor waits for the device's queue
     for index, drafts in results.items():
-        rows = torch.nonzero(served == index)[:, 0]
-        part = drafts.token_ids.to(device)[rows.to(device)]
-        token_ids[rows.to(device), : part.shape[1]] = part
+        rows = torch.nonzero(served == index)[:, 0]  # served is on the host
+        on_device = upload(rows, device)
+        part = upload(drafts.token_ids, device)[on_device]
+        token_ids[on_device, : part.shape[1]] = part
         counts[rows] = torch.tensor(drafts.num_drafted)[rows]
     with_probs = [d for d in results.values() if d.probs is not None]
     if not with_probs:
@@ -269,12 +273,12 @@ def _combine(results: dict[int, Drafts], served: Tensor) -> Drafts:
         rows = torch.nonzero(served == index)[:, 0]
         position = torch.arange(int(counts[rows].max()) if len(rows) else 0)
         valid = position[None, :] < counts[rows][:, None]  # [served rows, most drafts]
-        dst = (offsets[rows][:, None] + position)[valid].to(device)
+        dst = upload((offsets[rows][:, None] + position)[valid], device)
         if drafts.probs is not None:
             own = torch.tensor(drafts.num_drafted)
             own_offsets = torch.cumsum(own, 0) - own  # the proposer's own layout: its asked rows back to back
-            probs[dst] = drafts.probs[(own_offsets[rows][:, None] + position)[valid].to(device)]
+            probs[dst] = drafts.probs[upload((own_offsets[rows][:, None] + position)[valid], device)]
         else:  # one-hot q: a draft without probabilities is the n-gram rule under rejection sampling
-            tokens = drafts.token_ids.cpu()[rows][:, : position.numel()][valid]
-            probs[dst, tokens.to(device)] = 1.0
+            tokens = drafts.token_ids[rows][:, : position.numel()][valid]  # a proposer without probabilities: host
+            probs[dst, upload(tokens, device)] = 1.0
     return Drafts(token_ids, counts.tolist(), probs)

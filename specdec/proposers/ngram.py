@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollout_kernels.device_io import host
+
 
 class NgramProposer:
     """Prompt-lookup drafts from each row's own prompt and output so far; no model, no state between steps.
@@ -125,9 +127,7 @@ class NgramProposer:
         for name, tensor in (("num_tokens", num_tokens), ("num_asked", num_asked)):
             if tensor.shape[0] != num_rows:
                 raise ValueError(f"{name} has {tensor.shape[0]} rows but token_ids has {num_rows}; pass one per row")
-        tokens = token_ids.detach().cpu().numpy()
-        lengths = num_tokens.detach().cpu().numpy()
-        ks = num_asked.detach().cpu().numpy()
+        tokens, lengths, ks = (host(t.detach()).numpy() for t in (token_ids, num_tokens, num_asked))
         if num_rows == 0:
             return tokens, lengths, ks, 0
         if lengths.min() < 0 or lengths.max() > max_len:

@@ -1,0 +1,67 @@
+"""A decode step reads the device once: the packed copy of its results (`DecodeStep._commit`), for chains, token
+trees and the cascade alike (DESIGN.md's invariant).
+
+A CPU has no device to wait for, so it cannot see a synchronisation (`tests/test_gpu.py` counts them on CUDA with
+torch's sync-debug mode). What it can count is the engine's own marker of a read: by this code's convention a tensor
+comes back from the device through `.cpu()`, and host-side data never calls it. A tree step used to call it four
+times (the commit, then the compaction reading the accepted nodes, the root positions it had just uploaded and a
+device `arange`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, random_prompts
+from torch.overrides import TorchFunctionMode
+
+from rollout import Generator, SamplingParams
+from specdec.config import SpecConfig
+
+
+class CountingReads(TorchFunctionMode):
+    """Counts `Tensor.cpu()` calls made while it is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cpu:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def draft_model():
+    return make_model("qwen2", seed=4)
+
+
+SPECS = {
+    "none": lambda: None,
+    "suffix chain": lambda: SpecConfig(method="suffix", num_speculative_tokens=3),
+    "ngram tree": lambda: SpecConfig(method="ngram", num_speculative_tokens=4, num_candidates=3, prompt_lookup_min=1),
+    "suffix tree": lambda: SpecConfig(method="suffix", num_speculative_tokens=4, num_candidates=2),
+}
+
+
+@pytest.mark.parametrize("kv_layout", ["paged", "slots"])
+@pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
+def test_a_decode_step_reads_its_results_once(spec, kv_layout):
+    spec = spec()
+    model = make_model("llama")
+    gen = Generator(model, max_batch_size=6, max_seq_len=64, kv_layout=kv_layout, spec=spec)
+    prompts = [p * 3 for p in random_prompts(3, max_len=6, seed=2)]  # repeats: the n-gram and suffix drafts hit
+    gen.add_requests(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=0))
+    reads, kinds, trees = [], [], 0
+    with_models = [None, True] if spec is not None and len(spec.methods) > 1 else [None]
+    while gen.has_unfinished:
+        counter = CountingReads()
+        with counter:  # the cascade both ways: its own rule, and every row passed on to the draft model (combined)
+            out = gen.step(with_models=with_models[len(kinds) % len(with_models)])
+        if out.record.kind == "decode":
+            reads.append(counter.count)
+            trees += out.record.num_drafted > 0 and spec is not None and spec.num_candidates > 1
+        kinds.append(out.record.kind)
+    assert kinds.count("decode") >= 5
+    if spec is not None and spec.num_candidates > 1:
+        assert trees >= 2, "no step drafted a tree: nothing was tested"
+    assert reads == [1] * len(reads), reads
