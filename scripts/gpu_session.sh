@@ -9,8 +9,12 @@
 #
 # `run` writes test_gpu.log, probe_step.json, probe.log, bench.log and bench_gpu.json under the folder given. Each
 # part has its own time limit, so a hang in one still leaves the others' files.
+#
+#   bash scripts/gpu_session.sh policy "$OUT"             # there: issue 40's GPU tests and the trainer log-prob gap
+#
+# `policy` writes test_gpu_policy.log and logprob_gap.log (its last line is the JSON).
 set -o pipefail
-WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
+WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
 case "${1:-}" in
 wheels)
@@ -19,13 +23,25 @@ wheels)
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $WHEELS
     ls .whl
     ;;
-run)
-    out=${2:?give the output folder}; shift 2
+run | policy)
+    mode=$1 out=${2:?give the output folder}; shift 2
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
     mkdir -p /tmp/pk && ln -sfn "$PWD/kernels" /tmp/pk/rollout_kernels  # the import name an install would give it
     export PYTHONPATH=/tmp/site:/tmp/pk:. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
+    if [ "$mode" = policy ]; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        start=$(date +%s)
+        timeout 150 python3 -m pytest tests/test_gpu_policy.py -q -p no:cacheprovider 2>&1 \
+            | tee "$out/test_gpu_policy.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
+        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
+        timeout 300 python3 scripts/trainer_logprob_gap.py --model tiny-target-1b --bf16 --num-prompts 16 --n 8 \
+            --max-new-tokens 256 2>&1 | grep -v USDT > "$out/logprob_gap.log"
+        grep -A5 "prompts$" "$out/logprob_gap.log"
+        echo "gap: $(( $(date +%s) - start )) s"
+        exit 0
+    fi
     commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}  # the working tree travels without .git: COMMIT=
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     start=$(date +%s)
@@ -40,7 +56,7 @@ run)
     echo "bench: $(( $(date +%s) - start )) s"
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args]" >&2
+    echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT" >&2
     exit 2
     ;;
 esac

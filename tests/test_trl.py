@@ -237,6 +237,10 @@ def test_bad_adapter_arguments_name_the_argument():
         trl_rollout_func(max_batch_size=0)
     with pytest.raises(ValueError, match="spec must be a specdec.config.SpecConfig"):
         trl_rollout_func(spec={"method": "suffix"})
+    with pytest.raises(ValueError, match="kv_layout .'blocks'. must be one of auto, paged, slots"):
+        trl_rollout_func(kv_layout="blocks")
+    with pytest.raises(ValueError, match="cuda_graphs .'on'. must be True, False or 'auto'"):
+        trl_rollout_func(cuda_graphs="on")
 
 
 def test_a_longer_prompt_grows_the_generator_and_keeps_the_drafting_history(tmp_path):

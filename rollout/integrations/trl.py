@@ -32,6 +32,7 @@ import torch
 from rollout.distributed import ranks_of, share_responses
 from rollout.engine.generator import Generator
 from rollout.engine.memory_plan import fitting_batch_size
+from rollout.engine.model_runner import KV_LAYOUTS
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES, PhaseLabeler, summarize
 from specdec.config import SpecConfig
@@ -51,6 +52,8 @@ def trl_rollout_func(
     tail_fraction: float = 0.25,
     log_metrics: bool = True,
     share_history: bool = True,
+    kv_layout: str = "auto",
+    cuda_graphs: bool | str = "auto",
 ) -> TRLRolloutFunc:
     """A `rollout_func` for TRL's `GRPOTrainer` that generates with this library's speculative generator.
 
@@ -64,13 +67,20 @@ def trl_rollout_func(
         log_metrics: add the per-phase metrics (`rollout/<phase>/tokens_per_s`, ...) to the trainer's logs.
         share_history: with several processes (TRL under `accelerate launch`), all-gather each rollout's finished
             responses into every process's suffix drafting history, so each drafts from the whole run's responses.
+        kv_layout, cuda_graphs: the generator's KV layout and CUDA graphs (see `Generator`).
 
     TRL warns at `GRPOTrainer(rollout_func=...)` that `rollout_func` is experimental unless TRL_EXPERIMENTAL_SILENCE
     is set; this sets it (unless it is set already): the adapter is tested against the newest and the oldest TRL this
     library supports.
     """
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {', '.join(KV_LAYOUTS)}")
+    if cuda_graphs not in (True, False, "auto"):
+        raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    return TRLRolloutFunc(spec, max_batch_size, max_seq_len, tail_fraction, log_metrics, share_history)
+    func = TRLRolloutFunc(spec, max_batch_size, max_seq_len, tail_fraction, log_metrics, share_history)
+    func.generator_options = {"kv_layout": kv_layout, "cuda_graphs": cuda_graphs}
+    return func
 
 
 class TRLRolloutFunc:
@@ -98,6 +108,7 @@ class TRLRolloutFunc:
         self.dtype: torch.dtype | None = None
         self.last_summary: dict = {}
         self._calls: dict[int, int] = {}  # calls made at each global step (gradient accumulation calls it again)
+        self.generator_options: dict = {}  # more `Generator` arguments (kv_layout, cuda_graphs)
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         check_trainer(trainer)
@@ -169,7 +180,9 @@ class TRLRolloutFunc:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         slots = self.max_batch_size or fitting_batch_size(model, self.spec, max_seq_len, min(num_completions, 512))
-        self.generator = Generator(model, max_batch_size=slots, max_seq_len=max_seq_len, spec=self.spec)
+        self.generator = Generator(
+            model, max_batch_size=slots, max_seq_len=max_seq_len, spec=self.spec, **self.generator_options
+        )
         if history is not None and self.generator.draft_history is not None:
             self.generator.draft_history.load(history)
         mixed_precision = str(getattr(trainer.accelerator, "mixed_precision", "no"))
