@@ -4,6 +4,7 @@ reference for each."""
 from rollout_kernels.greedy_verify import greedy_verify, greedy_verify_ref
 from rollout_kernels.kv_compact import compact_kv_, compact_kv_ref_
 from rollout_kernels.paged_attention import paged_attention, paged_attention_ref
+from rollout_kernels.race_logits import race_logits, race_logits_ref
 from rollout_kernels.race_sample import race_sample, race_sample_ref
 from rollout_kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from rollout_kernels.store_kv import store_kv_, store_kv_ref_
@@ -17,6 +18,8 @@ __all__ = [
     "greedy_verify_ref",
     "paged_attention",
     "paged_attention_ref",
+    "race_logits",
+    "race_logits_ref",
     "race_sample",
     "race_sample_ref",
     "rejection_sample",

@@ -247,6 +247,40 @@ def race_logits(
     return token_ids, logprobs
 
 
+@triton.jit
+def _race_log_noise_kernel(
+    seeds_ptr,  # [num_races] int64
+    positions_ptr,  # [num_races] int64
+    log_noise_ptr,  # [num_races, vocab_size] float64, out
+    vocab_size,
+    BLOCK_SIZE: tl.constexpr,
+):
+    race = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    key = _race_key(tl.load(seeds_ptr + race), tl.load(positions_ptr + race))
+    log_noise = _log(_neg_log(_race_uniforms(key, cols)))
+    tl.store(log_noise_ptr + race.to(tl.int64) * vocab_size + cols, log_noise, mask=cols < vocab_size)
+
+
+def race_log_noise(
+    seeds: Tensor,  # [num_races] int64
+    positions: Tensor,  # [num_races] int64
+    vocab_size: int,
+) -> Tensor:
+    """`[num_races, vocab_size]` float64 `ln E_t` of every token, as `race_logits` computes it (for tests and
+    inspection: the race itself never stores it)."""
+    check_tensor(seeds, "seeds", 1, (torch.int64,), seeds.device, "seeds")
+    check_tensor(positions, "positions", 1, (torch.int64,), seeds.device, "seeds")
+    check_kernel_device(_race_log_noise_kernel, seeds.device, "race_log_noise")
+    log_noise = torch.empty(len(seeds), vocab_size, dtype=torch.float64, device=seeds.device)
+    if len(seeds) and vocab_size:
+        block_size = block_size_for(vocab_size)
+        _race_log_noise_kernel[(len(seeds), triton.cdiv(vocab_size, block_size))](
+            seeds, positions, log_noise, vocab_size, BLOCK_SIZE=block_size, enable_fp_fusion=False
+        )
+    return log_noise
+
+
 # ---- pure torch --------------------------------------------------------------------------------------------------
 
 
@@ -272,9 +306,9 @@ def race_logits_ref(
     split_size: int | None = None,  # unused: the reference does not split
 ) -> tuple[Tensor, Tensor]:
     """Pure-torch `race_logits`: the same tokens, log-probabilities to rounding, on any device. Races in chunks of
-    about 2^18 elements; a sampled race scores exactly only its token of largest float32 bound `x/T - ln(1 - u)`
-    (`-ln u >= 1 - u`, the bound from `race_sample`'s `_room`), and every token where another bound comes within the
-    slack of that score."""
+    about 2^18 elements; a sampled race scores exactly its token of largest float32 bound `x/T - ln(1 - u)`
+    (`-ln u >= 1 - u`, the bound from `race_sample`'s `_room`) and the tokens whose bound comes within the slack of
+    that score (most rows: that token alone), and no other."""
     num_races, vocab_size = _check_inputs(logits, logit_rows, temperatures, seeds, positions, keep_min, keep_last)
     device = logits.device
     token_ids = torch.empty(num_races, dtype=torch.int64, device=device)
@@ -301,18 +335,12 @@ def race_logits_ref(
         if kept is not None:
             scaled = scaled.masked_fill(~kept, float("-inf"))
         lse = torch.logsumexp(scaled, dim=1)  # [n]
-        # the bounds: x / T - ln(room) >= x / T - ln(E), room from the hash two rounds into mixing
+        # the bounds: x / T - ln(room) >= x / T - ln(E), room from the hash two rounds into mixing (-inf where cut)
         mixed = keys[races, None] + token_offsets
         scratch = torch.empty_like(mixed)
         _mix_rounds_ref(mixed, scratch, range(2))
         bound = torch.full((n, padded), float("-inf"), dtype=torch.float32, device=device)
-        torch.sub(
-            x.to(torch.float32) / divisor.to(torch.float32)[:, None],
-            _room(mixed, scratch).log_(),
-            out=bound[:, :vocab_size],
-        )
-        if kept is not None:
-            bound[:, :vocab_size].masked_fill_(~kept, float("-inf"))
+        torch.sub(scaled.to(torch.float32), _room(mixed, scratch).log_(), out=bound[:, :vocab_size])
         first = _first_argmax(bound)  # [n]
         first_mixed = _mix_rounds_ref(
             mixed.gather(1, first[:, None]), torch.empty(n, 1, dtype=torch.int64, device=device), range(2, 3)
@@ -322,15 +350,22 @@ def race_logits_ref(
         threshold = (best - (best.abs() + _BOUND_SLACK_OFFSET) * _BOUND_SLACK).to(torch.float32)
         bound.scatter_(1, first[:, None], float("-inf"))
         contested = torch.nonzero(~greedy & ~(bound.amax(dim=1) < threshold))[:, 0]
-        if len(contested):  # another token may beat the first (or tie it with a lower id): every exact score
-            full = _mix_rounds_ref(
-                mixed[contested], torch.empty(len(contested), vocab_size, dtype=torch.int64, device=device), range(2, 3)
+        if len(contested):  # another token's bound reaches the first's score, less the slack: score the contenders
+            contenders = bound[contested, :vocab_size] >= threshold[contested, None]
+            contenders &= bound[contested, :vocab_size] > float("-inf")  # never a token top-k / top-p cut
+            contenders.scatter_(1, first[contested, None], True)
+            local, cols = torch.nonzero(contenders, as_tuple=True)
+            rows = contested[local]
+            mixed_rows_cols = _mix_rounds_ref(mixed[rows, cols], torch.empty_like(rows), range(2, 3))
+            score = x[rows, cols].to(torch.float64) / divisor[rows]
+            score -= _log_ref(_neg_log_ref(_uniforms_of(_finished_bits(mixed_rows_cols))))
+            # the largest exact score wins, the lowest id among equal ones
+            row_best = torch.full((n,), float("-inf"), dtype=torch.float64, device=device)
+            row_best.scatter_reduce_(0, rows, score, "amax")
+            winners = torch.full_like(first, vocab_size).scatter_reduce_(
+                0, rows, torch.where(score == row_best[rows], cols, vocab_size), "amin"
             )
-            score = x[contested].to(torch.float64) / divisor[contested, None]
-            score -= _log_ref(_neg_log_ref(_uniforms_of(_finished_bits(full))))
-            if kept is not None:
-                score.masked_fill_(~kept[contested], float("-inf"))
-            first[contested] = score.argmax(dim=1)  # the first maximum
+            first[contested] = winners[contested]
         greedy_rows = torch.nonzero(greedy)[:, 0]
         if len(greedy_rows):  # T = 0: the argmax of the logits (a greedy race has no filter)
             first[greedy_rows] = x[greedy_rows].argmax(dim=1)

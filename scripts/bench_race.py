@@ -17,6 +17,11 @@ Parts:
   racing every node at once vs depth by depth, with every draft rejected vs every draft accepted: what a step's
   verification costs depends on how far its rows walk, which a warm-up fed drafts that are all rejected never sees.
   Not part of the default run.
+- `fused`: one exact-verification draw of rows x (K + 1) nodes at vocab 476 and 151936, float32 logits: today's draw
+  before the fused pass (gather the nodes' logits, `log_softmax`, `exp`, `race_sample_ref`, gather the log-prob) vs
+  `race_logits_ref` (reads the logits in place), on a CPU; and how many of the draws pick another token (the two
+  races agree up to rounding: p_t / E_t in float32 probabilities vs x_t / T - ln E_t in float64). Not part of the
+  default run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from rollout import Generator, SamplingParams
 from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
+from rollout_kernels.race_logits import race_logits_ref
 from rollout_kernels.race_sample import race_sample, race_sample_ref
 from rollout_kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from specdec.config import SpecConfig
@@ -180,6 +186,49 @@ def bench_verify(args) -> None:
                 )
 
 
+def previous_draw(logits: torch.Tensor, nodes: torch.Tensor, temperatures, seeds, positions):
+    """Exact verification's draw before the fused pass: tokens and float64 log-probs."""
+    logprobs = torch.log_softmax(logits[nodes].float() / temperatures[:, None], dim=-1)
+    tokens = race_sample_ref(logprobs.exp(), seeds, positions)
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0].double()
+
+
+def bench_fused(args) -> None:
+    print("one exact-verification draw, float32 logits, CPU, ms (median): before | fused reference | ratio")
+    for vocab_size in (476, 151936):
+        for rows in args.fused_rows:
+            num_nodes = rows * (args.fused_k + 1)
+            if num_nodes * vocab_size > 1 << 26:  # a few hundred MB of logits and copies: left out
+                continue
+            generator = torch.Generator().manual_seed(rows)
+            logits = 3 * torch.randn(num_nodes, vocab_size, generator=generator)
+            nodes = torch.arange(num_nodes)
+            temperatures = torch.ones(num_nodes)
+            seeds = torch.randint(0, 2**62, (num_nodes,), generator=generator)
+            positions = torch.randint(0, 1000, (num_nodes,), generator=generator)
+            draw_args = (logits, nodes, temperatures, seeds, positions)
+            before = median_seconds(partial(previous_draw, *draw_args), args.repeats)
+            fused = median_seconds(partial(race_logits_ref, *draw_args), args.repeats)
+            print(
+                f"vocab {vocab_size:6d} rows {rows:4d} x {args.fused_k + 1} nodes: "
+                f"{1e3 * before:8.2f} | {1e3 * fused:8.2f} | {fused / before:5.2f}"
+            )
+    differ, total = 0, 0
+    for seed in range(args.fused_agreement_batches):
+        generator = torch.Generator().manual_seed(1000 + seed)
+        logits = 3 * torch.randn(4096, 476, generator=generator)
+        draw_args = (
+            logits,
+            torch.arange(4096),
+            torch.ones(4096),
+            torch.randint(0, 2**62, (4096,), generator=generator),
+            torch.randint(0, 1000, (4096,), generator=generator),
+        )
+        differ += int((previous_draw(*draw_args)[0] != race_logits_ref(*draw_args)[0]).sum())
+        total += 4096
+    print(f"draws whose token differs between the two races (vocab 476, T = 1): {differ} of {total}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=["sampler", "rollout", "float32"])
@@ -191,9 +240,18 @@ def main() -> None:
     parser.add_argument("--rollout-repeats", type=int, default=2)
     parser.add_argument("--verify-rows", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--verify-widths", type=int, nargs="+", default=[5, 9])
+    parser.add_argument("--fused-rows", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--fused-k", type=int, default=4)
+    parser.add_argument("--fused-agreement-batches", type=int, default=50)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    parts = {"sampler": bench_sampler, "rollout": bench_rollout, "float32": bench_float32, "verify": bench_verify}
+    parts = {
+        "sampler": bench_sampler,
+        "rollout": bench_rollout,
+        "float32": bench_float32,
+        "verify": bench_verify,
+        "fused": bench_fused,
+    }
     for part in args.parts:
         parts[part](args)
         print()

@@ -86,3 +86,26 @@ def target_probs(logits: Tensor, logprobs: Tensor, sampling: RowSampling) -> Ten
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy, one_hot, probs)
     return probs
+
+
+def keep_thresholds(logits: Tensor, sampling: RowSampling) -> tuple[Tensor, Tensor] | tuple[None, None]:
+    """The tokens top-k / top-p keep, per row, as a threshold on the logits (`race_logits` takes it):
+    `([rows] float64 keep_min, [rows] int64 keep_last)`, token t kept iff `x_t > keep_min` or (`x_t == keep_min` and
+    `t <= keep_last`); a row without a filter (or greedy) keeps every token. `(None, None)` when no row filters.
+
+    The kept set is `processed_logprobs`'s: a prefix of the vocabulary sorted by (logit / T descending, id ascending),
+    found by a sort of every row (rows with top-k / top-p keep today's sort)."""
+    if not sampling.needs_filter:
+        return None, None
+    vocab_size = logits.shape[-1]
+    kept = processed_logprobs(logits, sampling) > float("-inf")
+    x = logits.to(torch.float64)
+    keep_min = torch.where(kept, x, float("inf")).amin(dim=1)
+    token_ids = torch.arange(vocab_size, device=logits.device)
+    keep_last = torch.where(kept & (x == keep_min[:, None]), token_ids, -1).amax(dim=1)
+    unfiltered = (sampling.temperature == 0) | (
+        ((sampling.top_k <= 0) | (sampling.top_k >= vocab_size)) & (sampling.top_p >= 1)
+    )
+    keep_min = torch.where(unfiltered, float("-inf"), keep_min)
+    keep_last = torch.where(unfiltered, vocab_size, keep_last)
+    return keep_min, keep_last

@@ -20,11 +20,11 @@ from torch import Tensor
 
 from rollout_kernels.device_io import upload
 from rollout_kernels.greedy_verify import greedy_verify, greedy_verify_ref
-from rollout_kernels.race_sample import race_sample, race_sample_ref
+from rollout_kernels.race_logits import race_logits, race_logits_ref
 from rollout_kernels.rejection_sample import rejection_sample, rejection_sample_ref
 from rollout_kernels.tree_greedy_verify import tree_greedy_verify, tree_greedy_verify_ref
 from rollout_kernels.tree_rejection_sample import tree_rejection_sample, tree_rejection_sample_ref
-from specdec.processing import RowSampling, processed_logprobs, target_probs
+from specdec.processing import RowSampling, keep_thresholds, processed_logprobs, target_probs
 from specdec.tree import DraftLayout
 
 
@@ -175,14 +175,15 @@ def verify_exact(
     """Walk each row's tree from the root: draw the race's token at the current node (position: root position +
     depth); a child holding that token is accepted and the walk moves to it, else the row stops. The row emits the
     tokens drawn along its path (the accepted drafts, then the token drawn at the last node): the tokens plain
-    decoding draws. A large step processes (temperature, top-k, top-p) and races only the nodes on the path, one
-    batched draw per depth; a small one (`race_every_node`; None: when all nodes x vocabulary fit in
-    `_SMALL_STEP_ELEMENTS`) every node in one draw, where the per-depth calls would cost more than the extra nodes.
-    Both draw the same tokens."""
+    decoding draws. Each draw is `race_logits` (its Triton kernel on a GPU, its reference elsewhere): it reads the
+    nodes' rows of `target_logits` where they are, in the model's dtype, and returns the drawn tokens with their
+    log-probabilities. On a GPU every node of every row is raced in one launch (`race_every_node`), and the walk only
+    compares tokens. Elsewhere a large step races only the nodes on the path, one batched draw per depth; a small one
+    (`race_every_node`; None: on a GPU, or when all nodes x vocabulary fit in `_SMALL_STEP_ELEMENTS`) every node in
+    one draw, where the per-depth calls would cost more than the extra nodes. Both draw the same tokens."""
     device = target_logits.device
     num_nodes = layout.node_counts
     rows, width, max_depth = len(layout.num_nodes), layout.width, layout.max_depth
-    op = race_sample if target_logits.is_cuda else race_sample_ref
     fed = torch.arange(width)[None, :] < num_nodes[:, None]  # [rows, width] on the host: indexing by it never waits
     fed_cells = upload(torch.nonzero(fed.reshape(-1))[:, 0], device)  # [num_nodes] the fed cells of [rows, width]
     tokens = torch.full((rows * width,), -1, dtype=torch.long, device=device)
@@ -195,18 +196,21 @@ def verify_exact(
     def draw(nodes: Tensor, node_rows: Tensor, node_depths: Tensor | int) -> tuple[Tensor, Tensor]:
         """The race's token at each of `nodes` (global indices; rows `node_rows`, depths `node_depths`) under its
         row's processing, and its float64 log-prob."""
-        node_logits = target_logits[nodes if logit_rows is None else logit_rows[nodes]]
+        node_logit_rows = nodes if logit_rows is None else logit_rows[nodes]
         node_sampling = sampling.select(node_rows)
-        node_logprobs = processed_logprobs(node_logits, node_sampling)
-        drawn = op(
-            target_probs(node_logits, node_logprobs, node_sampling),
+        keep = keep_thresholds(target_logits[node_logit_rows], node_sampling) if sampling.needs_filter else ()
+        op = race_logits if target_logits.is_cuda else race_logits_ref
+        return op(
+            target_logits,
+            node_logit_rows.contiguous(),
+            node_sampling.temperature.contiguous(),
             seeds[node_rows].contiguous(),
-            positions[node_rows] + node_depths,
+            (positions[node_rows] + node_depths).contiguous(),
+            *keep,
         )
-        return drawn, node_logprobs.gather(1, drawn[:, None])[:, 0].to(torch.float64)
 
     if race_every_node is None:
-        race_every_node = len(node_token_ids) * target_logits.shape[1] <= _SMALL_STEP_ELEMENTS
+        race_every_node = target_logits.is_cuda or len(node_token_ids) * target_logits.shape[1] <= _SMALL_STEP_ELEMENTS
     if race_every_node:
         depths = layout.depths if layout.depths is not None else torch.arange(width)[None, :]
         node_rows = torch.arange(rows)[:, None].expand(rows, width)[fed]  # [num_nodes]

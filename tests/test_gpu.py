@@ -154,3 +154,40 @@ def test_graphs_captured_from_a_policy_in_train_mode_replay_it_without_dropout()
     assert model.training
     same = sum(a.token_ids == b.token_ids for a, b in zip(eager, replayed))
     assert same >= len(eager) - 1, f"{same} of {len(eager)} greedy samples equal"  # a near-tie may flip one
+
+
+def test_race_kernels_are_their_references_bit_for_bit_on_a_gpu():
+    """Compiled without FMA contraction, the race's noise is the CPU reference's to the bit, and `race_sample` and
+    `race_logits` draw the references' tokens on every row, near-ties included (flat rows, where the last bit of a score
+    decides more often)."""
+    from rollout_kernels.race_logits import race_log_noise, race_log_noise_ref, race_logits, race_logits_ref
+    from rollout_kernels.race_sample import race_sample, race_sample_ref
+
+    generator = torch.Generator().manual_seed(0)
+    num_rows, vocab_size = 64, 151936
+    seeds = torch.randint(0, 2**62, (num_rows,), generator=generator)
+    positions = torch.randint(0, 2**32, (num_rows,), generator=generator)
+    log_noise = race_log_noise(seeds.cuda(), positions.cuda(), vocab_size)
+    expected = race_log_noise_ref(seeds, positions, torch.arange(vocab_size))
+    assert torch.equal(log_noise.cpu().view(torch.int64), expected.view(torch.int64)), "the noise's bits differ"
+
+    logits = torch.randn(num_rows, vocab_size, generator=generator, dtype=torch.float64)
+    logits[: num_rows // 2] *= 0.01  # nearly flat
+    probs = torch.softmax(logits, dim=-1).float()
+    assert torch.equal(
+        race_sample(probs.cuda(), seeds.cuda(), positions.cuda()).cpu(), race_sample_ref(probs, seeds, positions)
+    )
+    temperatures = torch.rand(num_rows, generator=generator) + 0.3
+    temperatures[::7] = 0.0  # greedy rows
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        case = dict(
+            logits=(3 * logits).to(dtype),
+            logit_rows=torch.arange(num_rows).flip(0).contiguous(),
+            temperatures=temperatures,
+            seeds=seeds,
+            positions=positions,
+        )
+        ref_ids, ref_logprobs = race_logits_ref(**case)
+        token_ids, logprobs = race_logits(**{name: tensor.cuda() for name, tensor in case.items()})
+        assert torch.equal(token_ids.cpu(), ref_ids), f"{dtype}: the kernel drew other tokens than the reference"
+        torch.testing.assert_close(logprobs.cpu(), ref_logprobs, rtol=0, atol=1e-4 if dtype != torch.float64 else 1e-10)

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from rollout_kernels.device_io import upload
-from rollout_kernels.race_sample import race_exponentials_ref
-from specdec.processing import RowSampling, processed_logprobs, target_probs
+from rollout_kernels.race_logits import race_logits, race_logits_ref
+from specdec.processing import RowSampling, keep_thresholds, processed_logprobs, target_probs
 from specdec.proposers.base import Drafts, ModelRunnerProtocol, ProposalBatch, Proposer
 from specdec.tree import host_longs
 from specdec.verify import RaceKeys
@@ -101,7 +101,7 @@ class DraftModelProposer(Proposer):
             if batch.sampling.all_greedy:
                 tokens = step_logits.argmax(dim=-1)
             elif batch.race is not None:  # the race the target draws with, over q
-                tokens = _race_draft(step_logits, batch.sampling, batch.race, j, 16 if step_logits.is_cuda else None)
+                tokens = _race_draft(step_logits, batch.sampling, batch.race, j)
             else:  # rejection sampling needs q at every draft
                 probs = _draft_distribution(step_logits, batch.sampling)
                 tokens = _sample(probs, uniforms[:, j], batch.sampling)
@@ -173,42 +173,24 @@ def _draft_distribution(logits: Tensor, sampling: RowSampling) -> Tensor:
     return target_probs(logits, processed_logprobs(logits, sampling), sampling)
 
 
-def _race_draft(
-    logits: Tensor,
-    sampling: RowSampling,
-    race: RaceKeys,
-    j: int,
-    num_candidates: int | None,
-    max_log_ratio: float = 12.0,
-) -> Tensor:
-    """Draft j of each row (`logits [rows, V]`): the race with the target's noise at the draft's position, over q's
-    likely tokens only. Any draft is verified exactly, so this only has to agree with the target's race as often as it
-    can: a token far less likely than the top one rarely wins the race, and hashing a few tokens instead of the
-    vocabulary keeps drafting cheap. The candidates are q's `num_candidates` most likely tokens (fixed-size: on a GPU,
-    counting candidates would cost a device sync) or, for None, the tokens whose q is within a factor
-    `e^-max_log_ratio` of the row's top one (on a CPU: one or two per row on the shipped task, where `topk` costs
-    several times more). The race's winner maximises log q - log E (the first such token)."""
-    num_rows, vocab_size = logits.shape
-    if sampling.needs_filter:  # top-k / top-p: q itself, -inf where they cut
-        log_q = _draft_distribution(logits, sampling).log()
-    else:  # q = softmax(logits / T): log q = logits / T - a per-row constant, which the race ignores
-        log_q = logits / sampling.divisors()[:, None]
-    if num_candidates is not None:
-        scores, candidates = log_q.topk(min(num_candidates, vocab_size), dim=1)
-        rows = torch.arange(num_rows, device=logits.device).repeat_interleave(candidates.shape[1])
-        scores, candidates = scores.reshape(-1).to(torch.float64), candidates.reshape(-1)
-    else:
-        rows, candidates = torch.nonzero(log_q >= log_q.amax(dim=1, keepdim=True) - max_log_ratio, as_tuple=True)
-        scores = log_q[rows, candidates].to(torch.float64)
-    seeds, positions = upload(race.seeds, logits.device)[rows], upload(race.positions, logits.device)[rows] + j
-    log_noise = race_exponentials_ref(seeds, positions, candidates[:, None])[:, 0].log()
-    if sampling.any_greedy:  # a greedy row's q is one-hot at its argmax: no noise, the top candidate wins
-        log_noise = torch.where(sampling.temperature[rows] == 0, 0.0, log_noise)
-    scores -= log_noise
-    best = torch.full((num_rows,), -torch.inf, dtype=torch.float64, device=logits.device)
-    best.scatter_reduce_(0, rows, scores, "amax")
-    winners = torch.where(scores == best[rows], candidates, vocab_size)
-    return torch.full_like(best, vocab_size, dtype=torch.long).scatter_reduce_(0, rows, winners, "amin")
+def _race_draft(logits: Tensor, sampling: RowSampling, race: RaceKeys, j: int) -> Tensor:
+    """Draft j of each row (`logits [rows, V]`): the race the target draws with, over q, keyed by the draft's position.
+    The same op as the target's (`race_logits`: the same noise, the same score, the same top-k / top-p thresholds), so
+    wherever q's logits equal the target's the draft is the token the target draws, and otherwise the two differ only
+    as far as the distributions do."""
+    num_rows = logits.shape[0]
+    device = logits.device
+    keep = keep_thresholds(logits, sampling) if sampling.needs_filter else ()
+    op = race_logits if logits.is_cuda else race_logits_ref
+    tokens, _ = op(
+        logits,
+        torch.arange(num_rows, device=device),
+        sampling.temperature.contiguous(),
+        upload(race.seeds, device).contiguous(),
+        upload(race.positions, device) + j,
+        *keep,
+    )
+    return tokens
 
 
 def _sample(probs: Tensor, uniforms: Tensor, sampling: RowSampling) -> Tensor:

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from kernel_cases import MIN_P_VALUE, chi_square_p_value
 
-from rollout_kernels.race_logits import race_log_noise_ref, race_logits, race_logits_ref
+from rollout_kernels.race_logits import race_log_noise, race_log_noise_ref, race_logits, race_logits_ref
 from rollout_kernels.race_sample import _log, _log_ref, race_exponentials_ref
 
 torch.set_num_threads(1)
@@ -150,10 +150,12 @@ def test_logarithm_of_the_noise_is_the_reference_bit_for_bit_and_accurate():
 
 
 def test_log_noise_is_the_log_of_the_race_samples_noise():
-    """The same noise as `race_sample`'s, keyed by (seed, position, token) only."""
+    """The same noise as `race_sample`'s, keyed by (seed, position, token) only; the kernel's bits are the
+    reference's."""
     seeds = torch.tensor([7, 7, 8, 7], dtype=torch.int64)
     positions = torch.tensor([3, 3, 3, 4], dtype=torch.int64)
     log_noise = race_log_noise_ref(seeds, positions, torch.arange(3000))
+    assert torch.equal(race_log_noise(seeds, positions, 3000).view(torch.int64), log_noise.view(torch.int64))
     torch.testing.assert_close(log_noise, race_exponentials_ref(seeds, positions, torch.arange(3000)).log())
     assert torch.equal(log_noise[0], log_noise[1])
     assert not torch.equal(log_noise[0], log_noise[2]) and not torch.equal(log_noise[0], log_noise[3])

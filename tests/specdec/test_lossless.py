@@ -12,12 +12,13 @@ from test_generator import teacher_forced_logprobs
 
 import specdec.verify
 from rollout import Generator, SamplingParams
-from rollout_kernels.race_sample import race_sample_ref
+from rollout_kernels.race_logits import race_logits_ref
 from rollout_kernels.rejection_sample import rejection_sample_ref
 from specdec.config import SpecConfig
 from specdec.processing import RowSampling, processed_logprobs
 from specdec.proposers.draft_model import _race_draft
-from specdec.verify import RaceKeys
+from specdec.tree import layout_drafts
+from specdec.verify import RaceKeys, verify_exact
 
 
 def spec_for(method: str, k: int, draft=None, verification: str = "exact") -> SpecConfig:
@@ -100,21 +101,24 @@ def test_a_moved_row_keeps_its_draft_state():
     assert sum(r.num_accepted for r in decode) == sum(r.num_drafted for r in decode) > 0
 
 
-@pytest.mark.parametrize("num_candidates", [None, 23])
-def test_a_draft_race_over_candidates_is_the_full_race_when_they_hold_every_likely_token(num_candidates):
-    """A draft model races over q's likely tokens only (the most likely few, or those within e^-12 of the top one);
-    where those are every token (flat q, a small vocabulary) its draft is the full race's token over q."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_draft_model_races_with_the_targets_code(dtype):
+    """A draft model draws draft j by the target's own race (noise, score, top-k / top-p, greedy rows): given the
+    target's logits, its draft is the token exact verification draws at that position, on every row."""
     generator = torch.Generator().manual_seed(6)
-    num_rows, vocab_size = 200, 23
-    logits = torch.randn(num_rows, vocab_size, generator=generator, dtype=torch.float64)
-    temperature = torch.full((num_rows,), 1.5, dtype=torch.float64)
-    sampling = RowSampling(
-        temperature, torch.zeros(num_rows, dtype=torch.long), torch.ones(num_rows), False, False, False
-    )
+    num_rows, vocab_size = 60, 300
+    logits = (3 * torch.randn(num_rows, vocab_size, generator=generator, dtype=torch.float64)).to(dtype)
+    temperature = torch.tensor([1.0, 0.7, 1.5, 0.0] * (num_rows // 4), dtype=torch.float64)
+    top_k = torch.tensor([0, 20, 0, 0, 5] * (num_rows // 5))
+    top_p = torch.tensor([1.0, 1.0, 0.8] * (num_rows // 3), dtype=torch.float64)
+    sampling = RowSampling(temperature, top_k, top_p, True, False, True)
     race = RaceKeys(torch.randint(0, 2**62, (num_rows,), generator=generator), torch.randint(0, 300, (num_rows,)))
-    q = torch.softmax(logits / 1.5, dim=-1)
-    full = race_sample_ref(q, race.seeds, race.positions + 2)
-    assert torch.equal(_race_draft(logits, sampling, race, 2, num_candidates), full)
+    drafts = _race_draft(logits, sampling, race, 2)
+    ahead = RaceKeys(race.seeds, race.positions + 2)
+    layout = layout_drafts([0] * num_rows, None)
+    target = verify_exact(logits, torch.zeros(num_rows, dtype=torch.long), layout, sampling, ahead)
+    assert torch.equal(drafts, target.output_token_ids[:, 0])
+    assert not torch.equal(drafts, _race_draft(logits, sampling, race, 3)), "the draft ignores its position"
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
@@ -198,9 +202,9 @@ def chi_square_p(observed, expected_probs):
     return chisquare(obs.numpy(), exp.numpy()).pvalue
 
 
-def race_without_positions(probs, seeds, positions):
+def race_without_positions(logits, logit_rows, temperatures, seeds, positions, *keep):
     """The negative control of exact verification: every position of a sample races with the same noise."""
-    return race_sample_ref(probs, seeds, torch.zeros_like(positions))
+    return race_logits_ref(logits, logit_rows, temperatures, seeds, torch.zeros_like(positions), *keep)
 
 
 @pytest.mark.slow
@@ -222,7 +226,7 @@ def test_sampling_with_speculation_follows_the_target_distribution(
     assert chi_square_p(observed, expected) > 1e-3
 
     if verification == "exact":  # the same test catches noise that is not keyed by the token's position
-        monkeypatch.setattr(specdec.verify, "race_sample_ref", race_without_positions)
+        monkeypatch.setattr(specdec.verify, "race_logits_ref", race_without_positions)
     else:  # and a verifier that samples a rejected position from p instead of the residual
         monkeypatch.setattr(specdec.verify, "rejection_sample_ref", wrong_residual_rejection_sample)
     observed, _, _ = sampled_pairs(model, prompt, params, spec)
