@@ -43,6 +43,7 @@ START = time.perf_counter()  # the budget counts from here: imports, model build
 import torch  # noqa: E402
 
 from rollout import Generator, SamplingParams  # noqa: E402
+from rollout.engine.step_timer import forced_steps  # noqa: E402
 from rollout.models import zoo  # noqa: E402
 from rollout.phases import PHASES, PhaseLabeler, summarize  # noqa: E402
 from rollout.tasks import format_prompt, generate_problems  # noqa: E402
@@ -433,9 +434,9 @@ def warm_up(gen: Generator, prompts: list[list[int]], spec: SpecConfig | None) -
     the kernels of a drafted step are compiled before the clock starts; then the drafting history is cleared."""
     k = spec.num_speculative_tokens if spec is not None else None
     gen.add_requests(prompts[:2], SamplingParams(n=2, max_new_tokens=8, seed=0))
-    with torch.inference_mode():
+    with torch.inference_mode(), forced_steps(gen, k) if k is not None else contextlib.nullcontext():
         while gen.has_unfinished:
-            gen.step(num_draft_tokens=k, fill_drafts=k is not None)
+            gen.step()
     if gen.draft_history is not None:  # the first timed rollout drafts from nothing earlier
         gen.draft_history.clear()
 

@@ -119,3 +119,15 @@ class TablePolicy(StaticPolicy):
         self, batch_size: int, caps: list[int] | None = None, routes: list[str] | None = None, context: int = 0
     ) -> Decision:
         return Decision(self.k_by_batch_size[batch_size])
+
+
+class ForcedPolicy(StaticPolicy):
+    """Every step at the K it is given (a calibration's timed steps, `rollout.engine.step_timer.forced_steps`): it
+    learns nothing, and keeps the last step's observation for whoever forced the step."""
+
+    def __init__(self, num_draft_tokens: int):
+        super().__init__(num_draft_tokens)
+        self.observation = None
+
+    def observe(self, observation, profiled: bool = False) -> None:
+        self.observation = observation

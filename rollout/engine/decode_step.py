@@ -16,7 +16,7 @@ from rollout.engine.trace import StepRecord
 from rollout_kernels.device_io import upload
 from specdec.auto_policy import StepObservation
 from specdec.policies import Decision
-from specdec.proposers.base import Drafts, ProposalBatch, filled_drafts
+from specdec.proposers.base import Drafts, ProposalBatch
 from specdec.tree import DraftLayout, layout_drafts
 from specdec.verify import RaceKeys, VerifyResult, verify
 
@@ -24,25 +24,21 @@ from specdec.verify import RaceKeys, VerifyResult, verify
 class DecodeStep:
     """The decode step's stages (see the module docstring)."""
 
-    def _decode_step(
-        self, num_draft_tokens: int | None, fill_drafts: bool = False, with_models: bool | None = None
-    ) -> tuple[StepRecord, StepObservation | None]:
+    def _decode_step(self) -> tuple[StepRecord, StepObservation | None]:
         """Feed each active row its pending token plus its drafts (a tree rooted at the pending token; a chain is the
         one-child tree), verify them all in the same forward, commit the accepted path."""
         start = time.perf_counter()
         num_rows = self.num_active
         context = int(self.slots.cache_len[:num_rows].max())  # rows attend over the longest row's cache (padded)
-        observed = self.policy is not None or num_draft_tokens is not None  # a policy learns from the step
+        observed = self.policy is not None  # a policy learns from the step
         routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]] if observed else []
-        decision, asked = self._schedule(num_rows, num_draft_tokens, context, routes)
+        decision, asked = self._schedule(num_rows, context, routes)
         uniforms = self._uniforms(slice(0, num_rows), asked)
         sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
         race = self._race_keys(slice(0, num_rows))  # shared by the draft model and the verifier
         propose_start = time.perf_counter()
-        drafts, served = self._propose(num_rows, asked, sampling, uniforms, race, with_models)
+        drafts, served = self._propose(num_rows, asked, sampling, uniforms, race)
         propose_seconds = time.perf_counter() - propose_start
-        if fill_drafts and drafts is not None:
-            drafts = filled_drafts(drafts, asked, self.slots.pending(num_rows))
         layout = layout_drafts(
             drafts.num_drafted if drafts is not None else [0] * num_rows,
             drafts.parents if drafts is not None else None,
@@ -57,16 +53,14 @@ class DecodeStep:
             self.runner.compact_paths(torch.arange(num_rows), base_positions, accepted_nodes)  # host: no read
         accepted = accepted_per_row.tolist()
         seconds = time.perf_counter() - start
-        if drafts is not None and not fill_drafts:  # a calibration's filled drafts on random text earn nothing real
-            # a cascade learns which proposer earns what, at what cost
+        if drafts is not None:  # a cascade learns which proposer earns what, at what cost
             self.proposers.observe(accepted, seconds, emitted_ids)
         asked_list = asked.tolist()
         drafting = [k > 0 for k in asked_list]
         observation = None
         if observed:
             observation = self._observation(asked_list, drafting, routes, served, accepted, layout, seconds, context)
-            if num_draft_tokens is None:
-                self.policy.observe(observation)
+            self.policy.observe(observation)
         depths = layout.node_counts - 1 if layout.is_chain else torch.tensor(layout.row_depths)
         position = torch.arange(layout.max_depth)
         record = StepRecord(
@@ -86,16 +80,12 @@ class DecodeStep:
         )
         return record, observation
 
-    def _schedule(
-        self, num_rows: int, num_draft_tokens: int | None, context: int, routes: list[str]
-    ) -> tuple[Decision, Tensor]:
-        """The step's K (the policy's, given each row's route, or the caller's) and `[rows]` the drafts asked of
-        each row under its caps."""
+    def _schedule(self, num_rows: int, context: int, routes: list[str]) -> tuple[Decision, Tensor]:
+        """The step's K (the policy's, given each row's route) and `[rows]` the drafts asked of each row under its
+        caps."""
         caps = self.slots.draft_caps(num_rows)
         decision = Decision(0)
-        if num_draft_tokens is not None:
-            decision = Decision(num_draft_tokens)
-        elif self.policy is not None:
+        if self.policy is not None:
             decision = self.policy.choose(num_rows, caps.tolist(), routes, context)
         return decision, caps.clamp(0, decision.num_draft_tokens)
 
@@ -106,7 +96,6 @@ class DecodeStep:
         sampling,
         uniforms: Tensor,
         race: RaceKeys | None,
-        with_models: bool | None = None,
     ) -> tuple[Drafts | None, list]:
         """The proposers' drafts for rows asked for some (None if none were); what each row was served by."""
         if self.proposers is None:
@@ -125,7 +114,7 @@ class DecodeStep:
             race=race,
             states=[seq.proposer_state for seq in sequences],
         )
-        return self.proposers.propose(batch, [seq.params.spec.method for seq in sequences], with_models)
+        return self.proposers.propose(batch, [seq.params.spec.method for seq in sequences])
 
     def _forward(self, num_rows: int, drafts: Drafts | None, layout: DraftLayout) -> tuple[Tensor, Tensor]:
         """The pending tokens and the drafts `[rows, width]` through the model: logits `[rows, width, V]`."""

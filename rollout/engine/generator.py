@@ -255,7 +255,7 @@ class Generator(Admission, DecodeStep):
         with torch.inference_mode(), eval_mode(self.model):
             self._refresh_graphs()  # once per call: the policy does not change under a call
             while self.has_unfinished:
-                out = self._step(None, False, None)
+                out = self._step()
                 num_finished += len(out.finished)
                 if on_step is not None:
                     on_step(out.record, num_finished, len(sequences))
@@ -322,20 +322,14 @@ class Generator(Admission, DecodeStep):
             runner.release_rows(0, self.max_batch_size)
         self.num_active = 0
 
-    def step(
-        self, num_draft_tokens: int | None = None, fill_drafts: bool = False, with_models: bool | None = None
-    ) -> StepOutput:
-        """One step: admit queued requests while slots are free (a prefill), else decode every active row once.
-        `num_draft_tokens` overrides the K policy for a decode step (such a step is not reported to the policy: its
-        observation is returned for the caller to use). `fill_drafts`: a row the proposers gave fewer drafts than
-        asked is filled up with copies of its pending token, so that the step is fed the width it was asked for (a
-        calibration times every width this way; the output stays exact, only the fillers are mostly rejected).
-        `with_models` (a cascade's calibration): True, every row is passed on to the proposers that run a model (a
-        draft model); False, those sit the step out; None, the cascade's own rule. Finished rows are released before
-        it returns. The step runs the policy in eval mode, whatever mode it is in (and hands it back in that mode)."""
+    def step(self) -> StepOutput:
+        """One step: admit queued requests while slots are free (a prefill), else decode every active row once, at the
+        K its policy chooses (a calibration forces K through `rollout.engine.step_timer.forced_steps`). Finished rows
+        are released before it returns. The step runs the policy in eval mode, whatever mode it is in (and hands it
+        back in that mode)."""
         with torch.inference_mode(), eval_mode(self.model):  # as in `generate`: the state tensors are inference tensors
             self._refresh_graphs()
-            return self._step(num_draft_tokens, fill_drafts, with_models)
+            return self._step()
 
     def invalidate_graphs(self) -> None:
         """Capture the CUDA graphs again at the next call. The graphs follow what they can see by themselves (weights
@@ -350,14 +344,14 @@ class Generator(Admission, DecodeStep):
         for graphs in self.graph_runners:
             graphs.refresh(self._graph_epoch)
 
-    def _step(self, num_draft_tokens: int | None, fill_drafts: bool, with_models: bool | None) -> StepOutput:
+    def _step(self) -> StepOutput:
         admissible = self._num_admissible() if self._queue else 0
         if admissible:
             record, observation = self._admit(admissible), None
         else:
             assert self.num_active > 0, "expected rows in flight: add_requests first"
             preempted = self._preempt_for_next_step() if self.runner.paged else 0
-            record, observation = self._decode_step(num_draft_tokens, fill_drafts, with_models)
+            record, observation = self._decode_step()
             record.num_preempted = preempted
         finished = self._release_finished()
         if self.runner.paged:

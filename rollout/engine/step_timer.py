@@ -10,6 +10,7 @@ long context costs a few prompts' prefill. Random text says nothing about real d
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from typing import Protocol
@@ -19,6 +20,8 @@ import torch
 from rollout.engine.policy_mode import eval_mode
 from rollout.engine.sampling import SamplingParams
 from specdec.auto_policy import StepObservation
+from specdec.policies import ForcedPolicy
+from specdec.proposers.calibration import FillingProposers
 
 
 class Engine(Protocol):
@@ -29,9 +32,11 @@ class Engine(Protocol):
     max_seq_len: int
     vocab_size: int
     last_trace: list
+    policy: object  # the K policy
+    proposers: object  # the proposers (a `ProposerSet`)
 
     def add_requests(self, prompt_ids, params, seed_indices=None) -> list: ...
-    def step(self, num_draft_tokens: int | None = None, fill_drafts: bool = False, with_models=None): ...
+    def step(self): ...
     def snapshot(self) -> list: ...
     def restore(self, rows: list) -> None: ...
     def abort(self) -> None: ...
@@ -105,4 +110,20 @@ class StepTimer:
         that finds fewer in random text is filled up); the rows are restored first. `with_models`: as
         `Generator.step`'s."""
         self.engine.restore(self.rows[:num_rows])
-        return self.engine.step(num_draft_tokens, fill_drafts=True, with_models=with_models).observation
+        with forced_steps(self.engine, num_draft_tokens, with_models) as forced:
+            self.engine.step()
+        return forced.observation
+
+
+@contextlib.contextmanager
+def forced_steps(engine: Engine, num_draft_tokens: int, with_models: bool | None = None):
+    """Within the block, the engine's decode steps run at K = `num_draft_tokens` with every row fed the drafts asked of
+    it (`FillingProposers`; `with_models` as there), and teach neither the K policy nor the proposers anything: the
+    `ForcedPolicy` yielded keeps the last step's observation. The output stays exact."""
+    policy, proposers = engine.policy, engine.proposers
+    forced = ForcedPolicy(num_draft_tokens)
+    engine.policy, engine.proposers = forced, FillingProposers(proposers, with_models)
+    try:
+        yield forced
+    finally:
+        engine.policy, engine.proposers = policy, proposers

@@ -8,6 +8,7 @@ from conftest import make_model, random_prompts
 from test_generator import teacher_forced_logprobs
 
 from rollout import Generator, SamplingParams
+from rollout.engine.step_timer import forced_steps
 from specdec.auto_policy import AutoPolicy
 from specdec.config import SpecConfig, SpecDecodeParams
 
@@ -178,8 +179,9 @@ def test_the_warm_up_times_contexts_up_to_a_cap_not_the_length_cap():
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("num_candidates", [1, 2], ids=["chains", "trees"])
 def test_filled_drafts_feed_every_row_its_k_and_stay_exact(num_candidates, temperature):
-    """`step(K, fill_drafts=True)` tops each row's drafts up to K (the calibration's way to time a width): every row
-    is fed K drafts, and the output is still what plain decoding gives (the same tokens for the same seed)."""
+    """`forced_steps(gen, K)` forces K and tops each row's drafts up to it (the calibration's way to time a width):
+    every row is fed K drafts, and the output is still what plain decoding gives (the same tokens for the same seed);
+    the K policy and the proposers are the generator's own again after it."""
     model = make_model("llama")
     prompts = random_prompts(6, seed=5)
     params = SamplingParams(temperature=temperature, max_new_tokens=12, seed=3)
@@ -189,10 +191,14 @@ def test_filled_drafts_feed_every_row_its_k_and_stay_exact(num_candidates, tempe
     )
     gen.add_requests(prompts, params)
     done, records = [], []
-    while gen.has_unfinished:
-        out = gen.step(3, fill_drafts=True)
-        done += out.finished
-        records.append(out.record)
+    policy, proposers = gen.policy, gen.proposers
+    with forced_steps(gen, 3) as forced:
+        while gen.has_unfinished:
+            out = gen.step()
+            done += out.finished
+            records.append(out.record)
+            assert out.record.kind == "prefill" or forced.observation is out.observation
+    assert gen.policy is policy and gen.proposers is proposers
     decode = [r for r in records if r.kind == "decode"]
     # rows still 4 or more tokens from their cap take all 3 drafts: the first steps feed every row 3 drafts
     assert decode[0].num_drafted == 3 * decode[0].batch_size
