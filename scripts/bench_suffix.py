@@ -19,10 +19,14 @@ Printed per config: tokens per row-step (decode tokens emitted per row per step:
 tokens/s and its ratio to none, bulk and tail tokens/s ratios, mean K, and the proposer's share of the rollout time.
 `--repeats N` runs every config N times, round-robin, and prints the median ratios.
 `--cost` prints the suffix proposer's time per step at 64, 256 and 1024 slots with a real history, next to the decode
-step; `--memory N` the history's size and load time at N cached responses.
+step; `--memory N` the history's size and load time at N cached responses; `--kernels` the compiled proposer against
+its numpy reference (`specdec/proposers/suffix_ref.py`) in lockstep on the same rollouts (256 slots, 32 prompts x 8,
+static K = 4; a first rollout, then a second whose history holds the first), drafts checked identical at every step:
+us per row-step of each over the bulk steps, and their ratio, median over `--repeats`.
 
     .venv/bin/python scripts/bench_suffix.py --out bench_suffix            # the three scenarios (~25 min)
     .venv/bin/python scripts/bench_suffix.py --cost --memory 10000         # cost per batch size, memory
+    .venv/bin/python scripts/bench_suffix.py --kernels --repeats 3          # compiled vs numpy reference (~5 min)
     python3 scripts/bench_suffix.py --device cuda --ks --scenarios first second   # on a GPU, auto K rows only
 
 The host side (proposers, scheduling) always runs with one torch thread; `--device` only moves the models (the draft
@@ -47,6 +51,7 @@ from rollout.phases import PhaseLabeler, summarize
 from rollout.tasks import arithmetic_dataset
 from specdec.auto_policy import AcceptanceStats, AutoPolicy
 from specdec.config import SpecConfig
+from specdec.proposers.suffix_ref import Lockstep
 
 OLD_ESTIMATE = "suffix (old acceptance estimate)"  # auto only: the estimate differs, the drafts do not
 FIRST_DRAFTS = "suffix + draft (first that drafts)"  # auto only: the old cascade rule
@@ -340,6 +345,56 @@ def memory(args, model, tokenizer, num_responses: int) -> dict:
     return result
 
 
+def kernels(args, model, prompt_ids) -> list[dict]:
+    """The compiled suffix proposer and its numpy reference on the same rollouts, side by side: us per row-step over
+    the bulk steps (every hook's time, attributed to the step it precedes), first and second rollout."""
+    prompt_ids = prompt_ids[: 256 // args.n]
+    longest = max(len(p) for p in prompt_ids) + args.max_new_tokens
+    spec = SpecConfig(method="suffix", num_speculative_tokens=4)
+    rows = []
+    for repeat in range(args.repeats):
+        gen = Generator(model, max_batch_size=256, max_seq_len=longest, spec=spec)
+        gen.generate(prompt_ids[:1], SamplingParams(max_new_tokens=2, seed=0))  # untimed: caches, compiled kernels
+        gen.draft_history.clear()
+        lockstep = Lockstep.replacing(gen.draft_history)
+        gen.proposers.proposers["suffix"] = lockstep
+        for scenario, seed in (("first", 1), ("second", 2)):  # the second's history holds the first
+            per_step = []
+
+            def on_step(record, finished, total, per_step=per_step, lockstep=lockstep):
+                per_step.append(dict(lockstep.step_seconds))
+                lockstep.step_seconds = {"new": 0.0, "ref": 0.0}
+
+            lockstep.step_seconds = {"new": 0.0, "ref": 0.0}
+            params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=seed)
+            gen.generate(prompt_ids, params, on_step=on_step)
+            labeler = PhaseLabeler(0.25)
+            bulk = [
+                (seconds, r.batch_size)
+                for seconds, r in zip(per_step, gen.last_trace)
+                if labeler.label(r.kind, r.batch_size) == "bulk"
+            ]
+            row_steps = sum(b for _, b in bulk)
+            us = {who: 1e6 * sum(s[who] for s, _ in bulk) / row_steps for who in ("new", "ref")}
+            row = {"scenario": scenario, "repeat": repeat, "row_steps": row_steps, **us, "ratio": us["ref"] / us["new"]}
+            print(
+                f"kernels {scenario:6s} repeat {repeat}: reference {us['ref']:.1f} us per row-step, compiled "
+                f"{us['new']:.1f} ({row['ratio']:.2f}x), {row_steps} bulk row-steps, drafts identical",
+                flush=True,
+            )
+            rows.append(row)
+        del gen, lockstep
+        gc.collect()
+    for scenario in ("first", "second"):
+        mine = [r for r in rows if r["scenario"] == scenario]
+        median = {key: statistics.median(r[key] for r in mine) for key in ("ref", "new", "ratio")}
+        print(
+            f"kernels {scenario:6s} median of {len(mine)}: reference {median['ref']:.1f} us per row-step, compiled "
+            f"{median['new']:.1f}, ratio {median['ratio']:.2f}x"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -354,6 +409,7 @@ def main() -> None:
     parser.add_argument("--cost", action="store_true", help="the proposer's time per step at 64, 256, 1024 rows")
     parser.add_argument("--memory", type=int, default=0, help="history size at this many cached responses")
     parser.add_argument("--depth", type=int, default=24, help="--cost: suffix_decoding_max_tree_depth")
+    parser.add_argument("--kernels", action="store_true", help="compiled proposer vs its numpy reference, lockstep")
     parser.add_argument("--out", default="bench_suffix")
     parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda")
     args = parser.parse_args()
@@ -365,7 +421,10 @@ def main() -> None:
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in data["prompt"]]
     args.max_seq_len = max(len(p) for p in prompt_ids) + args.max_new_tokens
     results: dict = {}
-    if args.cost or args.memory:
+    if args.kernels:
+        results["kernels"] = kernels(args, model, prompt_ids)
+        name = "kernels.json"
+    elif args.cost or args.memory:
         if args.cost:
             results["cost"] = cost(args, model, tokenizer)
         if args.memory:

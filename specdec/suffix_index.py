@@ -1,4 +1,4 @@
-"""Counted suffix tries in numpy: the structure the suffix proposer drafts from.
+"""Counted suffix tries: the structure the suffix proposer drafts from.
 
 A trie of depth D holds every n-gram (n <= D) of the sequences inserted into it: the node reached from a root by the
 tokens `t1..tn` is that n-gram, and its count is the number of positions where the n-gram ends. Following a node's
@@ -8,19 +8,25 @@ trie and the global one are updated by the same vectorised calls.
 
 A sequence being inserted is tracked by its frontier: `[D]` node ids, column m the node of its last m tokens (column 0
 the root, -1 where the sequence is shorter than m). Appending a token moves every frontier one column right through
-the child for that token. Every operation takes a batch of frontiers, one numpy call per stage. A node's first child is
-stored with the node; its other children (a branching point) in one open-addressing hash table keyed by (parent,
-token): most nodes of a deep trie have one child, so most steps never hash.
+the child for that token. Every operation takes a batch of frontiers and runs as one compiled loop
+(`specdec/proposers/suffix_kernels.py`). A node's first child is stored with the node; its other children (a branching
+point) in one open-addressing hash table keyed by (parent, token): most nodes of a deep trie have one child, so most
+steps never hash.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-_EMPTY = -1
-_TOKEN_BITS = 21  # a key is parent << 21 | token: vocabularies up to 2M tokens (the separator is vocab_size)
 _ROOT_COUNT = 1 << 30
-_HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
+
+
+def _kernels():
+    """The compiled loops, imported with the first index: numba takes ~0.2 s to import, which a run that drafts
+    otherwise should not pay."""
+    from specdec.proposers import suffix_kernels
+
+    return suffix_kernels
 
 
 class SuffixIndex:
@@ -36,17 +42,20 @@ class SuffixIndex:
     def __init__(self, max_depth: int, capacity: int = 1 << 12, table_capacity: int = 1 << 17):
         if not isinstance(max_depth, int) or max_depth < 1:
             raise ValueError(f"suffix_decoding_max_tree_depth ({max_depth!r}) must be an integer >= 1")
+        self.kernels = _kernels()
         self.max_depth = max_depth
-        self.num_nodes = 0
-        # one row per node, [count, best, token, first child]: the fields a step reads of a node share a cache line
-        self.nodes = np.tile(np.array([0, -1, -1, -1], dtype=np.int32), (capacity, 1))
+        # one row per node, [count, best, token, first child]: the fields a step reads of a node share a cache line;
+        # rows past `num_nodes` are unset (a node's fields are all written when it is made)
+        self.nodes = np.empty((capacity, 4), dtype=np.int32)
         self.branching = np.zeros(capacity, dtype=bool)  # the node has more children, in the hash table
-        # (parent << 21 | token) of every later child, in 2^17 slots (1.5 MiB) from the start: a probe round is ~10
-        # numpy calls whatever the keys, so a small history's lookups should mostly end in the first one (8.8k keys at
-        # load 1/15 instead of 1/7: 4% less proposer time at 64 rows); a large history grows it as before
-        self._keys = np.full(table_capacity, _EMPTY, dtype=np.int64)
-        self._values = np.zeros(table_capacity, dtype=np.int32)
-        self._num_keys = 0
+        # (parent << 21 | token) of every later child, at load <= 1/4 (grown to 1/8), 2^17 slots (1.5 MiB) at first
+        self._keys = np.full(1 << (table_capacity - 1).bit_length(), -1, dtype=np.int64)
+        self._values = np.zeros(len(self._keys), dtype=np.int32)
+        self._state = np.zeros(2, dtype=np.int64)  # [num_nodes, num_keys], kept by the kernels
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self._state[0])
 
     @property
     def count(self) -> np.ndarray:
@@ -70,8 +79,10 @@ class SuffixIndex:
 
     def new_root(self) -> int:
         """A new empty trie; returns its root node."""
-        root = int(self._allocate(np.array([-1], dtype=np.int32))[0])
-        self.count[root] = _ROOT_COUNT  # a root is no n-gram; this count only marks it as shared by every sequence
+        self.nodes, self.branching = self.kernels.reserve(self.nodes, self.branching, self.num_nodes + 1)
+        root = self.num_nodes
+        self.nodes[root] = (_ROOT_COUNT, -1, -1, -1)  # a root is no n-gram; its count marks it as in every sequence
+        self._state[0] += 1
         return root
 
     def start(self, roots: np.ndarray) -> np.ndarray:
@@ -83,56 +94,28 @@ class SuffixIndex:
     def extend(self, frontier: np.ndarray, tokens: np.ndarray, delta: int = 1) -> np.ndarray:
         """Append `tokens [N]` to N sequences with frontiers `[N, D]`: every suffix count changes by `delta` (+1 on
         insert; -1 removes a sequence inserted before, whose nodes must exist). Returns the new frontiers."""
-        flat = np.ascontiguousarray(frontier).ravel()
-        at = (flat >= 0).nonzero()[0]  # (row, m) pairs in row order, as flat indices
-        children = self._count(flat[at], tokens[at // self.max_depth], delta)
-        # the child of column m goes to column m + 1; a depth-D node (the last column's child) is counted, never
-        # extended: it lands in the next row's column 0, which the roots then overwrite (one spare past the last row)
-        new = np.full(flat.size + 1, -1, dtype=frontier.dtype)
-        new[at + 1] = children
-        new = new[:-1].reshape(frontier.shape)
-        new[:, 0] = frontier[:, 0]
-        return new
+        tokens = np.asarray(tokens)
+        return self.insert(frontier, tokens.reshape(-1, 1), np.ones(len(tokens), dtype=np.int64), delta)
 
     def insert(self, frontier: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, delta: int = 1) -> np.ndarray:
         """Append `tokens[i, :lengths[i]]` (`[N, T]`) to each sequence, in lockstep. Returns the new frontiers."""
-        frontier = frontier.copy()
-        for j in range(int(lengths.max(initial=0))):
-            rows = (lengths > j).nonzero()[0]
-            if rows.size == len(frontier):  # every sequence goes on
-                frontier = self.extend(frontier, tokens[:, j], delta)
-            else:
-                frontier[rows] = self.extend(frontier[rows], tokens[rows, j], delta)
+        frontier = np.array(frontier, dtype=np.int32, order="C")  # a copy: the kernel moves it in place
+        tokens, lengths = _int64(tokens), _int64(lengths)
+        self._update(self.kernels.insert, frontier, tokens, lengths, delta)
         return frontier
 
     def add_sequences(self, roots: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, delta: int = 1) -> None:
         """Insert (+1) or remove (-1) whole sequences `tokens[i, :lengths[i]]` (`[N, T]`) under `roots [N]`, one depth
-        at a time: the n-gram ending at position p is the child of the (n-1)-gram ending at p - 1, so D calls do what
-        position by position takes max(lengths) calls."""
-        num, width = tokens.shape
-        valid = np.arange(width)[None, :] < np.asarray(lengths)[:, None]
-        parents = np.where(valid, np.asarray(roots, dtype=np.int64)[:, None], -1)
-        for _ in range(self.max_depth):
-            rows, cols = np.nonzero(parents >= 0)
-            if rows.size == 0:
-                return
-            level = np.full((num, width), -1, dtype=np.int64)
-            level[rows, cols] = self._count(parents[rows, cols], tokens[rows, cols], delta)
-            parents = np.full((num, width), -1, dtype=np.int64)
-            parents[:, 1:] = np.where(valid[:, 1:], level[:, :-1], -1)
+        at a time: the n-gram ending at position p is the child of the (n-1)-gram ending at p - 1, so D passes do what
+        position by position takes max(lengths) passes."""
+        roots, tokens, lengths = _int64(roots), _int64(tokens), _int64(lengths)
+        self._update(self.kernels.add_sequences, roots, tokens, lengths, self.max_depth, delta)
 
-    def child(self, parents: np.ndarray, tokens: np.ndarray, first: np.ndarray | None = None) -> np.ndarray:
-        """The child of each of `parents [N]` (valid nodes) by its token, -1 where there is none. Reads only.
-        `first`: the parents' first children, if the caller has read them already."""
-        parents, tokens = parents.astype(np.int64, copy=False), tokens.astype(np.int64, copy=False)
-        first = self.first[parents] if first is None else first
-        # a node's first child sits in its record; only its later children (branches) go through the hash table
-        # (first -1 reads the last node's token, and is masked)
-        found = np.where((first >= 0) & (self.token[first] == tokens), first, -1).astype(np.int64)
-        ask = ((found < 0) & self.branching[parents]).nonzero()[0]
-        if ask.size:
-            found[ask] = self._lookup((parents[ask] << _TOKEN_BITS) | tokens[ask])
-        return found
+    def child(self, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The child of each of `parents [N]` (valid nodes) by its token, -1 where there is none. Reads only."""
+        return self.kernels.children(
+            self.nodes, self.branching, self._keys, self._values, _int64(parents), _int64(tokens)
+        )
 
     def walk(self, start: np.ndarray, max_len: np.ndarray, min_prob: float, width: int, num_open=0):
         """Follow the most frequent child from each `start [N]` node for up to `max_len [N]` tokens, while the
@@ -144,200 +127,15 @@ class SuffixIndex:
         every drafted position, i.e. the expected number of accepted tokens if the counts are right) and the path
         probability at the last drafted position `[N]` (1 where nothing was drafted).
         """
-        num = len(start)
-        tokens = np.full((num, width), -1, dtype=np.int64)
-        lengths = np.zeros(num, dtype=np.int64)
-        scores = np.zeros(num)
-        prob = np.ones(num)
-        node = start.astype(np.int64)
-        base = self.count[node] - num_open  # the first step's denominator
-        alive = ((max_len > 0) & (base > 0)).nonzero()[0]
-        for j in range(width):
-            if alive.size == 0:
-                break
-            child = self.best[node[alive]]
-            ok = child >= 0
-            alive, child = alive[ok], child[ok]
-            p = prob[alive] * self.count[child] / (base[alive] if j == 0 else self.count[node[alive]])
-            ok = p >= min_prob
-            alive, child, p = alive[ok], child[ok], p[ok]
-            tokens[alive, j] = self.token[child]
-            lengths[alive] += 1
-            scores[alive] += p
-            prob[alive] = p
-            node[alive] = child
-            alive = alive[max_len[alive] > j + 1]
-        return tokens, lengths, scores, prob
+        start = _int64(start)
+        max_len = np.broadcast_to(_int64(max_len), start.shape).copy()
+        num_open = np.broadcast_to(_int64(num_open), start.shape).copy()
+        return self.kernels.walk(self.nodes, start, max_len, float(min_prob), int(width), num_open)
 
-    # ---- the node store and its hash table -------------------------------------------------------------------------
+    def _update(self, kernel, *args) -> None:
+        stored = (self.nodes, self.branching, self._keys, self._values)
+        self.nodes, self.branching, self._keys, self._values = kernel(*stored, self._state, *args)
 
-    def _count(self, parents: np.ndarray, tokens: np.ndarray, delta: int) -> np.ndarray:
-        """The child of each parent by its token (created on insert), its count changed by `delta`."""
-        children = np.empty(len(parents), dtype=np.int64)
-        record = self.nodes.take(parents, axis=0)  # [count, best, token, first] of each parent: one gather
-        # fresh: the parent occurs once (a sequence's end) and never had a child, so the child is new and nobody else
-        # creates it in this call: most nodes of a deep trie, added with no hashing and no comparing
-        fresh = (record[:, 0] == 1) & (record[:, 3] < 0) if delta > 0 else np.zeros(len(parents), bool)
-        new = fresh.nonzero()[0]
-        if new.size:
-            new_parents = parents[new]
-            ids = self._allocate(tokens[new].astype(np.int32))
-            self.nodes[new_parents, 1] = ids
-            self.nodes[new_parents, 3] = ids
-            self.nodes[ids[0] : ids[-1] + 1, 0] = 1
-            children[new] = ids
-        shared = (~fresh).nonzero()[0] if new.size else np.arange(len(parents))
-        if shared.size:
-            old_parents = parents[shared]
-            old_children = self._children(old_parents, tokens[shared].astype(np.int64), record[shared, 3], delta > 0)
-            np.add.at(self.count, old_children, np.int32(delta))  # the array's dtype: no cast per element
-            if delta > 0:
-                self._raise_best(old_parents, old_children, record[shared, 1])
-            else:
-                dead = self.count[self.best[old_parents]] <= 0
-                self.best[old_parents[dead]] = -1
-            children[shared] = old_children
-        return children
 
-    def _children(self, parents: np.ndarray, tokens: np.ndarray, first: np.ndarray, create: bool) -> np.ndarray:
-        """`child`, and the children that are missing created (`create`; else they must all exist). Entries that ask
-        for the same new child get the same node."""
-        if not create:
-            found = self.child(parents, tokens, first)
-            assert (found >= 0).all(), "expected every node of a removed sequence to exist"
-            return found
-        parents, tokens = parents.astype(np.int64, copy=False), tokens.astype(np.int64, copy=False)
-        found = np.where((first >= 0) & (self.token[first] == tokens), first, -1).astype(np.int64)
-        rest = (found < 0).nonzero()[0]
-        if rest.size:
-            parents, tokens = parents[rest], tokens[rest]
-            ids = np.empty(rest.size, dtype=np.int64)
-            hashed = np.ones(rest.size, dtype=bool)
-            orphans = (first[rest] < 0).nonzero()[0]
-            if orphans.size:  # a parent without children takes the token of the last entry naming it as its first
-                owners = parents[orphans]
-                self.nodes[owners, 1] = orphans  # `best`, -1 in a parent without children, names entries meanwhile
-                lead = self.nodes[owners, 1]
-                leads = orphans[lead == orphans]
-                self.nodes[parents[leads], 3] = self._allocate(tokens[leads].astype(np.int32))
-                self.nodes[owners, 1] = -1
-                same = orphans[tokens[lead] == tokens[orphans]]
-                ids[same] = self.first[parents[same]]
-                hashed[same] = False
-            hashed = hashed.nonzero()[0]
-            if hashed.size:  # a parent's other children are in the hash table: found there, or created and stored
-                ids[hashed] = self._find_or_claim((parents[hashed] << _TOKEN_BITS) | tokens[hashed], tokens[hashed])
-                self.branching[parents[hashed]] = True
-            found[rest] = ids
-        return found
-
-    def _raise_best(self, parents: np.ndarray, children: np.ndarray, best: np.ndarray) -> None:
-        """best[p] = the child of largest count among the current best (`best`, before this call) and the children
-        just counted."""
-        ask = (best != children).nonzero()[0]  # a child that is its parent's best already stays best
-        parents, children, best = parents[ask], children[ask], best[ask]
-        for _ in range(8):  # several children of one parent in one call: the last write may not be the largest
-            better = (best < 0) | (self.count[children] > self.count[best])  # (best -1 reads the last node)
-            if not better.any():
-                return
-            self.best[parents[better]] = children[better]
-            best = self.best[parents]
-
-    def _allocate(self, tokens: np.ndarray) -> np.ndarray:
-        needed = self.num_nodes + len(tokens)
-        if needed > len(self.nodes):
-            capacity = max(needed, 2 * len(self.nodes))
-            nodes = np.tile(np.array([0, -1, -1, -1], dtype=np.int32), (capacity, 1))
-            nodes[: len(self.nodes)] = self.nodes
-            branching = np.zeros(capacity, dtype=bool)
-            branching[: len(self.branching)] = self.branching
-            self.nodes, self.branching = nodes, branching
-        ids = np.arange(self.num_nodes, needed, dtype=np.int32)
-        self.nodes[self.num_nodes : needed, 2] = tokens  # new nodes are one run: slices, not scatters
-        self.num_nodes = needed
-        return ids
-
-    def _slots(self, keys: np.ndarray) -> np.ndarray:
-        bits = len(self._keys).bit_length() - 1
-        return ((keys.astype(np.uint64) * _HASH) >> np.uint64(64 - bits)).astype(np.int64)
-
-    def _lookup(self, keys: np.ndarray) -> np.ndarray:
-        found = np.full(len(keys), -1, dtype=np.int64)
-        pending, slots = np.arange(len(keys)), self._slots(keys)
-        mask = len(self._keys) - 1
-        while pending.size:
-            stored = self._keys[slots]
-            hit = stored == keys
-            if hit.any():
-                found[pending[hit]] = self._values[slots[hit]]
-            on = ~hit & (stored != _EMPTY)  # linear probing: go on past other keys
-            pending, keys, slots = pending[on], keys[on], (slots[on] + 1) & mask
-        return found
-
-    def _find_or_claim(self, keys: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """The children of `keys` (parent << 21 | token): those in the table, and one new node per distinct key that
-        is not, created and stored. In chunks that cannot take the table past load 1/2 even if every key is new; it
-        grows after a chunk that left it above 1/4, as `_store` grows it (so by the keys stored, not the keys asked)."""
-        if 2 * (self._num_keys + len(keys)) <= len(self._keys):  # room for all (a step's keys, as a rule)
-            return self._probe(keys, tokens)
-        ids = np.empty(len(keys), dtype=np.int64)
-        done = 0
-        while done < len(keys):
-            end = min(len(keys), done + max(len(self._keys) // 2 - self._num_keys, 1))
-            ids[done:end] = self._probe(keys[done:end], tokens[done:end])
-            done = end
-        return ids
-
-    def _probe(self, keys: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """`_find_or_claim` for keys that fit; the table grows after them if they left it above load 1/4. Equal keys
-        probe in step (same slots, same table), so the entries that read their key back from a free slot just written
-        share it; the last of them written to the slot's value creates the node."""
-        ids = np.empty(len(keys), dtype=np.int64)
-        pending, slots = np.arange(len(keys)), self._slots(keys)
-        mask = len(self._keys) - 1
-        while pending.size:
-            stored = self._keys[slots]
-            free = stored == _EMPTY
-            self._keys[slots[free]] = keys[free]
-            mine = self._keys[slots] == keys
-            new = (mine & free).nonzero()[0]
-            if new.size:
-                claimed = slots[new]
-                self._values[claimed] = new
-                creators = new[self._values[claimed] == new]
-                self._values[slots[creators]] = self._allocate(tokens[creators].astype(np.int32))
-                self._num_keys += len(creators)
-            ids[pending[mine]] = self._values[slots[mine]]
-            on = ~mine  # linear probing: go on past other keys
-            pending, keys, tokens, slots = pending[on], keys[on], tokens[on], (slots[on] + 1) & mask
-        if 4 * self._num_keys > len(self._keys):  # load factor <= 1/4 between calls, as `_store` keeps it
-            self._rehash(8 * self._num_keys)
-        return ids
-
-    def _store(self, keys: np.ndarray, ids: np.ndarray) -> None:
-        """Insert distinct keys that are not in the table."""
-        self._num_keys += len(keys)
-        if 4 * self._num_keys > len(self._keys):  # load factor <= 1/4, and 1/8 after growing: probes stay short
-            self._rehash(8 * self._num_keys)
-        slots = self._slots(keys)
-        pending = np.arange(len(keys))
-        mask = len(self._keys) - 1
-        while pending.size:
-            free = pending[self._keys[slots[pending]] == _EMPTY]
-            # several keys may want one free slot: write them all, the one that reads back took it, the others probe on
-            self._keys[slots[free]] = keys[free]
-            took = free[self._keys[slots[free]] == keys[free]]
-            self._values[slots[took]] = ids[took]
-            done = np.zeros(len(keys), dtype=bool)
-            done[took] = True
-            pending = pending[~done[pending]]
-            slots[pending] = (slots[pending] + 1) & mask
-
-    def _rehash(self, size: int) -> None:
-        size = 1 << (size - 1).bit_length()
-        occupied = self._keys != _EMPTY
-        keys, values = self._keys[occupied], self._values[occupied]
-        self._keys = np.full(size, _EMPTY, dtype=np.int64)
-        self._values = np.zeros(size, dtype=np.int32)
-        self._num_keys -= len(keys)
-        self._store(keys, values)
+def _int64(values) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.int64)

@@ -9,7 +9,8 @@ above `min_token_prob`, for at most `min(K, floor(m * max_spec_factor), depth - 
 highest score, the sum of the path probabilities (the expected accepted length if the counts are right); a draft that
 stops short of K goes on, in a second round, from the context it ends in; with `num_candidates > 1` a row's best
 distinct drafts become a token tree. Drafts depend only on tokens already emitted, never on the target's random
-draws, so verification stays lossless.
+draws, so verification stays lossless. Chains are drafted by one compiled loop over the rows
+(`specdec/proposers/suffix_kernels.py`); `specdec/proposers/suffix_ref.py` is its numpy reference, draft for draft.
 """
 
 from __future__ import annotations
@@ -97,75 +98,30 @@ class SuffixProposer(SuffixTries):
         """Each row's chain draft from the tries as they stand: the best one, continued where it stops short (with
         `continue_short`). Tokens `[rows, K]` (-1 padded), counts `[rows]` and scores `[rows]` (expected accepted
         drafts: the path probabilities summed, a continuation's scaled by the probability of the path it continues)."""
-        drafts, counts, scores, ends = self._best(asked)
-        if self.continue_short:
-            self._continue_short(drafts, counts, scores, ends, asked)
+        drafts, counts, scores, _ = self._draft(asked, self._CONTINUE_CONTEXT if self.continue_short else -1)
         return drafts, counts, scores
 
     def _best(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Each row's draft of highest score (ties: the later candidate, i.e. the longer match): tokens `[rows, K]`
-        (-1 padded), counts `[rows]`, scores `[rows]` and the path probability at the draft's end `[rows]`."""
-        drafts = np.full((len(asked), int(asked.max(initial=0))), -1, dtype=np.int64)
-        counts = np.zeros(len(asked), dtype=np.int64)
-        best_scores, best_ends = np.zeros(len(asked)), np.ones(len(asked))
-        rows, tokens, lengths, scores, ends = self._candidates(asked)
-        if rows.size:
-            last = _best_of_each(rows, scores)
-            drafts[rows[last]] = tokens[last, : drafts.shape[1]]
-            counts[rows[last]] = lengths[last]
-            best_scores[rows[last]], best_ends[rows[last]] = scores[last], ends[last]
-        return drafts, counts, best_scores, best_ends
+        """Each row's draft of highest score over every (trie, match length) walk (ties: the later walk, i.e. the
+        global trie, then the longer match), one round: tokens `[rows, K]` (-1 padded), counts `[rows]`, scores
+        `[rows]` and the path probability at the draft's end `[rows]`."""
+        return self._draft(asked, -1)
 
-    def _continue_short(
-        self, drafts: np.ndarray, counts: np.ndarray, scores: np.ndarray, ends: np.ndarray, asked: np.ndarray
-    ) -> None:
-        """A draft shorter than asked goes on from the context it ends in, the row's text followed by the draft: a
-        second round of drafting whose match lengths are the draft's last tokens, or the whole draft plus up to
-        `_CONTINUE_CONTEXT` tokens of the row's own text (longer ones add nothing measurable). Its path probability
-        starts again at 1; its score adds to the row's scaled by the probability of the path it continues (`ends`).
-        In place."""
-        rows = ((counts > 0) & (counts < asked)).nonzero()[0]
-        if rows.size == 0:
-            return
-        depth, num_drafted = self.max_tree_depth, counts[rows]  # [E]
-        # walkers through the draft, each (row e, source trie, start node, draft tokens skipped, match length at the
-        # end): the row's last c tokens then the whole draft (c = 0: from the root), or the draft's last m tokens
-        sources = np.array(self.sources)
-        e1, src1, c = np.indices((len(rows), len(sources), self._CONTINUE_CONTEXT + 1)).reshape(3, -1)
-        e2, src2, m = np.indices((len(rows), len(sources), drafts.shape[1] - 1)).reshape(3, -1)
-        src1, src2, m = sources[src1], sources[src2], m + 1
-        short = m < num_drafted[e2]
-        e2, src2, m = e2[short], src2[short], m[short]
-        e, src = np.concatenate([e1, e2]), np.concatenate([src1, src2])
-        node = self._frontiers[src, rows[e], np.concatenate([c, np.zeros_like(m)])].astype(np.int64)
-        skip = np.concatenate([np.zeros_like(c), num_drafted[e2] - m])
-        match = np.concatenate([num_drafted[e1] + c, m])
-        keep = (match < depth) & (node >= 0)
-        e, src, node, skip, match = e[keep], src[keep], node[keep], skip[keep], match[keep]
-        walked, path = num_drafted[e], drafts[rows[e]]  # each walker's draft
-        for j in range(int(num_drafted.max())):
-            step = ((skip <= j) & (j < walked) & (node >= 0)).nonzero()[0]
-            node[step] = self.index.child(node[step], path[step, j])
-        found = node >= 0
-        e, src, node, match = e[found], src[found], node[found], match[found]
-        # the row's own text ends in this context (no continuation yet) only where it is the row's own suffix node
-        num_open = (node == self._frontiers[src, rows[e], match]).astype(np.int64)
-        remaining = asked[rows] - num_drafted
-        limit = np.minimum(
-            remaining[e], np.minimum(np.floor(match * self.max_spec_factor).astype(np.int64), depth - match)
+    def _draft(self, asked: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The compiled drafting: one round, and a second from up to `context` tokens of the row (-1: none)."""
+        index = self.index
+        return index.kernels.draft_chains(
+            index.nodes,
+            index.branching,
+            index._keys,
+            index._values,
+            self._frontiers,
+            np.ascontiguousarray(asked, dtype=np.int64),
+            np.array(self.sources, dtype=np.int64),
+            float(self.max_spec_factor),
+            float(self.min_token_prob),
+            int(context),
         )
-        tokens, lengths, more, _ = self.index.walk(node, limit, self.min_token_prob, int(remaining.max()), num_open)
-        ok = lengths > 0
-        e, match, tokens, lengths, more = e[ok], match[ok], tokens[ok], lengths[ok], more[ok]
-        if e.size == 0:
-            return
-        best = _best_of_each(e, more, match)  # ties: the longer match
-        row, start, length = rows[e[best]], counts[rows[e[best]]], lengths[best]
-        offsets = np.arange(tokens.shape[1])
-        valid = offsets[None, :] < length[:, None]
-        drafts[np.repeat(row, length), (start[:, None] + offsets)[valid]] = tokens[best][valid]
-        counts[row] += length
-        scores[row] += ends[row] * more[best]
 
     def _tree(self, num_rows: int, asked: np.ndarray, rows, tokens, scores) -> Drafts:
         """The best `num_candidates` distinct drafts of each row merged into a token tree of at most K nodes."""
@@ -180,10 +136,3 @@ class SuffixProposer(SuffixTries):
             candidates[kept_rows[top], rank[top]] = tokens[kept[top]]
         token_ids, parents, counts = merge_candidates(torch.from_numpy(candidates), asked.tolist())
         return Drafts(token_ids, counts, parents=parents)
-
-
-def _best_of_each(groups: np.ndarray, *keys: np.ndarray) -> np.ndarray:
-    """Per distinct value of `groups [N]`, the index of its largest `keys` (compared in order; last ties: the later
-    index)."""
-    order = np.lexsort((*reversed(keys), groups))
-    return order[np.append(groups[order][1:] != groups[order][:-1], True)]

@@ -47,6 +47,7 @@ class SuffixTries(Proposer):
     """
 
     needs_prefill = True
+    index_class = SuffixIndex  # the node store (the numpy reference's in `specdec/proposers/suffix_ref.py`)
 
     def __init__(
         self,
@@ -69,7 +70,7 @@ class SuffixTries(Proposer):
     def clear(self) -> None:
         """Forget every response and every row in flight."""
         depth, slots = self.max_tree_depth, self._num_slots
-        self.index = SuffixIndex(depth)
+        self.index = self.index_class(depth)
         self.global_root = self.index.new_root()
         self.prompts: dict[bytes, _PromptTrie] = {}
         self.history: collections.deque[tuple[bytes, np.ndarray]] = collections.deque()  # oldest first
