@@ -5,7 +5,10 @@ Rows (`--rows`; run in this order, each at every `--sizes` entry, 64x8 = 64 held
 - `none`: this library's Generator without speculation; `hf_generate`: `model.generate` on left-padded batches
   (TRL without vLLM); `generate_batch`: transformers' continuous batching (paged attention, CUDA graphs as shipped);
 - `suffix`, `suffix+draft` (the cascade), `draft`, `ngram` at auto K; `suffix_k4`, `suffix_k2`, `suffix_k1` static;
-- `trl`: GRPOTrainer steps with TRL's own generation vs `trl_rollout_func` (once, where TRL is installed).
+- `trl`: GRPOTrainer steps with TRL's own generation vs `trl_rollout_func` (once, where TRL is installed);
+- `standard`: the field's standard workload, the "nano-vllm benchmark" (once): `--standard-seqs` sequences of random
+  token ids, input and output lengths each random in `--standard-lengths` (CUDA 256 and 100-1024), temperature 0.6,
+  EOS ignored; tokens/s counts the output tokens, as nano-vllm's does. Its seed and lengths are in the JSON.
 
 Generator rows run two rollouts on one generator (seeds 1, 2): the second drafts from the first's history (a repeat
 where the proposer keeps none). Per row: tokens/s in total and per phase, mean K, acceptance, ratios to hf_generate,
@@ -31,6 +34,7 @@ import math
 import os
 import pathlib
 import platform
+import random
 import shlex
 import subprocess
 import sys
@@ -49,19 +53,21 @@ from rollout.phases import PHASES, PhaseLabeler, summarize  # noqa: E402
 from rollout.tasks import format_prompt, generate_problems  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 
-ROWS = ("none", "none_eager", "hf_generate", "generate_batch", "suffix", "suffix_eager", "suffix+draft", "draft")
+ROWS = ("standard", "none", "none_eager", "hf_generate", "generate_batch", "suffix", "suffix_eager", "suffix+draft")
+ROWS += ("draft",)
 # the most wanted first: a run short of budget skips the last; *_eager: the same row without CUDA graphs; *_slots:
 # on the slot KV layout (the engine before the paged work)
 ROWS += ("ngram", "suffix_k4", "none_slots", "suffix_slots", "suffix_k2", "suffix_k1", "trl")
-QUICK_ROWS = ("none", "none_eager", "suffix", "suffix_eager", "generate_batch", "hf_generate", "draft")
+QUICK_ROWS = ("standard", "none", "none_eager", "suffix", "suffix_eager", "generate_batch", "hf_generate", "draft")
 DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
     "cuda": dict(model="tiny-target-1b", draft="tiny-draft-150m", dtype="bfloat16", sizes="64x8,256x8",
                  max_new_tokens=1024, hf_batch_size=512, max_batch_size=1024, budget_s=440.0, row_cap_s=150.0,
-                 trl_prompts=8),
+                 trl_prompts=8, standard_seqs=256, standard_lengths="100-1024"),
     # the H100 took 48 s for hf_generate's 512 rows and ran generate_batch to its cap: they come after the engine's
     "quick": dict(sizes="64x8", rows=QUICK_ROWS, budget_s=230.0, row_cap_s=40.0),
     "cpu": dict(model="tiny-target", draft="tiny-draft", dtype="float32", sizes="4x2", max_new_tokens=32,
-                hf_batch_size=8, max_batch_size=1024, budget_s=600.0, row_cap_s=120.0, trl_prompts=2),
+                hf_batch_size=8, max_batch_size=1024, budget_s=600.0, row_cap_s=120.0, trl_prompts=2,
+                standard_seqs=6, standard_lengths="8-40"),
 }  # fmt: skip
 RESERVE_S = 10.0  # of the budget, kept for the table and the JSON
 SYNC_WARNING = "synchroniz"  # torch's sync-debug warning reads "called a synchronizing CUDA operation"
@@ -185,6 +191,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--probe-steps", type=int, default=4, help="decode steps profiled, and sync-counted")
     parser.add_argument("--trl-steps", type=int, default=2, help="GRPOTrainer optimiser steps per backend")
     parser.add_argument("--trl-prompts", type=int, help="prompts per TRL step (CUDA 8; CPU 2)")
+    parser.add_argument("--standard-seqs", type=int, help="the standard row's sequences (CUDA 256; CPU 6)")
+    parser.add_argument("--standard-lengths", help="its input and output lengths, lo-hi (CUDA 100-1024; CPU 8-40)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--commit", help="the git commit to record (default: git rev-parse HEAD)")
     parser.add_argument("--out", default="outputs/bench_gpu", help="folder of bench_gpu.json")
@@ -194,6 +202,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.sizes = [tuple(int(x) for x in size.split("x")) for size in args.sizes.split(",")]
+    args.standard_lengths = tuple(int(x) for x in args.standard_lengths.split("-"))
     return args
 
 
@@ -344,10 +353,14 @@ def generate_batch_row(ctx, row_id: str, prompts: list[list[int]], n: int, deadl
     return [{"seconds": seconds, "tokens": tokens, "capped": capped, "setup_seconds": setup}]
 
 
-def rollout(gen: Generator, prompts: list[list[int]], params: SamplingParams, deadline: float) -> dict:
+def rollout(
+    gen: Generator, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], deadline: float
+) -> dict:
     """One rollout through the public engine (`add_requests`, then `step` until done or `deadline`), noting for each
-    decode step the context of the rows in flight (their prompt and emitted tokens) for the roofline."""
-    prompt_of = [len(p) for p in prompts for _ in range(params.n)]  # in queue order: prompt-major
+    decode step the context of the rows in flight (their prompt and emitted tokens) for the roofline. `params`: shared,
+    or one per prompt."""
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    prompt_of = [len(p) for p, own in zip(prompts, per_prompt) for _ in range(own.n)]  # in queue order: prompt-major
     labeler, steps = PhaseLabeler(0.25), []
     admitted = in_flight_prompt = emitted = finished_tokens = 0
     gen.add_requests(prompts, params)
@@ -483,6 +496,29 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
     return [{**row, **shared} for row in rows]
 
 
+def standard_row(ctx, row_id: str, prompts: None, n: int, deadline: float) -> list[dict]:
+    """(f) The nano-vllm benchmark on this library's engine without speculation (graphs as on `none`): random token
+    ids, random input and output lengths, EOS ignored, all sequences queued at once."""
+    args, model = ctx["args"], ctx["model"]
+    rng = random.Random(0)
+    low, high = args.standard_lengths
+    vocab = min(10_000, model.get_output_embeddings().weight.shape[0] - 1)
+    inputs = [[rng.randint(0, vocab) for _ in range(rng.randint(low, high))] for _ in range(args.standard_seqs)]
+    outputs = [rng.randint(low, high) for _ in range(args.standard_seqs)]
+    params = [SamplingParams(temperature=0.6, max_new_tokens=m, ignore_eos=True, seed=0) for m in outputs]
+    start = time.perf_counter()
+    gen = Generator(model, max_batch_size=min(len(inputs), args.max_batch_size), max_seq_len=2 * high + 8)
+    warm_up(gen, inputs, None)
+    setup = time.perf_counter() - start
+    result = rollout(gen, inputs, params, deadline)
+    workload = {"seed": 0, "temperature": 0.6, "input_lengths": [len(p) for p in inputs], "output_lengths": outputs}
+    graphs = gen.graph_runners
+    del gen
+    row = {**step_metrics(result.pop("steps"), ctx), **result, "setup_seconds": setup, "workload": workload}
+    row["graphs"] = {"captured": sum(len(g.graphs) for g in graphs)} if graphs else None
+    return [row]
+
+
 def trl_rows(ctx, row_id: str, prompts: None, n: int, deadline: float) -> list[dict]:
     """(e) GRPOTrainer steps with TRL's own generation vs `trl_rollout_func` (suffix, auto K), through
     scripts/bench_trl.py on the GRPO recipe with this run's model, device, dtype and group size."""
@@ -521,9 +557,10 @@ def run_unit(ctx, rows: list[dict], row_id: str, size: tuple[int, int] | None, p
     """One row (two for a generator or TRL), skipped when the median time of this size's rows so far does not fit
     the budget left, capped at `--row-cap-s`, its error recorded; the JSON is rewritten after it."""
     args = ctx["args"]
-    size_name = f"{size[0]}x{size[1]}" if size else "trl"
+    size_name = f"{size[0]}x{size[1]}" if size else row_id
     base = {"id": row_id, "size": size_name, "rollout": "1st"}
-    base["name"] = f"{size_name} {row_label(row_id)}" if size else "trl: GRPOTrainer steps"
+    once = {"trl": "trl: GRPOTrainer steps", "standard": f"standard: {args.standard_seqs} random sequences"}
+    base["name"] = f"{size_name} {row_label(row_id)}" if size else once[row_id]
     left = args.budget_s - (time.perf_counter() - ctx["start"]) - RESERVE_S
     took = [r["unit_seconds"] for r in rows if r["size"] == size_name and "unit_seconds" in r]
     estimate = median(took) if took else None
@@ -534,6 +571,7 @@ def run_unit(ctx, rows: list[dict], row_id: str, size: tuple[int, int] | None, p
             raise TimeoutError(f"skipped: estimated {fmt(estimate, '.0f')} s, {max(left, 0):.0f} s of the budget left")
         deadline = start + min(args.row_cap_s, left)
         row_fn = {"hf_generate": hf_generate_row, "generate_batch": generate_batch_row, "trl": trl_rows}
+        row_fn["standard"] = standard_row
         mark = memory_mark(ctx["device"])
         n = size[1] if size else args.sizes[0][1]
         new = row_fn.get(row_id, generator_rows)(ctx, row_id, prompts, n, deadline)
@@ -644,6 +682,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = build_prompts(tokenizer, max(p for p, _ in args.sizes))
     rows: list[dict] = []
     for row_id in (r for r in (args.rows or ROWS) if r != "trl"):  # by row, as listed: a short budget skips
+        if row_id == "standard":  # its own workload, once
+            run_unit(ctx, rows, row_id, None, None)
+            continue
         for size in args.sizes:  # the least wanted rows at every size, not every row of the last size
             run_unit(ctx, rows, row_id, size, prompts[: size[0]])
     if "trl" in (args.rows or ROWS):
