@@ -40,6 +40,7 @@ SPECS = {
     "suffix chain": lambda: SpecConfig(method="suffix", num_speculative_tokens=3),
     "ngram tree": lambda: SpecConfig(method="ngram", num_speculative_tokens=4, num_candidates=3, prompt_lookup_min=1),
     "suffix tree": lambda: SpecConfig(method="suffix", num_speculative_tokens=4, num_candidates=2),
+    "cascade": lambda: SpecConfig(method=["suffix", "draft_model"], num_speculative_tokens=3, model=draft_model()),
 }
 
 
@@ -53,16 +54,19 @@ def test_a_decode_step_reads_its_results_once(spec, kv_layout):
     if spec is not None and len(spec.methods) > 1:  # the cascade: suffix drafts where it has some, the draft model
         gen.proposers.pass_on = False  # for the rest, combined into one step's drafts
     gen.add_requests(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=0))
-    reads, kinds, trees = [], [], 0
+    reads, kinds, trees, mixed = [], [], 0, 0
     while gen.has_unfinished:
         counter = CountingReads()
         with counter:
             out = gen.step()
         if out.record.kind == "decode":
             reads.append(counter.count)
+            mixed += len(out.record.rows_by_method) > 1
             trees += out.record.num_drafted > 0 and spec is not None and spec.num_candidates > 1
         kinds.append(out.record.kind)
     assert kinds.count("decode") >= 5
     if spec is not None and spec.num_candidates > 1:
         assert trees >= 2, "no step drafted a tree: nothing was tested"
+    if spec is not None and len(spec.methods) > 1:
+        assert mixed >= 2, "no step combined two proposers' drafts: nothing was tested"
     assert reads == [1] * len(reads), reads

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollout_kernels.device_io import upload
+from rollout_kernels.device_io import host, upload
 from rollout_kernels.race_logits import race_logits, race_logits_ref
 from specdec.processing import RowSampling, keep_thresholds, processed_logprobs, target_probs
 from specdec.proposers.base import Drafts, ModelRunnerProtocol, ProposalBatch, Proposer
@@ -55,14 +55,14 @@ class DraftModelProposer(Proposer):
             self.runner.copy_rows(row_start + group_of, dst, max(len(p) for p in prompts))
         rows = slice(row_start, row_start + len(states))
         self._reserve(rows.stop, 1)
-        self._cache_len[rows] = host_longs([len(p) for p in prompts])[group_of.cpu()]
+        self._cache_len[rows] = host_longs([len(p) for p in prompts])[host(group_of)]
         self._base[rows] = 0
         self._num_cached[rows] = 0
 
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
         self._land()
         self.runner.copy_rows(src, dst, num_positions)
-        src, dst = src.cpu(), dst.cpu()
+        src, dst = host(src), host(dst)  # the engine's row indices, on the host
         for field in (self._cache_len, self._base, self._num_cached, self._cached):
             field[dst] = field[src]
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from torch import Tensor
 
+from rollout_kernels.device_io import host
 from specdec.proposers.base import Proposer
 from specdec.suffix_index import SuffixIndex
 
@@ -170,7 +171,7 @@ class SuffixTries(Proposer):
 
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
         rows = np.arange(row_start, row_start + len(states))
-        groups = group_of.cpu().numpy()
+        groups = host(group_of).numpy()
         entries = self._prompt_tries([np.asarray(p, dtype=np.int32) for p in prompts])
         for row, group in zip(rows.tolist(), groups.tolist()):
             entries[group].num_rows += 1
@@ -181,7 +182,7 @@ class SuffixTries(Proposer):
         self._in_flight[rows] = True
 
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
-        src, dst = src.cpu().numpy(), dst.cpu().numpy()
+        src, dst = host(src).numpy(), host(dst).numpy()  # the engine's row indices, on the host
         self._frontiers[:, dst] = self._frontiers[:, src]
         for array in (self._num_inserted, self._prompt_len, self._in_flight):
             array[dst] = array[src]
