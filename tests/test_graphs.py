@@ -23,7 +23,7 @@ def padded_generator(model, graphs: bool, **kwargs) -> Generator:
     gen = Generator(model, kv_layout="paged", cuda_graphs=False, **kwargs)
     if graphs:  # the target's runner, and a draft model's
         for runner in gen._runners():
-            runner.use_graphs(gen.max_block, capture=False)
+            runner.use_graphs(gen.max_width, capture=False)
     return gen
 
 

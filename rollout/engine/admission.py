@@ -125,7 +125,7 @@ class Admission:
         preempted = 0
         while self.num_active > 1:
             lens = self.slots.cache_len[: self.num_active].numpy()
-            need = cache.manager.needed(np.arange(self.num_active), lens + self.max_block, lens)
+            need = cache.manager.needed(np.arange(self.num_active), lens + self.max_width, lens)
             if need <= cache.free_blocks_after_growth():
                 break
             victim = max(range(self.num_active), key=lambda row: self.slots.sequences[row].admitted_at)
@@ -144,7 +144,7 @@ class Admission:
         if not self.runner.paged:
             return count
         cache = self.runner.cache
-        per_step = -(-self.max_block // cache.block_size) + 1  # a full-width step, and a shared block copied
+        per_step = -(-self.max_width // cache.block_size) + 1  # a full-width step, and a shared block copied
         budget = cache.free_blocks_after_growth() - self.num_active * per_step
         admitted, previous = 0, None
         for seq in itertools.islice(self._queue, count):

@@ -126,8 +126,8 @@ class Generator(Admission, DecodeStep):
         self.max_prefill_tokens = max_prefill_tokens
         self.spec = spec
         # tokens fed per row per decode step: the pending token plus the largest K
-        self.max_block = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        num_positions = max_seq_len + self.max_block
+        self.max_width = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+        num_positions = max_seq_len + self.max_width
         # planned before anything is allocated: the slot cache must fit, a paged pool is sized to what is free
         self.kv_cache_bytes, max_kv_blocks = plan_kv_cache(
             model, spec, max_batch_size, max_seq_len, kv_layout, kv_pool_blocks
@@ -143,7 +143,7 @@ class Generator(Admission, DecodeStep):
             )
         if cuda_graphs is not False and self.runner.paged and self.device.type == "cuda":
             # before the auto policy's warm-up, so that it times the captured steps
-            self.runner.use_graphs(self.max_block).capture_all(max_batch_size)
+            self.runner.use_graphs(self.max_width).capture_all(max_batch_size)
         # a draft model's runner takes the target's layout and graphs
         self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
         self._methods = spec.methods if spec else ()
@@ -161,7 +161,7 @@ class Generator(Admission, DecodeStep):
         self._admissions = itertools.count()  # admission order: a paged cache short of blocks preempts the latest
         self.warm_up_seconds = 0.0
         self._graph_epoch = 0  # raised by `invalidate_graphs`
-        if isinstance(self.policy, AutoPolicy) and self.max_uniform_context < self.max_block + 4:
+        if isinstance(self.policy, AutoPolicy) and self.max_uniform_context < self.max_width + 4:
             cache = self.runner.cache
             raise ValueError(
                 f"kv_pool_blocks ({cache.max_blocks}) holds {cache.max_blocks // max_batch_size} blocks of "
@@ -200,7 +200,7 @@ class Generator(Admission, DecodeStep):
             return self.max_seq_len
         cache = self.runner.cache
         per_row = cache.max_blocks // self.max_batch_size - 2  # a step's new block and a copied shared one
-        return max(1, min(self.max_seq_len, per_row * cache.block_size - self.max_block))
+        return max(1, min(self.max_seq_len, per_row * cache.block_size - self.max_width))
 
     @property
     def draft_history(self) -> SuffixProposer | None:
@@ -299,7 +299,7 @@ class Generator(Admission, DecodeStep):
             if self.proposers is not None:
                 self.proposers.begin()
         # room for the longest request now, at admission, rather than by growing the caches mid-rollout
-        longest = max(len(seq.prompt) + seq.max_new_tokens for seq in sequences) + self.max_block
+        longest = max(len(seq.prompt) + seq.max_new_tokens for seq in sequences) + self.max_width
         for runner in self._runners():
             runner.reserve_positions(min(longest, runner.num_positions))
         self._queue.extend(sequences)
