@@ -47,8 +47,8 @@ from rollout_kernels.race_sample import (
 _MAX_SPLITS = 64  # programs per race at most (the second stage reads them as one block)
 _SPLIT_SIZE = 8192  # vocabulary entries per program by default (a multiple of every block size)
 _ELEMENTS_PER_CHUNK = 1 << 18  # the reference's races x vocab per pass
-# The reference's float32 bound of a score may be off by (|score| + 80) 2^-21 at most (its logit / T and its logarithm
-# of the noise's bound in float32); twice that keeps a token in the running.
+# The logarithm of the reference's float32 bound of a score may be off by (|score| + |top| + 80) 2^-21 at most (x/T,
+# its difference to the row's top logit and the exponential in float32); twice that keeps a token in the running.
 _BOUND_SLACK = 2.0**-20
 _BOUND_SLACK_OFFSET = 80.0
 
@@ -306,9 +306,10 @@ def race_logits_ref(
     split_size: int | None = None,  # unused: the reference does not split
 ) -> tuple[Tensor, Tensor]:
     """Pure-torch `race_logits`: the same tokens, log-probabilities to rounding, on any device. Races in chunks of
-    about 2^18 elements; a sampled race scores exactly its token of largest float32 bound `x/T - ln(1 - u)`
-    (`-ln u >= 1 - u`, the bound from `race_sample`'s `_room`) and the tokens whose bound comes within the slack of
-    that score (most rows: that token alone), and no other."""
+    about 2^18 elements; a sampled race scores exactly its token of largest float32 bound `e^(x/T - top) / (1 - u)`
+    (`-ln u >= 1 - u`, the bound from `race_sample`'s `_room`; `top` the row's largest x/T, the exponentials shared
+    with the log-sum-exp) and the tokens whose bound comes within the slack of that score (most rows: that token
+    alone), and no other."""
     num_races, vocab_size = _check_inputs(logits, logit_rows, temperatures, seeds, positions, keep_min, keep_last)
     device = logits.device
     token_ids = torch.empty(num_races, dtype=torch.int64, device=device)
@@ -334,25 +335,29 @@ def race_logits_ref(
         scaled = x.to(compute) / divisor.to(compute)[:, None]
         if kept is not None:
             scaled = scaled.masked_fill(~kept, float("-inf"))
-        lse = torch.logsumexp(scaled, dim=1)  # [n]
-        # the bounds: x / T - ln(room) >= x / T - ln(E), room from the hash two rounds into mixing (-inf where cut)
+        top = scaled.amax(dim=1)
+        top = torch.where(top > float("-inf"), top, 0.0)  # a row of -inf: any finite shift
+        shifted = torch.exp(scaled - top[:, None])  # [n, vocab] p_t e^(lse - top), 0 where cut
+        lse = top + shifted.sum(dim=1).log()  # [n]
+        # the bounds, shifted: e^(x/T - top) / room >= e^(x/T - ln E - top), room from the hash two rounds into mixing
         mixed = keys[races, None] + token_offsets
         scratch = torch.empty_like(mixed)
         _mix_rounds_ref(mixed, scratch, range(2))
-        bound = torch.full((n, padded), float("-inf"), dtype=torch.float32, device=device)
-        torch.sub(scaled.to(torch.float32), _room(mixed, scratch).log_(), out=bound[:, :vocab_size])
+        bound = torch.zeros(n, padded, dtype=torch.float32, device=device)  # padding 0: never above the first
+        torch.div(shifted.to(torch.float32), _room(mixed, scratch), out=bound[:, :vocab_size])
         first = _first_argmax(bound)  # [n]
         first_mixed = _mix_rounds_ref(
             mixed.gather(1, first[:, None]), torch.empty(n, 1, dtype=torch.int64, device=device), range(2, 3)
         )
         first_noise = _log_ref(_neg_log_ref(_uniforms_of(_finished_bits(first_mixed))))[:, 0]
         best = x.gather(1, first[:, None])[:, 0].to(torch.float64) / divisor - first_noise
-        threshold = (best - (best.abs() + _BOUND_SLACK_OFFSET) * _BOUND_SLACK).to(torch.float32)
-        bound.scatter_(1, first[:, None], float("-inf"))
+        slack = (best.abs() + top.abs() + _BOUND_SLACK_OFFSET) * _BOUND_SLACK
+        threshold = torch.exp(best - top - slack).to(torch.float32)
+        bound.scatter_(1, first[:, None], 0.0)
         contested = torch.nonzero(~greedy & ~(bound.amax(dim=1) < threshold))[:, 0]
         if len(contested):  # another token's bound reaches the first's score, less the slack: score the contenders
             contenders = bound[contested, :vocab_size] >= threshold[contested, None]
-            contenders &= bound[contested, :vocab_size] > float("-inf")  # never a token top-k / top-p cut
+            contenders &= bound[contested, :vocab_size] > 0  # never a token top-k / top-p cut
             contenders.scatter_(1, first[contested, None], True)
             local, cols = torch.nonzero(contenders, as_tuple=True)
             rows = contested[local]
