@@ -8,9 +8,11 @@ import pytest
 import torch
 from conftest import make_model, random_prompts
 
+import specdec.verify
 from rollout import Generator, SamplingParams
 from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
+from rollout_kernels.race_logits import race_logits
 from specdec.config import SpecConfig
 from specdec.processing import RowSampling
 from specdec.tree import layout_drafts
@@ -124,11 +126,13 @@ def test_rejection_verification_is_still_available_and_differs_pathwise():
         SpecConfig(method="ngram", verification="gumbel")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("tree", [False, True])
-def test_racing_every_node_at_once_draws_what_racing_depth_by_depth_draws(tree):
+def test_racing_every_node_at_once_draws_what_racing_depth_by_depth_draws(tree, dtype, monkeypatch):
     """Exact verification races a small step's nodes in one draw and a large step's path depth by depth; both must
     emit the same tokens, log-probs and accepted nodes (greedy, plain and top-k/top-p rows in one step), whether the
-    nodes' logits come back to back or are read in place from the model's padded output."""
+    nodes' logits come back to back or are read in place from the model's padded output, walked as a GPU walks
+    (every row at every depth) or not, and with the Triton kernel drawing (under the interpreter) as on a GPU."""
     generator = torch.Generator().manual_seed(0)
     num_drafted = [4, 0, 3, 4, 1, 4]
     rows, vocab = len(num_drafted), 37
@@ -145,6 +149,7 @@ def test_racing_every_node_at_once_draws_what_racing_depth_by_depth_draws(tree):
     for node in range(layout.width - 1):
         child = (layout.parents == node).float().argmax(dim=1)
         logits[torch.arange(rows), node, tokens[torch.arange(rows), child]] += 8.0
+    logits = logits.to(dtype)
     sampling = RowSampling(
         temperature=torch.tensor([0.0, 1.0, 0.7, 1.0, 1.3, 0.9], dtype=torch.float64),
         top_k=torch.tensor([0, 0, 5, 0, 0, 12]),
@@ -164,9 +169,14 @@ def test_racing_every_node_at_once_draws_what_racing_depth_by_depth_draws(tree):
         verify_exact(padded, tokens[fed], layout, sampling, race, race_every_node=every, logit_rows=logit_rows)
         for every in (True, False)
     ]
+    # a GPU's verification: every node in one launch of the kernel, every row walked at every depth
+    monkeypatch.setattr(specdec.verify, "race_logits_ref", race_logits)
+    results.append(verify_exact(padded, tokens[fed], layout, sampling, race, logit_rows=logit_rows, static_walk=True))
     for other in results[1:]:
         assert torch.equal(results[0].output_token_ids, other.output_token_ids)
         assert torch.equal(results[0].num_emitted, other.num_emitted)
         assert torch.equal(results[0].accepted_nodes, other.accepted_nodes)
-        torch.testing.assert_close(results[0].logprobs, other.logprobs, rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            results[0].logprobs, other.logprobs, rtol=0, atol=1e-12 if dtype == torch.float64 else 1e-5
+        )
     assert int((results[0].num_emitted > 2).sum()) >= 3  # walks went past the first drafts: not vacuous
