@@ -199,8 +199,8 @@ def paged_attention(
             new tokens query i sees (itself included).
         block_m: queries per program, counting each query head sharing a KV head (None: the group's queries
             rounded up to a power of two, 16 to 64).
-        block_n: keys per tile, a power of two >= 16, independent of the page size (None: 64, 128 for head dims up
-            to 64, 16 in float64).
+        block_n: keys per tile, a power of two >= 16, independent of the page size (None: 64; 16 in float64,
+            which takes no tensor cores).
         num_splits: programs that share each row's keys (None: chosen from the shapes and the SM count, so that a
             captured graph replays the same choice; 1 off CUDA). A split left without keys costs one empty program.
     """
@@ -218,7 +218,7 @@ def paged_attention(
     if block_m is None:
         block_m = min(max(triton.next_power_of_2(group * S), 16), 64)
     if block_n is None:
-        block_n = 16 if query.dtype == torch.float64 else (128 if block_d <= 64 else 64)
+        block_n = 16 if query.dtype == torch.float64 else 64
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n ({block_n}) must be a power of two >= 16")
     num_query_blocks = triton.cdiv(group * S, block_m)

@@ -6,7 +6,7 @@ variant runs eagerly once against the torch reference (relative error), then is 
 shows the split path captures) whose replays are timed with CUDA events: warm-ups first, the median of the repeats,
 rotating among input sets so that the KV is read from memory, not from L2. Variants: `page tiles` (16-key tiles, one
 program a row and KV head: the kernel as it was before tiles left the page size), `64-key tiles` (one split), `auto`
-(tiles and splits chosen by the launcher).
+(tiles and splits chosen by the launcher), `auto, 128 keys` (the launcher's splits over 128-key tiles).
 
     python scripts/bench_paged_attention.py                 # CUDA (about a minute)
     python scripts/bench_paged_attention.py --device cpu    # the Triton interpreter, tiny shapes (a smoke test)
@@ -35,7 +35,12 @@ CASES = {
     "tail verify K=4": (8, 2048, 5),
     "prefill": (4, 0, 512),
 }
-VARIANTS = {"page tiles": dict(block_n=16, num_splits=1), "64-key tiles": dict(block_n=64, num_splits=1), "auto": {}}
+VARIANTS = {
+    "page tiles": dict(block_n=16, num_splits=1),
+    "64-key tiles": dict(block_n=64, num_splits=1),
+    "auto": {},
+    "auto, 128 keys": dict(block_n=128),
+}
 
 
 def median_ms(fn, device: torch.device, num_warmup: int = 10, num_repeats: int = 50) -> float:
@@ -123,7 +128,7 @@ def main() -> None:
     shape = (4, 2, 16, 16) if cpu else (32, 8, 64, 16)  # heads, KV heads, head dim, page
     dtype = torch.float32 if cpu else torch.bfloat16
     print(f"device {torch.cuda.get_device_name(device) if not cpu else 'cpu (interpreter)'}, torch {torch.__version__}")
-    print(f"{'case':18} {'variant':14} {'ms':>8} {'GB/s':>8} {'rel err':>9}")
+    print(f"{'case':18} {'variant':16} {'ms':>8} {'GB/s':>8} {'rel err':>9}")
     for name, (rows, cache_len, S) in CASES.items():
         if cpu:
             rows, cache_len, S = min(rows, 2), min(cache_len, 40), min(S, 8)
@@ -135,7 +140,7 @@ def main() -> None:
         )
         for variant, options in VARIANTS.items():
             ms, error = time_variant(sets, scale, options, expected, device)
-            print(f"{name:18} {variant:14} {ms:8.4f} {kv_bytes / ms / 1e6:8.1f} {error:9.2e}")
+            print(f"{name:18} {variant:16} {ms:8.4f} {kv_bytes / ms / 1e6:8.1f} {error:9.2e}")
 
 
 if __name__ == "__main__":
