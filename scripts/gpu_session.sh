@@ -12,7 +12,7 @@
 #
 #   bash scripts/gpu_session.sh policy "$OUT"             # there: issue 40's GPU tests and the trainer log-prob gap
 #
-# `policy` writes test_gpu_policy.log and logprob_gap.log (its last line is the JSON).
+# `policy` writes test_gpu_policy.log, logprob_gap.log and rebuild_memory.log (their last lines are JSON).
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -40,6 +40,10 @@ run | policy)
             --max-new-tokens 256 2>&1 | grep -v USDT > "$out/logprob_gap.log"
         grep -A5 "prompts$" "$out/logprob_gap.log"
         echo "gap: $(( $(date +%s) - start )) s"
+        start=$(date +%s)
+        timeout 120 python3 scripts/rebuild_memory.py 2>&1 | grep -v USDT > "$out/rebuild_memory.log"
+        tail -2 "$out/rebuild_memory.log" | head -1
+        echo "rebuild: $(( $(date +%s) - start )) s"
         exit 0
     fi
     commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}  # the working tree travels without .git: COMMIT=
