@@ -12,30 +12,11 @@ from rollout.engine.model_runner import ModelRunner
 from specdec.auto_policy import AutoPolicy
 from specdec.config import SpecConfig
 from specdec.policies import StaticPolicy, TablePolicy
-from specdec.proposers.base import Drafts, ProposalBatch, Proposer
+from specdec.proposers.base import Proposer
 from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.multi import ProposerSet
-from specdec.proposers.ngram import NgramProposer
+from specdec.proposers.ngram import NgramAdapter
 from specdec.proposers.suffix import SuffixProposer
-from specdec.tree import merge_candidates
-
-
-class NgramAdapter(Proposer):
-    """The n-gram proposer over the host token history: no model, no per-slot state."""
-
-    def __init__(self, spec: SpecConfig):
-        self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        self.num_candidates = spec.num_candidates
-
-    def propose(self, batch: ProposalBatch) -> Drafts:
-        num_tokens = torch.tensor(batch.num_tokens)
-        asked = torch.tensor(batch.num_asked)
-        if self.num_candidates == 1:
-            drafts = self.ngram.propose(batch.token_ids, num_tokens, asked)
-            return Drafts(drafts, (drafts >= 0).sum(dim=1).tolist())
-        candidates = self.ngram.propose_candidates(batch.token_ids, num_tokens, asked, self.num_candidates)
-        tokens, parents, counts = merge_candidates(candidates, batch.num_asked)
-        return Drafts(tokens, counts, parents=parents)
 
 
 def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_positions: int) -> ProposerSet:

@@ -21,6 +21,9 @@ import torch
 from torch import Tensor
 
 from rollout_kernels.device_io import host
+from specdec.config import SpecConfig
+from specdec.proposers.base import Drafts, ProposalBatch, Proposer
+from specdec.tree import merge_candidates
 
 
 class NgramProposer:
@@ -271,3 +274,22 @@ def _is_redundant(
         has_extension[rows[covers]] = True
         redundant[short] |= has_extension[rows[short]]
     return redundant
+
+
+class NgramAdapter(Proposer):
+    """The n-gram proposer behind the engine's `Proposer` interface, over the host token history: chains, or token
+    trees of up to `spec.num_candidates` continuations (no model, no per-row state)."""
+
+    def __init__(self, spec: SpecConfig):
+        self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.num_candidates = spec.num_candidates
+
+    def propose(self, batch: ProposalBatch) -> Drafts:
+        num_tokens = torch.tensor(batch.num_tokens)
+        asked = torch.tensor(batch.num_asked)
+        if self.num_candidates == 1:
+            drafts = self.ngram.propose(batch.token_ids, num_tokens, asked)
+            return Drafts(drafts, (drafts >= 0).sum(dim=1).tolist())
+        candidates = self.ngram.propose_candidates(batch.token_ids, num_tokens, asked, self.num_candidates)
+        tokens, parents, counts = merge_candidates(candidates, batch.num_asked)
+        return Drafts(tokens, counts, parents=parents)
