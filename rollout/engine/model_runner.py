@@ -9,9 +9,6 @@ follows the tokens in flight.
 
 from __future__ import annotations
 
-import inspect
-import warnings
-
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -21,12 +18,10 @@ from rollout.engine.attention_mask import build_attention_mask, to_additive
 from rollout.engine.graph_key import observing_autocast
 from rollout.engine.graph_runner import GraphRunner
 from rollout.engine.kv_cache import SlotKVCache, kv_head_shape
+from rollout.engine.model_checks import cache_keyword, check_supported, probe
 from rollout.engine.paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
-from rollout.engine.policy_mode import eval_mode
 from rollout_kernels.device_io import upload
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 KV_LAYOUTS = ("auto", "paged", "slots")
 
 
@@ -57,7 +52,7 @@ class ModelRunner:
             raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {', '.join(KV_LAYOUTS)}")
         self.model = model
         config = model.config
-        self.attn_implementation = _check_supported(model)
+        self.attn_implementation = check_supported(model)
         layer_types = getattr(config, "layer_types", None)
         window = getattr(config, "sliding_window", None)
         if layer_types is None:
@@ -77,9 +72,9 @@ class ModelRunner:
             kv_layout = "paged" if self.device.type == "cuda" else "slots"
         seen: list = []  # the autocast the decoder runs under when the policy is called (accelerate's wrapper)
         with observing_autocast(model, self.device, seen):
-            _probe(self, "slots")
+            probe(self, "slots")
         self.forward_autocast = seen[0] if seen else None
-        if kv_layout == "paged" and not _probe(self, "paged"):
+        if kv_layout == "paged" and not probe(self, "paged"):
             kv_layout = "slots"
         self.kv_layout = kv_layout
         if kv_layout == "paged":
@@ -225,92 +220,3 @@ class ModelRunner:
         finally:
             cache.finish()
         return out.logits
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The keyword under which `model.forward` takes a KV cache in the installed transformers: `cache` from 5.24,
-    `past_key_values` before (5.24 still takes the old name, with a deprecation warning on every call). A wrapper
-    whose forward passes keyword arguments through (PEFT's) is looked through to the model it wraps."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        parameters = inspect.signature(model.forward).parameters
-        for name in ("cache", "past_key_values"):
-            if name in parameters:
-                return name
-        inner = getattr(model, "get_base_model", None)
-        if inner is None:
-            break
-        model = inner()
-    return "past_key_values"
-
-
-def _check_supported(model: PreTrainedModel) -> str:
-    config = model.config
-    name = f"{type(model).__name__} (model_type={config.model_type!r})"
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; the generator serves decoder-only causal LMs")
-    impl = getattr(config, "_attn_implementation", None)
-    if impl not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"{name} uses attn_implementation={impl!r}, which does not take a 4D mask; load it with "
-            f"attn_implementation='sdpa' or 'eager' (supported: {', '.join(SUPPORTED_ATTENTION)})"
-        )
-    layer_types = getattr(config, "layer_types", None) or []
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise ValueError(
-            f"{name} has layers of type {unsupported}: recurrent or non-standard attention state cannot live in a "
-            f"slot KV cache (supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)})"
-        )
-    if not hasattr(config, "num_attention_heads"):
-        raise ValueError(f"{name} has no attention heads (recurrent state?); it cannot run on a slot KV cache")
-    return impl
-
-
-def _probe(runner: ModelRunner, layout: str) -> bool:
-    """Run two tokens through a one-slot cache of `layout`: every layer must write through it and the outputs must
-    be finite. Slots: a model that cannot is refused (ValueError). Paged: False, with a warning, when the model's
-    attention does not go through transformers' attention interface (the caller runs it on slots).
-
-    This catches what config checks cannot: a layer keeping state outside the cache, or a model that cannot take
-    a per-layer-type mask mapping for its sliding-window layers (the window must be built into the mask).
-    """
-    name = type(runner.model).__name__
-    if layout == "paged":
-        heads, head_dim = kv_head_shape(runner.model.config)
-        cache = PagedKVCache(runner.num_layers, heads, head_dim, runner.dtype, runner.device, 1, 4, max_blocks=1,
-                             block_size=4)  # fmt: skip
-    else:
-        cache = SlotKVCache(runner.num_layers, num_slots=1, num_positions=4)
-    ids = torch.zeros(1, 2, dtype=torch.long, device=runner.device)
-    zero, two = torch.zeros(1, dtype=torch.long), torch.full((1,), 2, dtype=torch.long)
-    try:
-        # eval mode as in generation: in train mode a model with gradient checkpointing turns its cache off
-        with torch.no_grad(), eval_mode(runner.model):
-            logits = runner.forward(0, ids, zero, zero, two, cache=cache)
-    except Exception as err:  # the model's own error says what it could not do with our cache or mask
-        if layout == "paged":
-            message = f"{name} runs on the slot KV cache: the paged attention failed ({type(err).__name__}: {err})"
-            warnings.warn(message, stacklevel=3)
-            return False
-        raise ValueError(f"{name} cannot run on the slot KV cache with 4D masks: {type(err).__name__}: {err}") from err
-    if layout == "paged":
-        written = sum(bool(pool.any()) for pool in cache.k_pools)
-        if written != runner.num_layers or not torch.isfinite(logits).all():
-            warnings.warn(
-                f"{name} runs on the slot KV cache: {runner.num_layers - written} of its {runner.num_layers} attention "
-                "layers do not call transformers' attention interface, which the paged cache goes through",
-                stacklevel=3,
-            )
-            return False
-        return True
-    written = sum(layer.is_initialized for layer in cache.layers)
-    if written != runner.num_layers:
-        raise ValueError(
-            f"{name} wrote keys/values for {written} of {runner.num_layers} layers through the cache: some layers keep "
-            "state elsewhere (recurrent or cross-layer caches are not supported)"
-        )
-    if not torch.isfinite(logits).all():
-        raise ValueError(f"{name} produced non-finite logits on a probe forward with the slot KV cache")
-    return True
