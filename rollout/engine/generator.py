@@ -14,9 +14,7 @@ The public engine: `generate` (a whole call), or `add_requests`, then `step` unt
 from __future__ import annotations
 
 import collections
-import copy
 import itertools
-import os
 import threading
 import time
 import warnings
@@ -32,10 +30,17 @@ from rollout.engine.decode_step import DecodeStep
 from rollout.engine.memory_plan import check_kv_cache_fits, plan_kv_cache
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.policy_mode import eval_mode
-from rollout.engine.requests import check_params, check_prompts, eos_token_ids, length_cap_note, make_sequences
+from rollout.engine.requests import (
+    check_generator_args,
+    check_params,
+    check_prompts,
+    eos_token_ids,
+    length_cap_note,
+    make_sequences,
+)
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.engine.sequence import Sequence
-from rollout.engine.slots import SlotState
+from rollout.engine.slots import RowSnapshot, SlotState
 from rollout.engine.speculation import build_policy, build_proposers, default_route
 from rollout.engine.step_timer import StepTimer
 from rollout.engine.trace import StepRecord
@@ -51,18 +56,6 @@ class StepOutput:
     record: StepRecord  # its trace record (also appended to `last_trace`)
     finished: list[Completion] = field(default_factory=list)  # samples that finished in this step
     observation: StepObservation | None = None  # decode steps: what a K policy learns from the step
-
-
-@dataclass
-class RowSnapshot:
-    """One row in flight, as `Generator.snapshot` saw it."""
-
-    sequence: Sequence
-    num_tokens: int
-    cache_len: int
-    num_draws: int
-    pending: int  # its last token: not in the KV cache yet, so a restore may change it
-    proposer_state: dict
 
 
 WARM_UP_MAX_CONTEXT = 1024  # the auto policy's warm-up times contexts up to this many tokens
@@ -98,26 +91,7 @@ class Generator(Admission, DecodeStep):
         kv_pool_blocks: int | None = None,
         cuda_graphs: bool | str = "auto",
     ):
-        if isinstance(model, (str, os.PathLike)):
-            raise TypeError(
-                f"Generator takes a loaded model, not the name or path {str(model)!r}: load it first with "
-                "rollout.models.zoo.load_model(name) (shipped models) or "
-                "transformers.AutoModelForCausalLM.from_pretrained"
-            )
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"Generator takes a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
-        for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} ({value!r}) must be a positive integer")
-        if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < max_seq_len:
-            raise ValueError(
-                f"max_prefill_tokens ({max_prefill_tokens!r}) must be an integer >= max_seq_len ({max_seq_len}) "
-                "so that the longest prompt fits one prefill"
-            )
-        if cuda_graphs not in (True, False, "auto"):
-            raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
-        if spec is not None and not isinstance(spec, SpecConfig):
-            raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
+        check_generator_args(model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec)
         if spec is not None and not spec.methods:  # method None: speculation off
             spec = None
         self.model = model
@@ -362,32 +336,12 @@ class Generator(Admission, DecodeStep):
 
     def snapshot(self) -> list[RowSnapshot]:
         """The rows in flight, in row order, for `restore`."""
-        s = self.slots
-        return [
-            RowSnapshot(
-                s.sequences[row],
-                int(s.num_tokens[row]),
-                int(s.cache_len[row]),
-                int(s.num_draws[row]),
-                int(s.token_ids[row, s.num_tokens[row] - 1]),
-                copy.deepcopy(s.sequences[row].proposer_state),
-            )
-            for row in range(self.num_active)
-        ]
+        return self.slots.snapshot(self.num_active)
 
     def restore(self, rows: list[RowSnapshot]) -> None:
         """Put rows back as a snapshot saw them, into rows `[0, len(rows))` (a prefix of a snapshot keeps fewer rows
         in flight). The KV cache keeps what the rows had (a step only writes past their lengths), so rolling back
         is lowering lengths."""
         with torch.inference_mode():
-            self._restore(rows)
-
-    def _restore(self, rows: list[RowSnapshot]) -> None:
-        s = self.slots
-        for row, saved in enumerate(rows):
-            assert s.sequences[row] is saved.sequence, f"expected row {row} to hold its snapshot's sequence"
-            s.num_tokens[row], s.cache_len[row], s.num_draws[row] = saved.num_tokens, saved.cache_len, saved.num_draws
-            s.token_ids[row, saved.num_tokens - 1] = saved.pending
-            s.finished[row] = s.stopped[row] = False
-            saved.sequence.proposer_state = copy.deepcopy(saved.proposer_state)
+            self.slots.restore(rows)
         self.num_active = len(rows)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import os
 import random
 
+import torch
 from transformers import PreTrainedModel
 
 from rollout.engine.sampling import SamplingParams
 from rollout.engine.sequence import Sequence
+from specdec.config import SpecConfig
 
 
 def check_prompts(prompt_ids, vocab_size: int, max_seq_len: int) -> list[list[int]]:
@@ -125,3 +128,27 @@ def eos_token_ids(model: PreTrainedModel) -> list[int]:
     if eos is None:
         return []
     return [eos] if isinstance(eos, int) else list(eos)
+
+
+def check_generator_args(model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec) -> None:
+    """Refuse a `Generator`'s arguments that it cannot take, with what to pass instead."""
+    if isinstance(model, (str, os.PathLike)):
+        raise TypeError(
+            f"Generator takes a loaded model, not the name or path {str(model)!r}: load it first with "
+            "rollout.models.zoo.load_model(name) (shipped models) or "
+            "transformers.AutoModelForCausalLM.from_pretrained"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"Generator takes a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
+    for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < max_seq_len:
+        raise ValueError(
+            f"max_prefill_tokens ({max_prefill_tokens!r}) must be an integer >= max_seq_len ({max_seq_len}) "
+            "so that the longest prompt fits one prefill"
+        )
+    if cuda_graphs not in (True, False, "auto"):
+        raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
+    if spec is not None and not isinstance(spec, SpecConfig):
+        raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")

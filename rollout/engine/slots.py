@@ -8,6 +8,9 @@ settings, its stop ids and its random stream (a counter-based hash of the sample
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -43,6 +46,18 @@ def counter_uniforms(seeds: Tensor, counters: Tensor) -> Tensor:
     high = _hash32(key ^ 0x9E3779B9) >> 5  # 27 bits
     low = _hash32(key ^ 0x85EBCA6B) >> 6  # 26 bits
     return ((high << 26) + low).to(torch.float64).add_(0.5).mul_(2.0**-53)
+
+
+@dataclass
+class RowSnapshot:
+    """One row in flight, as `SlotState.snapshot` saw it."""
+
+    sequence: Sequence
+    num_tokens: int
+    cache_len: int
+    num_draws: int
+    pending: int  # its last token: not in the KV cache yet, so a restore may change it
+    proposer_state: dict
 
 
 class SlotState:
@@ -189,3 +204,27 @@ class SlotState:
         """Row `row`'s completion tokens and their log-probabilities."""
         start, end = int(self.prompt_len[row]), int(self.num_tokens[row])
         return self.token_ids[row, start:end].tolist(), self.logprobs[row, start:end].tolist()
+
+    def snapshot(self, num_rows: int) -> list[RowSnapshot]:
+        """Rows `[0, num_rows)` as they are, for `restore`."""
+        return [
+            RowSnapshot(
+                self.sequences[row],
+                int(self.num_tokens[row]),
+                int(self.cache_len[row]),
+                int(self.num_draws[row]),
+                int(self.token_ids[row, self.num_tokens[row] - 1]),
+                copy.deepcopy(self.sequences[row].proposer_state),
+            )
+            for row in range(num_rows)
+        ]
+
+    def restore(self, rows: list[RowSnapshot]) -> None:
+        """Put rows back as a snapshot saw them, into rows `[0, len(rows))`."""
+        for row, saved in enumerate(rows):
+            assert self.sequences[row] is saved.sequence, f"expected row {row} to hold its snapshot's sequence"
+            self.num_tokens[row], self.cache_len[row] = saved.num_tokens, saved.cache_len
+            self.num_draws[row] = saved.num_draws
+            self.token_ids[row, saved.num_tokens - 1] = saved.pending
+            self.finished[row] = self.stopped[row] = False
+            saved.sequence.proposer_state = copy.deepcopy(saved.proposer_state)
