@@ -63,8 +63,11 @@ def processed_logprobs(logits: Tensor, sampling: RowSampling) -> Tensor:
     if not sampling.needs_filter:
         return torch.log_softmax(scaled, dim=-1)
     vocab_size = logits.shape[-1]
-    # stable sort: equal logits keep vocabulary order, so "the top k" is well defined under ties
-    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+    # sorted by the logits themselves (the order of logit / T for T > 0, without the ties a division can round two
+    # logits into: `keep_thresholds` cuts on the logits); stable: equal logits keep vocabulary order, so "the top k" is
+    # well defined under ties
+    order = logits.sort(dim=-1, descending=True, stable=True).indices
+    sorted_logits = scaled.gather(1, order)
     rank = torch.arange(vocab_size, device=logits.device)
     top_k = torch.where((sampling.top_k > 0) & ~greedy, sampling.top_k, vocab_size)
     keep = rank[None, :] < top_k[:, None]
@@ -88,21 +91,38 @@ def target_probs(logits: Tensor, logprobs: Tensor, sampling: RowSampling) -> Ten
     return probs
 
 
-def keep_thresholds(logits: Tensor, sampling: RowSampling) -> tuple[Tensor, Tensor] | tuple[None, None]:
+_THRESHOLD_CHUNK_ELEMENTS = 1 << 24  # rows x vocabulary per pass of `keep_thresholds`: its temporaries stay bounded
+
+
+def keep_thresholds(
+    logits: Tensor, sampling: RowSampling, rows: Tensor | None = None
+) -> tuple[Tensor, Tensor] | tuple[None, None]:
     """The tokens top-k / top-p keep, per row, as a threshold on the logits (`race_logits` takes it):
     `([rows] float64 keep_min, [rows] int64 keep_last)`, token t kept iff `x_t > keep_min` or (`x_t == keep_min` and
     `t <= keep_last`); a row without a filter (or greedy) keeps every token. `(None, None)` when no row filters.
+    `rows` (`[n]`): the rows of `logits` to take, in `sampling`'s order (default: every row).
 
-    The kept set is `processed_logprobs`'s: a prefix of the vocabulary sorted by (logit / T descending, id ascending),
-    found by a sort of every row (rows with top-k / top-p keep today's sort)."""
+    The kept set is `processed_logprobs`'s: a prefix of the vocabulary sorted by (logit descending, id ascending),
+    found by a sort of every row (rows with top-k / top-p keep today's sort), a chunk of rows at a time."""
     if not sampling.needs_filter:
         return None, None
     vocab_size = logits.shape[-1]
-    kept = processed_logprobs(logits, sampling) > float("-inf")
-    x = logits.to(torch.float64)
-    keep_min = torch.where(kept, x, float("inf")).amin(dim=1)
+    num_rows = len(rows) if rows is not None else logits.shape[0]
+    chunk = max(1, _THRESHOLD_CHUNK_ELEMENTS // vocab_size)
+    keep_min = torch.empty(num_rows, dtype=torch.float64, device=logits.device)
+    keep_last = torch.empty(num_rows, dtype=torch.long, device=logits.device)
     token_ids = torch.arange(vocab_size, device=logits.device)
-    keep_last = torch.where(kept & (x == keep_min[:, None]), token_ids, -1).amax(dim=1)
+    for start in range(0, num_rows, chunk):
+        part = slice(start, min(start + chunk, num_rows))
+        x = logits[rows[part]] if rows is not None else logits[part]
+        settings = RowSampling(
+            sampling.temperature[part], sampling.top_k[part], sampling.top_p[part],
+            sampling.needs_filter, sampling.all_greedy, sampling.any_greedy,
+        )  # fmt: skip
+        kept = processed_logprobs(x, settings) > float("-inf")
+        least = torch.where(kept, x, float("inf")).amin(dim=1)  # in the logits' dtype: exact in float64 after
+        keep_min[part] = least.to(torch.float64)
+        keep_last[part] = torch.where(kept & (x == least[:, None]), token_ids, -1).amax(dim=1)
     unfiltered = (sampling.temperature == 0) | (
         ((sampling.top_k <= 0) | (sampling.top_k >= vocab_size)) & (sampling.top_p >= 1)
     )

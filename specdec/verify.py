@@ -198,7 +198,7 @@ def verify_exact(
         row's processing, and its float64 log-prob."""
         node_logit_rows = nodes if logit_rows is None else logit_rows[nodes]
         node_sampling = sampling.select(node_rows)
-        keep = keep_thresholds(target_logits[node_logit_rows], node_sampling) if sampling.needs_filter else ()
+        keep = keep_thresholds(target_logits, node_sampling, node_logit_rows) if sampling.needs_filter else ()
         op = race_logits if target_logits.is_cuda else race_logits_ref
         return op(
             target_logits,

@@ -1,11 +1,12 @@
 """A decode step reads the device once: the packed copy of its results (`DecodeStep._commit`), for chains, token
 trees and the cascade alike (DESIGN.md's invariant).
 
-A CPU has no device to wait for, so it cannot see a synchronisation (`tests/test_gpu.py` counts them on CUDA with
-torch's sync-debug mode). What it can count is the engine's own marker of a read: by this code's convention a tensor
-comes back from the device through `.cpu()`, and host-side data never calls it. A tree step used to call it four
-times (the commit, then the compaction reading the accepted nodes, the root positions it had just uploaded and a
-device `arange`)."""
+A CPU has no device to wait for, so it cannot see a synchronisation: the gate is `tests/test_gpu_policy.py`, which
+counts them on CUDA with torch's sync-debug mode. What a CPU can count is the engine's own marker of a read: by this
+code's convention a tensor comes back from the device through `.cpu()`, and host-side data goes through
+`device_io.host`, which never calls it. A weak proxy: a read written as `.tolist()`, `int()` or a blocking
+`.to(device)` of a device tensor escapes it. It caught the tree step's three extra reads (the compaction reading the
+accepted nodes, the root positions it had just uploaded and a device `arange`)."""
 
 from __future__ import annotations
 

@@ -114,4 +114,6 @@ def test_a_tree_or_cascade_step_reads_the_device_once(spec, kv_layout):
     records, syncs = with_syncs(lambda: [gen.step().record for _ in range(steps)])
     assert all(r.kind == "decode" for r in records)
     assert any(r.num_drafted for r in records), "nothing was drafted: nothing was tested"
+    if len(spec.methods) > 1:
+        assert any(len(r.rows_by_method) > 1 for r in records), "no step combined two proposers: nothing was tested"
     assert len(syncs) <= steps, f"{len(syncs)} synchronisations in {steps} decode steps: {syncs[:4]}"

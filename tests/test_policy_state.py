@@ -32,7 +32,8 @@ def wrapped_in_autocast(model, dtype=torch.bfloat16):
     from accelerate.utils import convert_outputs_to_fp32
 
     model._original_forward = model.forward
-    autocast_forward = torch.autocast("cpu", dtype=dtype)(model.forward.__func__)
+    device_type = next(model.parameters()).device.type
+    autocast_forward = torch.autocast(device_type, dtype=dtype)(model.forward.__func__)
     model.forward = MethodType(convert_outputs_to_fp32(autocast_forward), model)
     return model
 

@@ -108,7 +108,7 @@ class StepTimer:
     def time_step(self, num_rows: int, num_draft_tokens: int, with_models: bool | None = None) -> StepObservation:
         """One decode step of the first `num_rows` rows at K = `num_draft_tokens`, every row fed K drafts (a proposer
         that finds fewer in random text is filled up); the rows are restored first. `with_models`: as
-        `Generator.step`'s."""
+        `FillingProposers`' (a cascade's model-running proposers in, out, or by its own rule)."""
         self.engine.restore(self.rows[:num_rows])
         with forced_steps(self.engine, num_draft_tokens, with_models) as forced:
             self.engine.step()

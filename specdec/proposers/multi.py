@@ -252,7 +252,8 @@ def _combine(results: dict[int, Drafts], served: Tensor) -> Drafts:
     assert all(d.parents is None for d in results.values()), "expected chains: token trees come from one proposer alone"
     num_rows = len(served)
     width = max(d.token_ids.shape[1] for d in results.values())
-    device = next((d.token_ids.device for d in results.values() if d.probs is not None), torch.device("cpu"))
+    # on the device where any proposer drafted (a draft model's ids stay there, with or without probabilities)
+    device = next((d.token_ids.device for d in results.values() if d.token_ids.is_cuda), torch.device("cpu"))
     token_ids = torch.full((num_rows, width), -1, dtype=torch.long, device=device)
     counts = torch.zeros(num_rows, dtype=torch.long)
     # index tensors are built on the host and uploaded without waiting (`upload`): a plain `.to(device)` of a host
