@@ -98,6 +98,22 @@ def test_a_policy_left_in_train_mode_samples_what_it_samples_in_eval_mode(layout
     assert model.training
 
 
+def test_generation_hands_every_module_back_in_its_own_mode():
+    """A trainer may keep part of a policy in train mode frozen in eval (model.train() then a submodule's .eval()):
+    generation must not switch it back to train mode."""
+    model = lora_policy(dropout=0.5)
+    model.train()
+    frozen = model.get_output_embeddings()
+    frozen.eval()
+    gen = Generator(model, max_batch_size=2, max_seq_len=32)
+    gen.generate(random_prompts(2, seed=1), SamplingParams(temperature=0, max_new_tokens=4))
+    gen.add_requests(random_prompts(1, seed=2), SamplingParams(temperature=0, max_new_tokens=2))
+    while gen.has_unfinished:
+        gen.step()
+    assert model.training and not frozen.training
+    assert all(m.training for m in model.modules() if m is not frozen)
+
+
 # ---- precision: a trainer's autocast around the policy's forward ----------------------------------------------------
 
 

@@ -9,10 +9,13 @@ import torch
 
 @contextlib.contextmanager
 def eval_mode(model: torch.nn.Module):
-    """Generate in eval mode (no dropout) and hand the model back in the mode the trainer left it."""
-    was_training = model.training
-    model.eval()
+    """Generate in eval mode (no dropout) and hand every module back in the mode the trainer left it (a module it
+    keeps in eval inside a policy in train mode, say a frozen part, stays in eval)."""
+    training = [module for module in model.modules() if module.training]
+    for module in training:
+        module.training = False
     try:
         yield
     finally:
-        model.train(was_training)
+        for module in training:
+            module.training = True
