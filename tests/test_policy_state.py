@@ -207,6 +207,30 @@ def test_each_change_of_the_policy_asks_for_a_recapture_and_nothing_else_does():
     assert samples(gen.generate(prompts, params)) == samples(eager.generate(prompts, params))
 
 
+def test_a_step_checks_the_cheap_part_of_the_key_and_new_requests_the_whole_key():
+    """The public engine's `step()` (a server's loop) checks the training flag, adapters, autocast and pools every
+    step, and the tensors' addresses (a walk over every parameter: milliseconds for a large policy) at each
+    `add_requests`, as `generate` does once per call."""
+    model = lora_policy()
+    gen = padded_generator(model, True, max_batch_size=4, max_seq_len=48)
+    graphs = gen.runner.graphs
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    gen.add_requests(random_prompts(2, max_len=10, seed=3), params)
+    gen.step()
+    head = model.get_output_embeddings()
+    weight = head.weight
+    head.weight = torch.nn.Parameter(weight.detach().clone())  # replaced mid-rollout: seen at the next add_requests
+    gen.step()
+    assert graphs.recaptures == []
+    with model.disable_adapter():
+        gen.step()  # an adapter switch is seen at once
+    assert graphs.recaptures == ["adapters"]
+    gen.add_requests(random_prompts(1, max_len=10, seed=4), params, keep_in_flight=True)
+    assert graphs.recaptures == ["adapters", "adapters, tensors"]
+    while gen.has_unfinished:
+        gen.step()
+
+
 def test_the_draft_models_graphs_follow_their_own_model():
     """A draft model's runner keys its graphs on the draft model, not the target."""
     spec = SpecConfig(method="draft_model", num_speculative_tokens=2, model=make_model("qwen2", seed=4))
@@ -214,5 +238,5 @@ def test_the_draft_models_graphs_follow_their_own_model():
     target, draft = gen.graph_runners
     assert draft.model is spec.model and target.model is not spec.model
     spec.model.get_output_embeddings().weight = torch.nn.Parameter(spec.model.get_output_embeddings().weight.clone())
-    gen._refresh_graphs()
+    gen._refresh_graphs(full=True)
     assert target.recaptures == [] and draft.recaptures == ["tensors"]

@@ -135,6 +135,7 @@ class Generator(Admission, DecodeStep):
         self._admissions = itertools.count()  # admission order: a paged cache short of blocks preempts the latest
         self.warm_up_seconds = 0.0
         self._graph_epoch = 0  # raised by `invalidate_graphs`
+        self._policy_modules = list(model.modules())  # listed anew by every `generate` and `add_requests` call
         if isinstance(self.policy, AutoPolicy) and self.max_uniform_context < self.max_width + 4:
             cache = self.runner.cache
             raise ValueError(
@@ -227,7 +228,7 @@ class Generator(Admission, DecodeStep):
             by_prompt[seq.prompt_index].append(seq)
         num_finished = 0
         with torch.inference_mode(), eval_mode(self.model):
-            self._refresh_graphs()  # once per call: the policy does not change under a call
+            self._refresh_graphs(full=True)  # once per call: the policy does not change under a call
             while self.has_unfinished:
                 out = self._step()
                 num_finished += len(out.finished)
@@ -277,6 +278,9 @@ class Generator(Admission, DecodeStep):
         for runner in self._runners():
             runner.reserve_positions(min(longest, runner.num_positions))
         self._queue.extend(sequences)
+        if not self._lock.locked():  # a server's new requests (`generate` checks in full itself)
+            with torch.inference_mode(), eval_mode(self.model):
+                self._refresh_graphs(full=True)
         return sequences
 
     def _runners(self) -> list[ModelRunner]:
@@ -301,8 +305,9 @@ class Generator(Admission, DecodeStep):
         K its policy chooses (a calibration forces K through `rollout.engine.step_timer.forced_steps`). Finished rows
         are released before it returns. The step runs the policy in eval mode, whatever mode it is in (and hands it
         back in that mode)."""
-        with torch.inference_mode(), eval_mode(self.model):  # as in `generate`: the state tensors are inference tensors
-            self._refresh_graphs()
+        # as in `generate`: the state tensors are inference tensors; the modules listed by the last `add_requests`
+        with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
+            self._refresh_graphs(full=False)
             return self._step()
 
     def invalidate_graphs(self) -> None:
@@ -313,10 +318,13 @@ class Generator(Admission, DecodeStep):
         then reads through a hook. No effect without graphs."""
         self._graph_epoch += 1
 
-    def _refresh_graphs(self) -> None:
-        """Drop the graphs captured from a policy that has changed since (`GraphRunner.refresh`)."""
+    def _refresh_graphs(self, full: bool) -> None:
+        """Drop the graphs captured from a policy that has changed since (`GraphRunner.refresh`): in full once per
+        `generate` or `add_requests` call, the cheap part (training flag, adapters, autocast, pools) every step."""
+        if full:
+            self._policy_modules = list(self.model.modules())
         for graphs in self.graph_runners:
-            graphs.refresh(self._graph_epoch)
+            graphs.refresh(self._graph_epoch, full)
 
     def _step(self) -> StepOutput:
         admissible = self._num_admissible() if self._queue else 0

@@ -18,7 +18,8 @@ Graphs are captured largest first into one memory pool shared by all of them, in
 under the autocast the policy's forward computes in (a trainer's bf16 over float32 weights), so that a replayed step
 computes in the precision of the eager prefills and trees. What a graph depends on besides its shape (the weights'
 and KV pools' addresses, the adapters' state, the autocast dtype, the training flag, a user counter) is one
-`GraphKey` (`rollout.engine.graph_key`), compared by `refresh` once per call: a changed key drops the graphs, and
+`GraphKey` (`rollout.engine.graph_key`), compared by `refresh` (whole once per `generate` or `add_requests` call,
+its cheap part every `step`): a changed key drops the graphs, and
 each shape is captured again when a step first needs it. A step in train mode, a prefill, a tree, and rows or
 widths past the largest bucket run eagerly. `capture=False` runs the same padded forward without capturing (how a
 CPU tests the padding and buffers).
@@ -91,6 +92,7 @@ class GraphRunner:
         # captures reuse one stream's blocks
         self._stream = torch.cuda.Stream(self.device) if capture else None
         self._layers = tuner_layers(model)
+        self._modules = list(model.modules())
         with eval_mode(model):  # the state the graphs in `graphs` are captured from (in eval mode, as steps run)
             self.key = self._key(epoch=0)
         self.recaptures: list[str] = []  # what changed, each time `refresh` dropped the graphs
@@ -113,10 +115,14 @@ class GraphRunner:
         fits = 0 < num_rows <= self.max_rows and width <= self.max_width
         return fits and self.error is None and not self.key.training
 
-    def refresh(self, epoch: int = 0) -> list[str]:
-        """Compare the policy's state with the graphs' key (once per call: see `rollout.engine.graph_key`); on a
-        change, drop the graphs (each shape is captured again when first needed). Returns what changed."""
-        key = self._key(epoch)
+    def refresh(self, epoch: int = 0, full: bool = True) -> list[str]:
+        """Compare the policy's state with the graphs' key (see `rollout.engine.graph_key`); on a change, drop the
+        graphs (each shape is captured again when first needed). Returns what changed. `full=False` (a step of the
+        public engine) keeps the tensors' addresses of the last full check and lists no modules anew: a few
+        microseconds a module instead of milliseconds for a large policy."""
+        if full:
+            self._modules = list(self.model.modules())
+        key = self._key(epoch, full)
         changed = key.changes(self.key)
         if "tensors" in changed:  # new modules (an adapter injected) come with new tensors
             self._layers = tuner_layers(self.model)
@@ -127,8 +133,12 @@ class GraphRunner:
             self.key = key
         return changed
 
-    def _key(self, epoch: int) -> GraphKey:
-        return graph_key(self.model, self._layers, self.device, self.forward_autocast, self.cache.generation, epoch)
+    def _key(self, epoch: int, full: bool = True) -> GraphKey:
+        previous = None if full else self.key
+        return graph_key(
+            self.model, self._layers, self.device, self.forward_autocast, self.cache.generation, epoch, previous,
+            self._modules,
+        )  # fmt: skip
 
     def _autocast(self):
         """The autocast a forward of the policy runs under (see `refresh`); nothing without one."""
@@ -208,7 +218,7 @@ class GraphRunner:
         if not self.capture or self.error is not None:
             return None
         if self.cache.generation != self.key.pools:  # pools reallocated mid-call: the graphs read stale ones
-            self.refresh(self.key.epoch)
+            self.refresh(self.key.epoch, full=False)
         graph = self.graphs.get((rows, width))
         return graph if graph is not None else self._capture(rows, width)
 
