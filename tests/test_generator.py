@@ -10,6 +10,7 @@ import torch
 from conftest import make_model, random_prompts
 
 from rollout import Generator, SamplingParams
+from specdec.config import SpecConfig
 from specdec.processing import RowSampling, processed_logprobs
 
 
@@ -313,6 +314,29 @@ def test_unsupported_models_are_refused_at_construction():
     mamba = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4))
     with pytest.raises(ValueError, match="slot KV cache"):
         Generator(mamba)
+
+
+@pytest.mark.parametrize("kv_layout", ["paged", "slots"])
+def test_close_frees_the_caches_while_the_generator_is_still_referenced(kv_layout):
+    """A trainer rebuilding its generator plans the next one from the memory the old one held: `close()` gives the
+    KV caches back (the target's and a draft model's) even while something still refers to the generator, keeps the
+    drafting history readable, and refuses calls after it."""
+    import weakref
+
+    spec = SpecConfig(method=["suffix", "draft_model"], num_speculative_tokens=2, model=make_model("qwen2", seed=4))
+    gen = Generator(make_model("llama"), max_batch_size=4, max_seq_len=32, kv_layout=kv_layout, spec=spec)
+    gen.generate(random_prompts(2, seed=3), SamplingParams(n=2, max_new_tokens=6, seed=0))
+    caches = [weakref.ref(runner.cache) for runner in gen._runners()]
+    assert len(caches) == 2 and all(cache() is not None for cache in caches)
+    gen.close()
+    assert [cache() for cache in caches] == [None, None]
+    assert gen.draft_history.stats()["responses"] == 4
+    with pytest.raises(RuntimeError, match="this Generator was closed"):
+        gen.generate(random_prompts(1, seed=1), SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="this Generator was closed"):
+        gen.step()
+    gen.close()  # twice: nothing more to free
+    gen.abort()
 
 
 def test_generator_restores_training_mode_and_uses_current_weights():

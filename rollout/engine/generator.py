@@ -14,6 +14,7 @@ The public engine: `generate` (a whole call), or `add_requests`, then `step` unt
 from __future__ import annotations
 
 import collections
+import gc
 import itertools
 import threading
 import time
@@ -135,6 +136,7 @@ class Generator(Admission, DecodeStep):
         self._admissions = itertools.count()  # admission order: a paged cache short of blocks preempts the latest
         self.warm_up_seconds = 0.0
         self._graph_epoch = 0  # raised by `invalidate_graphs`
+        self._closed = False  # `close` freed the caches
         self._policy_modules = list(model.modules())  # listed anew by every `generate` and `add_requests` call
         if isinstance(self.policy, AutoPolicy) and self.max_uniform_context < self.max_width + 4:
             cache = self.runner.cache
@@ -254,6 +256,7 @@ class Generator(Admission, DecodeStep):
         the batch as slots free up (a server's continuous batching: `step()` until `has_unfinished` is False), their
         prompt indices numbered on from the highest queued or in flight (`Completion.prompt_index` tells them apart;
         `seed_indices` still seed them). Returns the queued sequences, prompt-major."""
+        self._check_open()
         prompt_ids = check_prompts(prompt_ids, self.vocab_size, self.max_seq_len)
         if seed_indices is not None and len(seed_indices) != len(prompt_ids):
             raise ValueError(
@@ -295,6 +298,8 @@ class Generator(Admission, DecodeStep):
     def abort(self) -> None:
         """Drop every request queued or in flight (their KV is garbage the next admission overwrites)."""
         self._queue.clear()
+        if self._closed:
+            return
         # every slot, not only those in flight: a restore to fewer rows left the others holding their blocks
         for runner in self._runners():
             runner.release_rows(0, self.max_batch_size)
@@ -306,9 +311,28 @@ class Generator(Admission, DecodeStep):
         are released before it returns. The step runs the policy in eval mode, whatever mode it is in (and hands it
         back in that mode)."""
         # as in `generate`: the state tensors are inference tensors; the modules listed by the last `add_requests`
+        self._check_open()
         with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
             self._refresh_graphs(full=False)
             return self._step()
+
+    def close(self) -> None:
+        """Give back the KV caches, the CUDA graphs and their memory pool now, the target's and a draft model's,
+        whatever still refers to this generator (a trainer that rebuilds it plans the next one from the memory freed).
+        Its drafting history stays readable (`draft_history`); every other call is refused after it."""
+        if self._closed:
+            return
+        self.abort()
+        for runner in self._runners():
+            runner.close()
+        self._closed = True
+        gc.collect()  # a generator's parts refer to each other: their memory returns only once the cycles go
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Generator was closed (its KV cache and graphs are freed): build a new one")
 
     def invalidate_graphs(self) -> None:
         """Capture the CUDA graphs again at the next call. The graphs follow what they can see by themselves (weights

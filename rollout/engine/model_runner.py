@@ -118,6 +118,12 @@ class ModelRunner:
         if not self.paged:
             self.cache.ensure_capacity(num_positions)
 
+    def close(self) -> None:
+        """Drop the KV cache and the CUDA graphs (their buffers and memory pool go back once nothing else holds them);
+        the runner serves no forward after it."""
+        self.graphs = None
+        self.cache = None
+
     def release_rows(self, start: int, stop: int) -> None:
         """Rows `[start, stop)` are no longer in flight: a paged cache frees the blocks no other row holds."""
         if self.paged:

@@ -20,7 +20,6 @@ top_p = 1.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import io
 import logging
@@ -175,10 +174,8 @@ class TRLRolloutFunc:
         max_seq_len = self.max_seq_len or 1 << (needed - 1).bit_length()
         history = _saved_history(gen)
         if gen is not None:  # its KV pool and graphs go back before the new one is planned from the free memory
-            self.generator = gen = None
-            gc.collect()  # a generator's parts refer to each other: their memory returns only once the cycles go
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            self.generator = None
+            gen.close()
         slots = self.max_batch_size or fitting_batch_size(model, self.spec, max_seq_len, min(num_completions, 512))
         self.generator = Generator(
             model, max_batch_size=slots, max_seq_len=max_seq_len, spec=self.spec, **self.generator_options

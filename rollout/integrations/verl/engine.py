@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import hashlib
 import io
 import logging
@@ -94,6 +93,7 @@ class ServingEngine:
         self._paused = False  # abort_all(...) without resume: new requests wait (or are refused)
         self._rejecting = False
         self._closed = False
+        self._aborting = False  # abort_all waits for the step lock: the engine's thread takes no new step meanwhile
         self._cond = threading.Condition()
         self._step_lock = threading.Lock()  # held by a step; weights and sleep change only between steps
         self._thread = threading.Thread(target=self._run, name="rollout-serving-engine", daemon=True)
@@ -168,14 +168,20 @@ class ServingEngine:
     def abort_all(self, reject: bool = False) -> int:
         """Drop every request queued or in flight (each resolves to an "aborted" completion) and hold new ones until
         `resume`; with `reject`, new ones resolve to "aborted" at once. Returns the number dropped."""
-        with self._step_lock, self._cond:
-            self._paused, self._rejecting = True, reject
-            dropped = list(self._futures.values()) + [r.future for r in self._incoming]
-            self._futures.clear()
-            self._incoming.clear()
-            if self.generator is not None:
-                self.generator.abort()
-            self._cond.notify_all()
+        with self._cond:  # a lock is not fair: the engine's thread, stepping in a loop, could keep taking it first
+            self._aborting = True
+        try:
+            with self._step_lock, self._cond:
+                self._paused, self._rejecting = True, reject
+                dropped = list(self._futures.values()) + [r.future for r in self._incoming]
+                self._futures.clear()
+                self._incoming.clear()
+                if self.generator is not None:
+                    self.generator.abort()
+        finally:
+            with self._cond:
+                self._aborting = False
+                self._cond.notify_all()
         for future in dropped:
             future.set_result(Completion(0, 0, [], [], ABORTED))
         return len(dropped)
@@ -219,6 +225,8 @@ class ServingEngine:
             self._incoming.clear()
 
     def _has_work(self) -> bool:
+        if self._aborting:
+            return self._closed
         admit = bool(self._incoming) and not (self._asleep or self._paused)
         return self._closed or admit or bool(self._futures)
 
@@ -314,10 +322,7 @@ class ServingEngine:
         if gen.draft_history is not None:
             self._history = io.BytesIO()
             gen.draft_history.save(self._history)
-        del gen
-        gc.collect()  # the generator's parts refer to each other: their memory goes back only once the cycles are
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        gen.close()
 
 
 def _mix_seed(*parts) -> int:
