@@ -39,8 +39,9 @@ class RowSampling:
         """`[rows]` what each row's logits are divided by: its temperature, 1 for a greedy row (temperature 0)."""
         return torch.where(self.temperature == 0, torch.ones_like(self.temperature), self.temperature)
 
-    def select(self, rows: Tensor) -> RowSampling:
-        """The settings of `rows` (`[n]` indices on the settings' device); the host flags stay those of all rows."""
+    def select(self, rows: Tensor | slice) -> RowSampling:
+        """The settings of `rows` (`[n]` indices on the settings' device, or a slice); the host flags stay those of
+        all rows."""
         return RowSampling(
             self.temperature[rows],
             self.top_k[rows],
@@ -115,11 +116,7 @@ def keep_thresholds(
     for start in range(0, num_rows, chunk):
         part = slice(start, min(start + chunk, num_rows))
         x = logits[rows[part]] if rows is not None else logits[part]
-        settings = RowSampling(
-            sampling.temperature[part], sampling.top_k[part], sampling.top_p[part],
-            sampling.needs_filter, sampling.all_greedy, sampling.any_greedy,
-        )  # fmt: skip
-        kept = processed_logprobs(x, settings) > float("-inf")
+        kept = processed_logprobs(x, sampling.select(part)) > float("-inf")
         least = torch.where(kept, x, float("inf")).amin(dim=1)  # in the logits' dtype: exact in float64 after
         keep_min[part] = least.to(torch.float64)
         keep_last[part] = torch.where(kept & (x == least[:, None]), token_ids, -1).amax(dim=1)

@@ -229,7 +229,8 @@ class Generator(Admission, DecodeStep):
         for seq in sequences:
             by_prompt[seq.prompt_index].append(seq)
         num_finished = 0
-        with torch.inference_mode(), eval_mode(self.model):
+        self._policy_modules = list(self.model.modules())
+        with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
             self._refresh_graphs(full=True)  # once per call: the policy does not change under a call
             while self.has_unfinished:
                 out = self._step()
@@ -282,7 +283,8 @@ class Generator(Admission, DecodeStep):
             runner.reserve_positions(min(longest, runner.num_positions))
         self._queue.extend(sequences)
         if not self._lock.locked():  # a server's new requests (`generate` checks in full itself)
-            with torch.inference_mode(), eval_mode(self.model):
+            self._policy_modules = list(self.model.modules())
+            with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
                 self._refresh_graphs(full=True)
         return sequences
 
@@ -345,8 +347,6 @@ class Generator(Admission, DecodeStep):
     def _refresh_graphs(self, full: bool) -> None:
         """Drop the graphs captured from a policy that has changed since (`GraphRunner.refresh`): in full once per
         `generate` or `add_requests` call, the cheap part (training flag, adapters, autocast, pools) every step."""
-        if full:
-            self._policy_modules = list(self.model.modules())
         for graphs in self.graph_runners:
             graphs.refresh(self._graph_epoch, full)
 

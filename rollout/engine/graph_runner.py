@@ -19,10 +19,9 @@ under the autocast the policy's forward computes in (a trainer's bf16 over float
 computes in the precision of the eager prefills and trees. What a graph depends on besides its shape (the weights'
 and KV pools' addresses, the adapters' state, the autocast dtype, the training flag, a user counter) is one
 `GraphKey` (`rollout.engine.graph_key`), compared by `refresh` (whole once per `generate` or `add_requests` call,
-its cheap part every `step`): a changed key drops the graphs, and
-each shape is captured again when a step first needs it. A step in train mode, a prefill, a tree, and rows or
-widths past the largest bucket run eagerly. `capture=False` runs the same padded forward without capturing (how a
-CPU tests the padding and buffers).
+its cheap part every `step`): a changed key drops the graphs, and each shape is captured again when a step first
+needs it. A step in train mode, a prefill, a tree, and rows or widths past the largest bucket run eagerly.
+`capture=False` runs the same padded forward without capturing (how a CPU tests the padding and buffers).
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ class GraphRunner:
         self._stream = torch.cuda.Stream(self.device) if capture else None
         self._layers = tuner_layers(model)
         self._modules = list(model.modules())
-        with eval_mode(model):  # the state the graphs in `graphs` are captured from (in eval mode, as steps run)
+        with eval_mode(model, self._modules):  # the state the graphs are captured from (eval mode, as steps run)
             self.key = self._key(epoch=0)
         self.recaptures: list[str] = []  # what changed, each time `refresh` dropped the graphs
         self.memory_bytes = 0
