@@ -13,6 +13,11 @@
 #   bash scripts/gpu_session.sh policy "$OUT"             # there: issue 40's GPU tests and the trainer log-prob gap
 #
 # `policy` writes test_gpu_policy.log, logprob_gap.log and rebuild_memory.log (their last lines are JSON).
+#
+#   bash scripts/gpu_session.sh kernels "$OUT"            # there: the new kernels compiled (issues 40, 42, 43)
+#
+# `kernels` writes test_kernels.log (the race kernels' bits against their references, race_logits and paged attention
+# tests compiled) and paged_attention.log (scripts/bench_paged_attention.py: page tiles vs 64/128-key tiles and splits).
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -23,13 +28,26 @@ wheels)
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $WHEELS
     ls .whl
     ;;
-run | policy)
+run | policy | kernels)
     mode=$1 out=${2:?give the output folder}; shift 2
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || exit 1
     mkdir -p /tmp/pk && ln -sfn "$PWD/kernels" /tmp/pk/rollout_kernels  # the import name an install would give it
     export PYTHONPATH=/tmp/site:/tmp/pk:. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
+    if [ "$mode" = kernels ]; then
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        start=$(date +%s)
+        timeout 240 python3 -m pytest tests/test_gpu.py::test_race_kernels_are_their_references_bit_for_bit_on_a_gpu \
+            tests/kernels/test_race_logits.py \
+            tests/kernels/test_paged_attention.py -q -p no:cacheprovider 2>&1 | tee "$out/test_kernels.log" \
+            | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
+        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
+        timeout 180 python3 scripts/bench_paged_attention.py 2>&1 | grep -v USDT > "$out/paged_attention.log"
+        tail -20 "$out/paged_attention.log"
+        echo "paged attention: $(( $(date +%s) - start )) s"
+        exit 0
+    fi
     if [ "$mode" = policy ]; then
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         start=$(date +%s)
@@ -60,7 +78,7 @@ run | policy)
     echo "bench: $(( $(date +%s) - start )) s"
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT" >&2
+    echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT | kernels OUT" >&2
     exit 2
     ;;
 esac
