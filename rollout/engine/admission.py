@@ -1,58 +1,41 @@
-"""Rows in and out of flight: admission (a prefill per prompt, shared by its samples), release of finished rows,
-and, with a paged KV cache, admission by free blocks and preemption of the latest rows when blocks run short.
+"""Rows in and out of flight: an admission's prefill (one per prompt, shared by its samples), the release of finished
+rows and the removal of preempted ones, keeping the rows in flight packed at the front of the slots. What to admit
+and whom to preempt is the scheduler's decision (`rollout.engine.scheduler`).
 
-A mixin over the `Generator`'s state (queue, slots, runner, proposers); the generator is the only user.
+A mixin over the `Generator`'s state (scheduler, slots, runner, proposers); the generator is the only user.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 
-import numpy as np
 import torch
 
 from rollout.engine.sampling import Completion
 from rollout.engine.sequence import Sequence
-from rollout.engine.trace import StepRecord
+from rollout.engine.slots import RowSnapshot
+from rollout.engine.trace import StepOutput, StepRecord
 from rollout_kernels.device_io import upload
+from specdec.auto_policy import StepObservation
 from specdec.tree import layout_drafts
 from specdec.verify import verify
 
 
 class Admission:
-    """Admit, release and preempt rows (see the module docstring)."""
+    """Execute an admission, release finished rows, remove rows (see the module docstring)."""
 
-    def _admit(self, count: int) -> StepRecord:
-        """Move `count` queued sequences into free slots; one left-padded prefill per chunk of distinct prompts."""
+    def _admit(self, chunks: list[list[list[Sequence]]]) -> StepRecord:
+        """Prefill the scheduled chunks of prompt groups into the free slots after the rows in flight, one forward a
+        chunk, and sample each sample's first token."""
         start = time.perf_counter()
-        admitted = [self._queue.popleft() for _ in range(count)]
-        for seq in admitted:
-            seq.admitted_at = next(self._admissions)
-        groups: list[list[Sequence]] = []
-        for seq in admitted:  # samples of one prompt are consecutive in the queue
-            if groups and groups[-1][0].prompt_index == seq.prompt_index:
-                groups[-1].append(seq)
-            else:
-                groups.append([seq])
-        chunk: list[list[Sequence]] = []
-        num_emitted = num_prompts = 0
-        for group in groups:
-            longest = max([len(g[0].prompt) for g in chunk] + [len(group[0].prompt)])
-            if chunk and longest * (len(chunk) + 1) > self.max_prefill_tokens:
-                num_emitted += self._prefill(chunk)
-                num_prompts += len(chunk)
-                chunk = []
-            chunk.append(group)
-        if chunk:
-            num_emitted += self._prefill(chunk)
-            num_prompts += len(chunk)
+        num_emitted = sum(self._prefill(chunk) for chunk in chunks)
+        num_prompts = sum(len(chunk) for chunk in chunks)
         return StepRecord("prefill", num_prompts, 0, 0, 0, num_emitted, time.perf_counter() - start)
 
     def _prefill(self, groups: list[list[Sequence]]) -> int:
         """One forward over the groups' prompts; sample each sequence's first token. Returns the tokens kept."""
         prompts = [group[0].prompt for group in groups]
-        row_start = self.num_active
+        row_start = self.scheduler.num_active
         logits = self.runner.prefill(row_start, prompts)
         sequences = [seq for group in groups for seq in group]
         # row indices stay on the host (the caches and proposers take them there: no device read-back)
@@ -64,7 +47,7 @@ class Admission:
         if self.proposers is not None and self.proposers.needs_prefill:
             self.proposers.prefill(row_start, prompts, group_of, [seq.proposer_state for seq in sequences])
         self.slots.admit(row_start, sequences)
-        self.num_active += len(sequences)
+        self.scheduler.num_active += len(sequences)
         rows = slice(row_start, row_start + len(sequences))
         uniforms = self._uniforms(rows, torch.zeros(len(sequences), dtype=torch.long))
         result = verify(
@@ -80,10 +63,19 @@ class Admission:
         kept, *_ = self._commit(rows, result, in_cache=False)
         return kept
 
+    def _postprocess(self, record: StepRecord, observation: StepObservation | None) -> StepOutput:
+        """Release the finished rows (the rows in flight stay packed) and append the step's record to the trace."""
+        finished = self._release_finished()
+        if self.runner.paged:
+            usage = self.runner.cache.manager
+            record.kv_blocks_used, record.kv_blocks_allocated = usage.num_used, usage.num_blocks
+        self.last_trace.append(record)
+        return StepOutput(record, finished, observation)
+
     def _release_finished(self) -> list[Completion]:
         """Hand back the finished rows' completions and keep the active rows packed at the front."""
         s = self.slots
-        finished = torch.nonzero(s.finished[: self.num_active])[:, 0].tolist()
+        finished = torch.nonzero(s.finished[: self.scheduler.num_active])[:, 0].tolist()
         if not finished:
             return []
         done = []
@@ -100,11 +92,11 @@ class Admission:
     def _remove_rows(self, rows: list[int]) -> None:
         """Take `rows` (ascending) out of flight: the last active rows move into the holes (a paged cache moves their
         block tables, a slot cache their KV), and the slots left behind hold nothing."""
-        s = self.slots
-        remaining = self.num_active - len(rows)
+        s, num_active = self.slots, self.scheduler.num_active
+        remaining = num_active - len(rows)
         leaving = set(rows)
         holes = [i for i in rows if i < remaining]
-        movers = [i for i in range(remaining, self.num_active) if i not in leaving]
+        movers = [i for i in range(remaining, num_active) if i not in leaving]
         assert len(holes) == len(movers), f"expected as many holes as movers, got {len(holes)} and {len(movers)}"
         if movers:
             longest = min(int(s.num_tokens[movers].max()) + 1, self.runner.num_positions)
@@ -114,44 +106,29 @@ class Admission:
                 self.proposers.copy_rows(src, dst, longest)
             s.move(movers, holes, longest)
         for runner in self._runners():  # a paged draft model's cache frees its rows too
-            runner.release_rows(remaining, self.num_active)
-        self.num_active = remaining
+            runner.release_rows(remaining, num_active)
+        self.scheduler.num_active = remaining
 
-    def _preempt_for_next_step(self) -> int:
-        """A paged cache that cannot give every row blocks for a full-width step gives up the most recently admitted
-        rows until it can: they go back to the front of the queue and start over when blocks free up (the same seed
-        draws the same tokens: sampling is keyed by position). Returns the number of rows preempted."""
-        cache = self.runner.cache
-        preempted = 0
-        while self.num_active > 1:
-            lens = self.slots.cache_len[: self.num_active].numpy()
-            need = cache.manager.needed(np.arange(self.num_active), lens + self.max_width, lens)
-            if need <= cache.free_blocks_after_growth():
-                break
-            victim = max(range(self.num_active), key=lambda row: self.slots.sequences[row].admitted_at)
-            seq = self.slots.sequences[victim]
-            seq.proposer_state = {}
-            self._queue.appendleft(seq)
-            self._remove_rows([victim])
-            preempted += 1
-        return preempted
+    # ---- rows dropped, saved and put back -----------------------------------------------------------------------
 
-    def _num_admissible(self) -> int:
-        """Queued sequences the next admission takes: as many as free slots hold; with a paged cache, only as many
-        as its blocks hold (a prompt's blocks once per group, a step's blocks per sample), after keeping a step's
-        blocks for every row in flight."""
-        count = min(self.max_batch_size - self.num_active, len(self._queue))
-        if not self.runner.paged:
-            return count
-        cache = self.runner.cache
-        per_step = -(-self.max_width // cache.block_size) + 1  # a full-width step, and a shared block copied
-        budget = cache.free_blocks_after_growth() - self.num_active * per_step
-        admitted, previous = 0, None
-        for seq in itertools.islice(self._queue, count):
-            cost = per_step + (-(-len(seq.prompt) // cache.block_size) if seq.prompt_index != previous else 0)
-            if cost > budget:
-                break
-            budget -= cost
-            admitted += 1
-            previous = seq.prompt_index
-        return admitted if admitted or self.num_active else 1  # nothing in flight: try one, a pool too small says so
+    def abort(self) -> None:
+        """Drop every request queued or in flight (their KV is garbage the next admission overwrites)."""
+        self.scheduler.queue.clear()
+        if self._closed:
+            return
+        # every slot, not only those in flight: a restore to fewer rows left the others holding their blocks
+        for runner in self._runners():
+            runner.release_rows(0, self.max_batch_size)
+        self.scheduler.num_active = 0
+
+    def snapshot(self) -> list[RowSnapshot]:
+        """The rows in flight, in row order, for `restore`."""
+        return self.slots.snapshot(self.num_active)
+
+    def restore(self, rows: list[RowSnapshot]) -> None:
+        """Put rows back as a snapshot saw them, into rows `[0, len(rows))` (a prefix of a snapshot keeps fewer rows
+        in flight). The KV cache keeps what the rows had (a step only writes past their lengths), so rolling back
+        is lowering lengths."""
+        with torch.inference_mode():
+            self.slots.restore(rows)
+        self.scheduler.num_active = len(rows)

@@ -88,10 +88,27 @@ class BlockManager:
     def needed(self, rows: np.ndarray, num_positions: np.ndarray, write_from: np.ndarray | None = None) -> int:
         """Blocks `allocate(rows, num_positions)` would take from the pool, plus, with `write_from`, the copies
         `writable(rows, write_from, num_positions)` would make of shared blocks."""
+        return self._needed(self.refs, rows, num_positions, write_from)
+
+    def needed_after_release(
+        self, released: np.ndarray, rows: np.ndarray, num_positions: np.ndarray, write_from: np.ndarray
+    ) -> tuple[int, int]:
+        """What `needed(rows, num_positions, write_from)` and `num_free` would be after `release(released)`, with
+        nothing changed (a block the released rows shared with others is no longer copied on a write)."""
+        if not len(released):
+            return self.needed(rows, num_positions, write_from), self.num_free
+        refs = self.refs.copy()
+        held = np.arange(self.tables.shape[1])[None, :] < self.num_row_blocks[released][:, None]
+        blocks = self.tables[released][held]
+        np.subtract.at(refs, blocks, 1)
+        freed = len(np.unique(blocks[refs[blocks] == 0]))
+        return self._needed(refs, rows, num_positions, write_from), self.num_free + freed
+
+    def _needed(self, refs: np.ndarray, rows, num_positions, write_from) -> int:
         total = int(np.maximum(self.blocks_for(num_positions) - self.num_row_blocks[rows], 0).sum())
         if write_from is not None:
             for owners, column in self._written_columns(rows, write_from, num_positions):
-                total += int((self.refs[self.tables[owners, column]] > 1).sum())
+                total += int((refs[self.tables[owners, column]] > 1).sum())
         return total
 
     def share(self, src: np.ndarray, dst: np.ndarray) -> None:

@@ -1,6 +1,6 @@
 """One decode step in its stages: schedule (K and the drafts asked of each row), propose, forward, verify, commit.
 
-A mixin over the `Generator`'s state (slots, runner, proposers, K policy); the generator is the only user.
+A mixin over the `Generator`'s state (scheduler, slots, runner, proposers, K policy); the generator is the only user.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class DecodeStep:
         """Feed each active row its pending token plus its drafts (a tree rooted at the pending token; a chain is the
         one-child tree), verify them all in the same forward, commit the accepted path."""
         start = time.perf_counter()
-        num_rows = self.num_active
+        num_rows = self.scheduler.num_active
         context = int(self.slots.cache_len[:num_rows].max())  # rows attend over the longest row's cache (padded)
         observed = self.policy is not None  # a policy learns from the step
         routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]] if observed else []
@@ -43,6 +43,7 @@ class DecodeStep:
             drafts.num_drafted if drafts is not None else [0] * num_rows,
             drafts.parents if drafts is not None else None,
         )
+        self.scheduler.reserve(layout.node_counts)  # blocks before the forward that writes them
         input_ids, logits = self._forward(num_rows, drafts, layout)
         result = self._verify(num_rows, input_ids, logits, layout, drafts, sampling, uniforms, race)
         base_positions = self.slots.cache_len[:num_rows].clone()  # where each root was written (the commit moves it)

@@ -1,11 +1,10 @@
-"""Continuous-batching generator over a KV cache of slot rows (a paged pool on a GPU, a dense cache on a CPU).
+"""Continuous-batching generator: a step is schedule -> execute -> postprocess.
 
-Requests wait in a queue; a step either admits them (one prefill per prompt, shared by the prompt's n samples) or
-decodes: one forward over the active rows only, which are kept packed at the front of the slots (a paged cache moves
-block tables, a dense one KV rows). A decode step feeds every row its pending token plus up to K draft tokens and
-commits the first m of them (K = 0 without speculation). The host drives scheduling; the device returns one small
-packed tensor per step. Admission and release live in `rollout.engine.admission`, the decode step's stages in
-`rollout.engine.decode_step`.
+`Scheduler.schedule()` (`rollout.engine.scheduler`) decides: admit queued samples (a prefill per prompt, shared by
+its samples) or decode every row in flight, after giving up rows a paged pool cannot hold. The step executes it:
+`rollout.engine.admission` runs a prefill, `rollout.engine.decode_step` a decode (K, drafts, one forward over the rows
+in flight, verification, the commit, the step's one read of the device). Postprocessing releases the finished rows,
+keeping those in flight packed at the front of the slots, and records the step.
 
 The public engine: `generate` (a whole call), or `add_requests`, then `step` until `has_unfinished` is False;
 `snapshot`/`restore` save and roll back the rows in flight (the `auto` policy's calibration uses these).
@@ -13,53 +12,32 @@ The public engine: `generate` (a whole call), or `add_requests`, then `step` unt
 
 from __future__ import annotations
 
-import collections
 import gc
-import itertools
 import threading
-import time
-import warnings
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
 from rollout.engine.admission import Admission
 from rollout.engine.decode_step import DecodeStep
-from rollout.engine.memory_plan import check_kv_cache_fits, plan_kv_cache
+from rollout.engine.engine_config import resolve_engine
 from rollout.engine.model_runner import ModelRunner
 from rollout.engine.policy_mode import eval_mode
 from rollout.engine.requests import (
     check_generator_args,
-    check_params,
-    check_prompts,
+    checked_sequences,
     eos_token_ids,
-    length_cap_note,
-    make_sequences,
 )
 from rollout.engine.sampling import Completion, SamplingParams
-from rollout.engine.sequence import Sequence
-from rollout.engine.slots import RowSnapshot, SlotState
+from rollout.engine.scheduler import Scheduler
+from rollout.engine.sequence import PromptGroups, Sequence
+from rollout.engine.slots import SlotState
 from rollout.engine.speculation import build_policy, build_proposers, default_route
-from rollout.engine.step_timer import StepTimer
-from rollout.engine.trace import StepRecord
-from specdec.auto_policy import AutoPolicy, StepObservation
+from rollout.engine.step_timer import warm_up
+from rollout.engine.trace import StepOutput, StepRecord
 from specdec.config import SpecConfig
 from specdec.proposers.suffix import SuffixProposer
-
-
-@dataclass
-class StepOutput:
-    """What one `Generator.step` did."""
-
-    record: StepRecord  # its trace record (also appended to `last_trace`)
-    finished: list[Completion] = field(default_factory=list)  # samples that finished in this step
-    observation: StepObservation | None = None  # decode steps: what a K policy learns from the step
-
-
-WARM_UP_MAX_CONTEXT = 1024  # the auto policy's warm-up times contexts up to this many tokens
 
 
 class Generator(Admission, DecodeStep):
@@ -96,29 +74,14 @@ class Generator(Admission, DecodeStep):
         if spec is not None and not spec.methods:  # method None: speculation off
             spec = None
         self.model = model
-        self.max_batch_size = max_batch_size
-        self.max_seq_len = max_seq_len
-        self.max_prefill_tokens = max_prefill_tokens
         self.spec = spec
-        # tokens fed per row per decode step: the pending token plus the largest K
-        self.max_width = 1 + (spec.num_speculative_tokens if spec is not None else 0)
-        num_positions = max_seq_len + self.max_width
-        # planned before anything is allocated: the slot cache must fit, a paged pool is sized to what is free
-        self.kv_cache_bytes, max_kv_blocks = plan_kv_cache(
-            model, spec, max_batch_size, max_seq_len, kv_layout, kv_pool_blocks
+        self.config, self.runner = resolve_engine(
+            model, spec, max_batch_size, max_seq_len, max_prefill_tokens, kv_layout, kv_pool_blocks, cuda_graphs
         )
-        self.runner = ModelRunner(model, max_batch_size, num_positions, kv_layout, max_kv_blocks)  # checks the model
-        if max_kv_blocks is not None and not self.runner.paged:  # planned paged, but the model runs on slots
-            self.kv_cache_bytes = check_kv_cache_fits(model, spec, max_batch_size, max_seq_len)
+        self.max_batch_size, self.max_seq_len, self.max_width = max_batch_size, max_seq_len, self.config.max_width
+        self.kv_cache_bytes = self.config.kv_cache_bytes
         self.device = self.runner.device
-        if cuda_graphs is True and not (self.runner.paged and self.device.type == "cuda"):
-            raise ValueError(
-                f"cuda_graphs=True needs a CUDA device and the paged KV layout; this generator has {self.device} and "
-                f"kv_layout {self.runner.kv_layout!r}: pass cuda_graphs='auto' or False"
-            )
-        if cuda_graphs is not False and self.runner.paged and self.device.type == "cuda":
-            # before the auto policy's warm-up, so that it times the captured steps
-            self.runner.use_graphs(self.max_width).capture_all(max_batch_size)
+        num_positions = self.config.num_positions
         # a draft model's runner takes the target's layout and graphs
         self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
         self._methods = spec.methods if spec else ()
@@ -128,31 +91,16 @@ class Generator(Admission, DecodeStep):
         self.exact = spec is None or spec.verification == "exact"
         # every row's tokens, lengths, settings and random stream; proposers read the tokens without a transfer
         self.slots = SlotState(max_batch_size, num_positions)
+        # the queue, the rows in flight and their blocks: what each step runs
+        self.scheduler = Scheduler(self.slots, self.runner, max_batch_size, self.max_width, max_prefill_tokens)
         self.eos_token_ids = eos_token_ids(model)
         self.last_trace: list[StepRecord] = []
-        self._queue: deque[Sequence] = deque()
-        self.num_active = 0  # rows [0, num_active) are in flight
         self._lock = threading.Lock()  # one generate call at a time
-        self._admissions = itertools.count()  # admission order: a paged cache short of blocks preempts the latest
-        self.warm_up_seconds = 0.0
         self._graph_epoch = 0  # raised by `invalidate_graphs`
         self._closed = False  # `close` freed the caches
         self._policy_modules = list(model.modules())  # listed anew by every `generate` and `add_requests` call
-        if isinstance(self.policy, AutoPolicy) and self.max_uniform_context < self.max_width + 4:
-            cache = self.runner.cache
-            raise ValueError(
-                f"kv_pool_blocks ({cache.max_blocks}) holds {cache.max_blocks // max_batch_size} blocks of "
-                f"{cache.block_size} tokens per slot: the auto policy's warm-up fills every slot at once and needs "
-                f"more; raise kv_pool_blocks, lower max_batch_size, or give a static K or a table"
-            )
-        if self.policy is not None:  # the policy measures what it needs (auto: step times, as vLLM profiles)
-            start = time.perf_counter()
-            # contexts up to a cap: a longer one would fill every slot to it for a few steps (memory follows the
-            # rollout, not the cap); the step-time table extends longer contexts along the two longest timed
-            with StepTimer(self, spec.num_speculative_tokens, max_context=WARM_UP_MAX_CONTEXT) as timer:
-                self.policy.calibrate(timer)
-            self.proposers.reset()  # the calibration's random rows are no drafting material
-            self.warm_up_seconds = time.perf_counter() - start
+        # the policy measures what it needs (auto: step times, as vLLM profiles)
+        self.warm_up_seconds = warm_up(self) if self.policy is not None else 0.0
 
     @property
     def vocab_size(self) -> int:
@@ -173,11 +121,12 @@ class Generator(Admission, DecodeStep):
         """The longest context every slot can hold at once, with room for a full-width step after it: `max_seq_len`,
         or less where a paged pool is smaller than every slot at full length (the auto policy's calibration fills
         every slot)."""
-        if not self.runner.paged:
-            return self.max_seq_len
-        cache = self.runner.cache
-        per_row = cache.max_blocks // self.max_batch_size - 2  # a step's new block and a copied shared one
-        return max(1, min(self.max_seq_len, per_row * cache.block_size - self.max_width))
+        return self.scheduler.max_uniform_context()
+
+    @property
+    def num_active(self) -> int:
+        """Rows in flight (rows `[0, num_active)` of the slots)."""
+        return self.scheduler.num_active
 
     @property
     def draft_history(self) -> SuffixProposer | None:
@@ -224,10 +173,7 @@ class Generator(Admission, DecodeStep):
     def _generate(self, prompt_ids, params, on_step, on_group, seed_indices) -> list[Completion]:
         sequences = self.add_requests(prompt_ids, params, seed_indices)
         self.last_trace = []
-        unfinished = collections.Counter(seq.prompt_index for seq in sequences)  # samples of each prompt running
-        by_prompt: dict[int, list[Sequence]] = collections.defaultdict(list)
-        for seq in sequences:
-            by_prompt[seq.prompt_index].append(seq)
+        groups = PromptGroups(sequences)
         num_finished = 0
         self._policy_modules = list(self.model.modules())
         with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
@@ -238,9 +184,9 @@ class Generator(Admission, DecodeStep):
                 if on_step is not None:
                     on_step(out.record, num_finished, len(sequences))
                 for done in out.finished:
-                    unfinished[done.prompt_index] -= 1
-                    if on_group is not None and unfinished[done.prompt_index] == 0:
-                        on_group([s.completion() for s in by_prompt[done.prompt_index]])
+                    group = groups.finish(done.prompt_index)
+                    if on_group is not None and group is not None:
+                        on_group(group)
         return [seq.completion() for seq in sequences]
 
     # ---- the public engine ---------------------------------------------------------------------------------------
@@ -258,22 +204,11 @@ class Generator(Admission, DecodeStep):
         prompt indices numbered on from the highest queued or in flight (`Completion.prompt_index` tells them apart;
         `seed_indices` still seed them). Returns the queued sequences, prompt-major."""
         self._check_open()
-        prompt_ids = check_prompts(prompt_ids, self.vocab_size, self.max_seq_len)
-        if seed_indices is not None and len(seed_indices) != len(prompt_ids):
-            raise ValueError(
-                f"seed_indices holds {len(seed_indices)} values for {len(prompt_ids)} prompts: give one each"
-            )
-        per_prompt = check_params(params, len(prompt_ids), self._methods)
-        max_k = self.spec.num_speculative_tokens if self.spec is not None else 0
-        sequences = make_sequences(prompt_ids, per_prompt, self.eos_token_ids, self.max_seq_len, max_k, seed_indices)
-        note = length_cap_note(prompt_ids, [p.max_new_tokens for p in per_prompt], self.max_seq_len)
-        if note is not None:  # a silent cap looks like a model that stops early
-            warnings.warn(note, stacklevel=3)
-        if keep_in_flight:  # prompt indices never shared with rows already here: admission groups samples by them
-            taken = [s.prompt_index for s in itertools.chain(self._queue, self.slots.sequences) if s is not None]
-            for seq in sequences:
-                seq.prompt_index += max(taken) + 1 if taken else 0
-        else:
+        max_k, eos = self.max_width - 1, self.eos_token_ids
+        sequences = checked_sequences(
+            prompt_ids, params, seed_indices, self.vocab_size, self.max_seq_len, self._methods, eos, max_k
+        )
+        if not keep_in_flight:
             self.abort()
             if self.proposers is not None:
                 self.proposers.begin()
@@ -281,7 +216,7 @@ class Generator(Admission, DecodeStep):
         longest = max(len(seq.prompt) + seq.max_new_tokens for seq in sequences) + self.max_width
         for runner in self._runners():
             runner.reserve_positions(min(longest, runner.num_positions))
-        self._queue.extend(sequences)
+        self.scheduler.add(sequences, behind_those_here=keep_in_flight)
         if not self._lock.locked():  # a server's new requests (`generate` checks in full itself)
             self._policy_modules = list(self.model.modules())
             with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
@@ -295,17 +230,7 @@ class Generator(Admission, DecodeStep):
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._queue) or self.num_active > 0
-
-    def abort(self) -> None:
-        """Drop every request queued or in flight (their KV is garbage the next admission overwrites)."""
-        self._queue.clear()
-        if self._closed:
-            return
-        # every slot, not only those in flight: a restore to fewer rows left the others holding their blocks
-        for runner in self._runners():
-            runner.release_rows(0, self.max_batch_size)
-        self.num_active = 0
+        return self.scheduler.has_unfinished
 
     def step(self) -> StepOutput:
         """One step: admit queued requests while slots are free (a prefill), else decode every active row once, at the
@@ -351,29 +276,14 @@ class Generator(Admission, DecodeStep):
             graphs.refresh(self._graph_epoch, full)
 
     def _step(self) -> StepOutput:
-        admissible = self._num_admissible() if self._queue else 0
-        if admissible:
-            record, observation = self._admit(admissible), None
+        """schedule -> execute -> postprocess: the scheduler decides (admit, or decode after preempting rows), the
+        prefill or the decode step runs it, then the finished rows are released."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_prefill:
+            record, observation = self._admit(scheduled.prefill_chunks), None
         else:
-            assert self.num_active > 0, "expected rows in flight: add_requests first"
-            preempted = self._preempt_for_next_step() if self.runner.paged else 0
+            if scheduled.preempted:
+                self._remove_rows(scheduled.preempted)
             record, observation = self._decode_step()
-            record.num_preempted = preempted
-        finished = self._release_finished()
-        if self.runner.paged:
-            usage = self.runner.cache.manager
-            record.kv_blocks_used, record.kv_blocks_allocated = usage.num_used, usage.num_blocks
-        self.last_trace.append(record)
-        return StepOutput(record, finished, observation)
-
-    def snapshot(self) -> list[RowSnapshot]:
-        """The rows in flight, in row order, for `restore`."""
-        return self.slots.snapshot(self.num_active)
-
-    def restore(self, rows: list[RowSnapshot]) -> None:
-        """Put rows back as a snapshot saw them, into rows `[0, len(rows))` (a prefix of a snapshot keeps fewer rows
-        in flight). The KV cache keeps what the rows had (a step only writes past their lengths), so rolling back
-        is lowering lengths."""
-        with torch.inference_mode():
-            self.slots.restore(rows)
-        self.num_active = len(rows)
+            record.num_preempted = len(scheduled.preempted)
+        return self._postprocess(record, observation)

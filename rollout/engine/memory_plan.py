@@ -1,5 +1,8 @@
 """Memory planned before it is allocated: the KV caches' bytes from the model configs, against the free memory.
 
+The engine's byte arithmetic lives here, on the ground floor: this room imports no other room of the engine, and the
+caches, the model runner and the generator take their sizes from it.
+
 The slot layout needs `slots x positions` up front and is refused, naming the largest batch that fits, when that does
 not fit. A paged pool is sized instead: to what every slot could reach at most, capped by a share of the free memory
 (on a CPU a smaller share, and the pool only grows as rows need blocks); rows beyond what it holds wait or are
@@ -8,12 +11,14 @@ preempted.
 
 from __future__ import annotations
 
-import torch
+import pathlib
 
-from rollout.engine.kv_cache import free_memory, kv_bytes_per_token, kv_cache_bytes
-from rollout.engine.paged_cache import DEFAULT_BLOCK_SIZE
-from rollout.engine.speculation import draft_kv_bytes_per_slot
+import torch
+from transformers import AutoConfig
+
 from specdec.config import SpecConfig
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per block of a paged KV pool
 
 USABLE_SHARE = 0.9  # of the free memory, the KV caches may take this much: the rest is for activations and logits
 CPU_PAGED_SHARE = 0.4  # a paged pool on a CPU never plans for most of the machine's memory
@@ -95,3 +100,86 @@ def plan_kv_cache(
         )
     blocks = min(wanted, fitting)
     return blocks * per_block + draft_bytes, blocks
+
+
+# ---- bytes --------------------------------------------------------------------------------------------------------
+
+
+def kv_cache_bytes(model: torch.nn.Module, num_slots: int, num_positions: int) -> int:
+    """The bytes a `SlotKVCache` for `model` takes at most (grown to `num_positions`, every layer written): keys and
+    values of `[num_slots, H_kv, num_positions + 1, D]` per layer, in the model's parameter dtype."""
+    itemsize = next(model.parameters()).element_size()
+    return kv_cache_bytes_from_config(model.config, itemsize, num_slots, num_positions)
+
+
+def kv_cache_bytes_from_config(config, itemsize: int, num_slots: int, num_positions: int) -> int:
+    """`kv_cache_bytes` from a model's config alone (nothing loaded), with `itemsize` bytes per value."""
+    return kv_bytes_per_token(config, itemsize) * num_slots * (num_positions + 1)
+
+
+def kv_bytes_per_token(config, itemsize: int) -> int:
+    """Bytes of keys and values one token takes in every layer of a model, from its config (0 without attention: such
+    a model is refused when its runner is built)."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    if not getattr(config, "num_attention_heads", None):
+        return 0
+    kv_heads, head_dim = kv_head_shape(config)
+    layer_types = getattr(config, "layer_types", None)
+    num_layers = len(layer_types) if layer_types is not None else config.num_hidden_layers
+    return 2 * num_layers * kv_heads * head_dim * itemsize
+
+
+def kv_head_shape(config) -> tuple[int, int]:
+    """(KV heads, head size) of a model's attention layers, from its config."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = config.num_attention_heads
+    return (getattr(config, "num_key_value_heads", None) or heads), (
+        getattr(config, "head_dim", None) or config.hidden_size // heads
+    )
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free for new allocations on `device`: CUDA's own count, MemAvailable on a Linux CPU; None if unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def draft_kv_bytes_per_slot(spec: SpecConfig | None, itemsize: int, num_positions: int) -> int:
+    """KV-cache bytes per slot of the spec's draft model (0 without one), from its config: nothing is loaded. A
+    draft loaded by name takes the target's dtype, hence `itemsize` (the target's); a loaded one keeps its own."""
+    if spec is None or "draft_model" not in spec.methods:
+        return 0
+    if isinstance(spec.model, torch.nn.Module):
+        return kv_cache_bytes(spec.model, 1, num_positions)
+    from rollout.models import zoo
+    from rollout.models.widen import WIDENED, wide_config
+
+    if str(spec.model) in zoo.WIDENED_NAMES:  # its shape is known without building it
+        base, shape = WIDENED[str(spec.model)]
+        config = wide_config(AutoConfig.from_pretrained(zoo.model_path(base)), shape)
+        return kv_cache_bytes_from_config(config, itemsize, 1, num_positions)
+    config = AutoConfig.from_pretrained(draft_model_path(spec.model))
+    return kv_cache_bytes_from_config(config, itemsize, 1, num_positions)
+
+
+def draft_model_path(model) -> pathlib.Path:
+    """The folder of a draft model named by a shipped short name or a local path."""
+    if not isinstance(model, (str, pathlib.Path)):
+        raise ValueError(f"spec.model ({model!r}) must be a path, a shipped short name or a loaded model")
+    from rollout.models import zoo
+
+    path = zoo.model_path(model) if str(model) in zoo.MODEL_NAMES else pathlib.Path(model)
+    if not path.exists():
+        raise ValueError(f"spec.model ({model!r}) is neither a zoo model ({', '.join(zoo.ALL_NAMES)}) nor a path")
+    return path

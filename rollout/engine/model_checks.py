@@ -12,7 +12,8 @@ import warnings
 import torch
 from transformers import PreTrainedModel
 
-from rollout.engine.kv_cache import SlotKVCache, kv_head_shape
+from rollout.engine.kv_cache import SlotKVCache
+from rollout.engine.memory_plan import kv_head_shape
 from rollout.engine.paged_cache import PagedKVCache
 from rollout.engine.policy_mode import eval_mode
 

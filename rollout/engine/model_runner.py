@@ -17,9 +17,10 @@ from rollout.engine.attention import paged_attention_for
 from rollout.engine.attention_mask import build_attention_mask, to_additive
 from rollout.engine.graph_key import observing_autocast
 from rollout.engine.graph_runner import GraphRunner
-from rollout.engine.kv_cache import SlotKVCache, kv_head_shape
+from rollout.engine.kv_cache import SlotKVCache
+from rollout.engine.memory_plan import DEFAULT_BLOCK_SIZE, kv_head_shape
 from rollout.engine.model_checks import cache_keyword, check_supported, probe
-from rollout.engine.paged_cache import DEFAULT_BLOCK_SIZE, PagedKVCache
+from rollout.engine.paged_cache import PagedKVCache
 from rollout_kernels.device_io import upload
 
 KV_LAYOUTS = ("auto", "paged", "slots")

@@ -14,9 +14,8 @@ import torch
 from torch import Tensor
 
 from rollout.engine.block_manager import BlockManager, OutOfBlocks
+from rollout.engine.memory_plan import DEFAULT_BLOCK_SIZE
 from rollout_kernels.device_io import host, upload
-
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass

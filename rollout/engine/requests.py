@@ -6,6 +6,7 @@ import hashlib
 import numbers
 import os
 import random
+import warnings
 
 import torch
 from transformers import PreTrainedModel
@@ -152,3 +153,26 @@ def check_generator_args(model, max_batch_size, max_seq_len, max_prefill_tokens,
         raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
     if spec is not None and not isinstance(spec, SpecConfig):
         raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
+
+
+def checked_sequences(
+    prompt_ids,
+    params,
+    seed_indices: list[int] | None,
+    vocab_size: int,
+    max_seq_len: int,
+    methods: tuple[str, ...],
+    eos_ids: list[int],
+    max_k: int,
+) -> list[Sequence]:
+    """A call's prompts and settings checked (one clear error each), then one Sequence per sample, prompt-major; a
+    warning when a length cap cuts requests short (a silent cap looks like a model that stops early)."""
+    prompt_ids = check_prompts(prompt_ids, vocab_size, max_seq_len)
+    if seed_indices is not None and len(seed_indices) != len(prompt_ids):
+        raise ValueError(f"seed_indices holds {len(seed_indices)} values for {len(prompt_ids)} prompts: give one each")
+    per_prompt = check_params(params, len(prompt_ids), methods)
+    sequences = make_sequences(prompt_ids, per_prompt, eos_ids, max_seq_len, max_k, seed_indices)
+    note = length_cap_note(prompt_ids, [p.max_new_tokens for p in per_prompt], max_seq_len)
+    if note is not None:
+        warnings.warn(note, stacklevel=4)  # the caller of `generate` / `add_requests`
+    return sequences

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from rollout.engine.sampling import Completion, SamplingParams
 
 
@@ -36,3 +38,20 @@ class Sequence:
 
     def completion(self) -> Completion:
         return Completion(self.prompt_index, self.sample_index, self.token_ids, self.logprobs, self.finish_reason or "")
+
+
+class PromptGroups:
+    """A call's samples by prompt, to hand a prompt's completions on as soon as its last sample finishes."""
+
+    def __init__(self, sequences: list[Sequence]):
+        self._members: dict[int, list[Sequence]] = collections.defaultdict(list)
+        for seq in sequences:
+            self._members[seq.prompt_index].append(seq)
+        self._running = {index: len(members) for index, members in self._members.items()}
+
+    def finish(self, prompt_index: int) -> list[Completion] | None:
+        """One more sample of the prompt finished: the prompt's completions if it was the last, else None."""
+        self._running[prompt_index] -= 1
+        if self._running[prompt_index]:
+            return None
+        return [seq.completion() for seq in self._members[prompt_index]]

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import pathlib
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-
-from rollout.engine.kv_cache import kv_cache_bytes, kv_cache_bytes_from_config
+from rollout.engine.memory_plan import draft_model_path
 from rollout.engine.model_runner import ModelRunner
 from specdec.auto_policy import AutoPolicy
 from specdec.config import SpecConfig
@@ -74,35 +71,6 @@ def load_draft_model(model, target: ModelRunner) -> PreTrainedModel:
 
     if str(model) in zoo.WIDENED_NAMES:
         return zoo.load_model(str(model), target.dtype, device=target.device)[0]
-    draft = AutoModelForCausalLM.from_pretrained(_draft_path(model), dtype=target.dtype, attn_implementation="sdpa")
+    path = draft_model_path(model)
+    draft = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype, attn_implementation="sdpa")
     return draft.to(target.device).eval()
-
-
-def draft_kv_bytes_per_slot(spec: SpecConfig | None, itemsize: int, num_positions: int) -> int:
-    """KV-cache bytes per slot of the spec's draft model (0 without one), from its config: nothing is loaded. A
-    draft loaded by name takes the target's dtype, hence `itemsize` (the target's); a loaded one keeps its own."""
-    if spec is None or "draft_model" not in spec.methods:
-        return 0
-    if isinstance(spec.model, torch.nn.Module):
-        return kv_cache_bytes(spec.model, 1, num_positions)
-    from rollout.models import zoo
-    from rollout.models.widen import WIDENED, wide_config
-
-    if str(spec.model) in zoo.WIDENED_NAMES:  # its shape is known without building it
-        base, shape = WIDENED[str(spec.model)]
-        config = wide_config(AutoConfig.from_pretrained(zoo.model_path(base)), shape)
-        return kv_cache_bytes_from_config(config, itemsize, 1, num_positions)
-    config = AutoConfig.from_pretrained(_draft_path(spec.model))
-    return kv_cache_bytes_from_config(config, itemsize, 1, num_positions)
-
-
-def _draft_path(model) -> pathlib.Path:
-    """The folder of a draft model named by a shipped short name or a local path."""
-    if not isinstance(model, (str, pathlib.Path)):
-        raise ValueError(f"spec.model ({model!r}) must be a path, a shipped short name or a loaded model")
-    from rollout.models import zoo
-
-    path = zoo.model_path(model) if str(model) in zoo.MODEL_NAMES else pathlib.Path(model)
-    if not path.exists():
-        raise ValueError(f"spec.model ({model!r}) is neither a zoo model ({', '.join(zoo.ALL_NAMES)}) nor a path")
-    return path

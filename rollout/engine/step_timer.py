@@ -13,13 +13,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import time
 from typing import Protocol
 
 import torch
 
 from rollout.engine.policy_mode import eval_mode
 from rollout.engine.sampling import SamplingParams
-from specdec.auto_policy import StepObservation
+from specdec.auto_policy import AutoPolicy, StepObservation
 from specdec.policies import ForcedPolicy
 from specdec.proposers.calibration import FillingProposers
 
@@ -113,6 +114,28 @@ class StepTimer:
         with forced_steps(self.engine, num_draft_tokens, with_models) as forced:
             self.engine.step()
         return forced.observation
+
+
+WARM_UP_MAX_CONTEXT = 1024  # the auto policy's warm-up times contexts up to this many tokens
+
+
+def warm_up(engine) -> float:
+    """Let the engine's K policy measure what it needs (auto: step times, as vLLM profiles; static and table nothing);
+    returns the seconds it took. The rows it timed are gone after it and the proposers have forgotten them."""
+    policy, cache = engine.policy, engine.runner.cache
+    if isinstance(policy, AutoPolicy) and engine.max_uniform_context < engine.max_width + 4:
+        raise ValueError(
+            f"kv_pool_blocks ({cache.max_blocks}) holds {cache.max_blocks // engine.max_batch_size} blocks of "
+            f"{cache.block_size} tokens per slot: the auto policy's warm-up fills every slot at once and needs "
+            f"more; raise kv_pool_blocks, lower max_batch_size, or give a static K or a table"
+        )
+    start = time.perf_counter()
+    # contexts up to a cap: a longer one would fill every slot to it for a few steps (memory follows the rollout,
+    # not the cap); the step-time table extends longer contexts along the two longest timed
+    with StepTimer(engine, engine.spec.num_speculative_tokens, max_context=WARM_UP_MAX_CONTEXT) as timer:
+        policy.calibrate(timer)
+    engine.proposers.reset()  # the calibration's random rows are no drafting material
+    return time.perf_counter() - start
 
 
 @contextlib.contextmanager

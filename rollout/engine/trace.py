@@ -1,8 +1,11 @@
-"""One record per generator step: what the step did and how long it took."""
+"""One record per generator step: what the step did and how long it took; what `Generator.step` returns."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+from rollout.engine.sampling import Completion
+from specdec.auto_policy import StepObservation
 
 
 @dataclass
@@ -26,3 +29,12 @@ class StepRecord:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class StepOutput:
+    """What one `Generator.step` did."""
+
+    record: StepRecord  # its trace record (also appended to `last_trace`)
+    finished: list[Completion] = field(default_factory=list)  # samples that finished in this step
+    observation: StepObservation | None = None  # decode steps: what a K policy learns from the step

@@ -161,7 +161,7 @@ def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace(method)
 
 
 def test_the_warm_up_times_contexts_up_to_a_cap_not_the_length_cap():
-    from rollout.engine.generator import WARM_UP_MAX_CONTEXT
+    from rollout.engine.step_timer import WARM_UP_MAX_CONTEXT
 
     spec = SpecConfig(method="ngram", num_speculative_tokens=3, num_speculative_tokens_per_batch_size="auto")
     gen = Generator(make_model("llama"), max_batch_size=4, max_seq_len=4096, spec=spec)

@@ -1,0 +1,61 @@
+"""The engine's settings resolved once, at construction: the KV layout the model really runs on, CUDA graphs on or
+off, the widest step and the memory planned. The rest of the engine reads them instead of deciding again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedModel
+
+from rollout.engine.memory_plan import check_kv_cache_fits, plan_kv_cache
+from rollout.engine.model_runner import ModelRunner
+from specdec.config import SpecConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a `Generator` runs with, every "auto" decided."""
+
+    max_batch_size: int  # rows held at once
+    max_seq_len: int  # prompt + completion tokens a row may hold
+    max_prefill_tokens: int  # padded prompt tokens per prefill forward at most
+    max_width: int  # tokens a decode step feeds a row at most: the pending token plus the largest K
+    num_positions: int  # positions a row holds: max_seq_len plus one step's width
+    kv_layout: str  # "paged" or "slots": the layout the model runs on (after "auto" and the model's checks)
+    cuda_graphs: bool  # chain decode and verification steps replay CUDA graphs
+    kv_cache_bytes: int  # planned for the KV caches, the target's and a draft model's
+
+
+def resolve_engine(
+    model: PreTrainedModel,
+    spec: SpecConfig | None,
+    max_batch_size: int,
+    max_seq_len: int,
+    max_prefill_tokens: int,
+    kv_layout: str,
+    kv_pool_blocks: int | None,
+    cuda_graphs: bool | str,
+) -> tuple[EngineConfig, ModelRunner]:
+    """Plan the KV memory, build the target's model runner (which checks the model and settles the layout) and
+    capture its CUDA graphs where they are on; the arguments are the `Generator`'s, already checked."""
+    max_width = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    num_positions = max_seq_len + max_width
+    # planned before anything is allocated: the slot cache must fit, a paged pool is sized to what is free
+    kv_cache_bytes, max_kv_blocks = plan_kv_cache(model, spec, max_batch_size, max_seq_len, kv_layout, kv_pool_blocks)
+    runner = ModelRunner(model, max_batch_size, num_positions, kv_layout, max_kv_blocks)  # checks the model
+    if max_kv_blocks is not None and not runner.paged:  # planned paged, but the model runs on slots
+        kv_cache_bytes = check_kv_cache_fits(model, spec, max_batch_size, max_seq_len)
+    graphs_possible = runner.paged and runner.device.type == "cuda"
+    if cuda_graphs is True and not graphs_possible:
+        raise ValueError(
+            f"cuda_graphs=True needs a CUDA device and the paged KV layout; this generator has {runner.device} and "
+            f"kv_layout {runner.kv_layout!r}: pass cuda_graphs='auto' or False"
+        )
+    use_graphs = cuda_graphs is not False and graphs_possible
+    if use_graphs:  # before the auto policy's warm-up, so that it times the captured steps
+        runner.use_graphs(max_width).capture_all(max_batch_size)
+    config = EngineConfig(
+        max_batch_size, max_seq_len, max_prefill_tokens, max_width, num_positions, runner.kv_layout, use_graphs,
+        kv_cache_bytes,
+    )  # fmt: skip
+    return config, runner

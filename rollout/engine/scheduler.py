@@ -1,0 +1,168 @@
+"""The scheduler: what the next step runs, decided before anything runs.
+
+It owns the queue of waiting samples, the count of rows in flight and, with a paged KV cache, every block
+computation: how many queued samples an admission takes (by free slots and free blocks), which rows a decode step
+gives up when blocks run short (the latest admitted), the longest context every slot can hold, and the blocks a
+decode step's rows get before its forward (nano-vllm's `can_append`, then allocate). The generator executes what it
+decides (`rollout.engine.admission` runs a prefill, `rollout.engine.decode_step` a decode) and then postprocesses
+the step (the finished rows released).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from torch import Tensor
+
+from rollout.engine.sequence import Sequence
+from rollout.engine.slots import SlotState
+
+
+@dataclass
+class ScheduledStep:
+    """The next step: a prefill of `prefill_chunks` (the samples admitted, in chunks of prompt groups, one forward a
+    chunk), or, when that is empty, a decode of every row in flight once the `preempted` rows have left."""
+
+    prefill_chunks: list[list[list[Sequence]]] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)  # rows given up, ascending (back at the queue's front)
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool(self.prefill_chunks)
+
+
+class Scheduler:
+    """The queue, the rows in flight (rows `[0, num_active)` of `slots`) and the KV blocks they need.
+
+    Args:
+        slots: the rows' state (read: lengths and sequences).
+        runner: the target's model runner (its `cache` is a paged pool or a dense slot cache).
+        max_batch_size: rows held at once.
+        max_width: tokens a decode step feeds a row at most (the pending token plus the largest K).
+        max_prefill_tokens: padded prompt tokens per prefill forward at most.
+    """
+
+    def __init__(self, slots: SlotState, runner, max_batch_size: int, max_width: int, max_prefill_tokens: int):
+        self.slots = slots
+        self.runner = runner
+        self.max_batch_size = max_batch_size
+        self.max_width = max_width
+        self.max_prefill_tokens = max_prefill_tokens
+        self.queue: deque[Sequence] = deque()
+        self.num_active = 0  # rows [0, num_active) are in flight
+        self._admissions = itertools.count()  # admission order: a pool short of blocks preempts the latest
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.queue) or self.num_active > 0
+
+    def add(self, sequences: list[Sequence], behind_those_here: bool) -> None:
+        """Queue `sequences`; `behind_those_here`: rows queued or in flight stay, and the new prompts are numbered on
+        from theirs (admission groups a prompt's samples by their index, so two calls' prompts never share one)."""
+        if behind_those_here:
+            here = itertools.chain(self.queue, self.slots.sequences)  # every slot's, as the numbers never go back
+            taken = [seq.prompt_index for seq in here if seq is not None]
+            for seq in sequences:
+                seq.prompt_index += max(taken) + 1 if taken else 0
+        self.queue.extend(sequences)
+
+    def schedule(self) -> ScheduledStep:
+        """Admit queued samples while slots (and blocks) are free, else decode every row in flight, giving up the
+        latest admitted rows first where a paged pool cannot hold a full-width step of all of them."""
+        count = self.num_admissible() if self.queue else 0
+        if count:
+            admitted = [self.queue.popleft() for _ in range(count)]
+            for seq in admitted:
+                seq.admitted_at = next(self._admissions)
+            return ScheduledStep(prefill_chunks=self._prefill_chunks(admitted))
+        assert self.num_active > 0, "expected rows in flight: add_requests first"
+        victims = self.preemption_victims()
+        for row in victims:  # latest admitted first: the earliest of them ends at the queue's front
+            seq = self.slots.sequences[row]
+            seq.proposer_state = {}  # it starts over: the same seed draws the same tokens (keyed by position)
+            self.queue.appendleft(seq)
+        return ScheduledStep(preempted=sorted(victims))
+
+    def _prefill_chunks(self, admitted: list[Sequence]) -> list[list[list[Sequence]]]:
+        """The admitted samples grouped by prompt (a group shares one prefill), the groups in chunks of at most
+        `max_prefill_tokens` padded prompt tokens (a single group may exceed it)."""
+        groups: list[list[Sequence]] = []
+        for seq in admitted:  # samples of one prompt are consecutive in the queue
+            if groups and groups[-1][0].prompt_index == seq.prompt_index:
+                groups[-1].append(seq)
+            else:
+                groups.append([seq])
+        chunks: list[list[list[Sequence]]] = [[]]
+        for group in groups:
+            chunk = chunks[-1]
+            longest = max([len(g[0].prompt) for g in chunk] + [len(group[0].prompt)])
+            if chunk and longest * (len(chunk) + 1) > self.max_prefill_tokens:
+                chunks.append(chunk := [])
+            chunk.append(group)
+        return chunks
+
+    # ---- blocks ----------------------------------------------------------------------------------------------------
+
+    def num_admissible(self) -> int:
+        """Queued samples the next admission takes: as many as free slots hold; with a paged cache, only as many as
+        its blocks hold (a prompt's blocks once per group, a step's blocks per sample), after keeping a step's blocks
+        for every row in flight."""
+        count = min(self.max_batch_size - self.num_active, len(self.queue))
+        if not self.runner.paged:
+            return count
+        cache = self.runner.cache
+        per_step = -(-self.max_width // cache.block_size) + 1  # a full-width step, and a shared block copied
+        budget = cache.free_blocks_after_growth() - self.num_active * per_step
+        admitted, previous = 0, None
+        for seq in itertools.islice(self.queue, count):
+            cost = per_step + (-(-len(seq.prompt) // cache.block_size) if seq.prompt_index != previous else 0)
+            if cost > budget:
+                break
+            budget -= cost
+            admitted += 1
+            previous = seq.prompt_index
+        return admitted if admitted or self.num_active else 1  # nothing in flight: try one, a pool too small says so
+
+    def preemption_victims(self) -> list[int]:
+        """The rows a decode step gives up first, latest admitted first: the fewest (never every row) after whose
+        release the paged pool gives every other row blocks for a full-width step (its new blocks and the copies of
+        shared blocks it writes). Nothing changes here: the blocks the victims free are counted, not freed."""
+        num_rows = self.num_active
+        if not self.runner.paged or num_rows < 2:
+            return []
+        cache = self.runner.cache
+        lens = self.slots.cache_len[:num_rows].numpy()
+        latest_first = sorted(range(num_rows), key=lambda row: self.slots.sequences[row].admitted_at, reverse=True)
+        growth = cache.max_blocks - cache.manager.num_blocks  # blocks the pool may still grow by
+        for count in range(num_rows - 1):
+            released = np.array(latest_first[:count], dtype=np.int64)
+            kept = np.setdiff1d(np.arange(num_rows), released)
+            need, free = cache.manager.needed_after_release(released, kept, lens[kept] + self.max_width, lens[kept])
+            if need <= free + growth:
+                return latest_first[:count]
+        return latest_first[: num_rows - 1]
+
+    def reserve(self, num_queries: Tensor) -> None:
+        """Give the rows in flight blocks for their next `num_queries[i]` tokens (`[rows]` int64, host) before the
+        forward that writes them, and room for the copies of shared blocks they write into. The preemption above
+        made room for a full-width step, so this never runs short."""
+        if not self.runner.paged:
+            return
+        lens = self.slots.cache_len[: self.num_active].numpy()
+        count = num_queries.numpy()
+        writing = count > 0
+        rows = np.arange(self.num_active)[writing]
+        self.runner.cache.reserve(rows, lens[writing] + count[writing], lens[writing])
+
+    def max_uniform_context(self) -> int:
+        """The longest context every slot can hold at once, with room for a full-width step after it: the slots'
+        positions, or less where a paged pool is smaller than every slot at full length."""
+        num_positions = self.runner.num_positions - self.max_width
+        if not self.runner.paged:
+            return num_positions
+        cache = self.runner.cache
+        per_row = cache.max_blocks // self.max_batch_size - 2  # a step's new block and a copied shared one
+        return max(1, min(num_positions, per_row * cache.block_size - self.max_width))

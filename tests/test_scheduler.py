@@ -1,0 +1,95 @@
+"""The scheduler decides each step before it runs: admission in prompt groups and prefill chunks, preemption of the
+latest rows counted without changing anything, and a decode step's blocks reserved before its forward."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from conftest import make_model, random_prompts
+
+from rollout import Generator, SamplingParams
+from rollout.engine.block_manager import BlockManager
+from specdec.config import SpecConfig
+
+
+def _random_manager(seed: int) -> tuple[BlockManager, np.random.Generator]:
+    """A manager whose rows hold blocks of their own and blocks shared with others (as a GRPO group's do)."""
+    rng = np.random.default_rng(seed)
+    manager = BlockManager(64, 4, 10, 12)
+    lens = rng.integers(1, 30, size=10)
+    manager.allocate(np.arange(10), lens)
+    for _ in range(4):  # some rows take another row's blocks, then grow past them
+        src, dst = rng.choice(10, size=2, replace=False)
+        manager.share(np.array([src]), np.array([dst]))
+        manager.allocate(np.array([dst]), np.array([int(lens[src]) + int(rng.integers(0, 9))]))
+    return manager, rng
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_needed_after_release_is_what_a_release_leaves(seed):
+    manager, rng = _random_manager(seed)
+    held = manager.num_row_blocks * manager.block_size
+    released = rng.choice(10, size=int(rng.integers(0, 6)), replace=False)
+    kept = np.setdiff1d(np.arange(10), released)
+    start = np.maximum(held[kept] - rng.integers(0, 6, size=len(kept)), 0)  # writes into held (maybe shared) blocks
+    end = start + rng.integers(1, 9, size=len(kept))
+    refs_before = manager.refs.copy()
+    predicted = manager.needed_after_release(released, kept, end, start)
+    assert (manager.refs == refs_before).all(), "needed_after_release changed the manager"
+    after = copy.deepcopy(manager)
+    after.release(released)
+    assert predicted == (after.needed(kept, end, start), after.num_free)
+
+
+def test_admission_keeps_a_prompts_samples_together_and_chunks_prefills():
+    model = make_model("llama")
+    prompts = random_prompts(5, min_len=8, max_len=8, seed=1)  # 8 tokens each: two prompts fill a 16-token chunk
+    gen = Generator(model, max_batch_size=12, max_seq_len=16, max_prefill_tokens=16)
+    gen.add_requests(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=0))
+    scheduled = gen.scheduler.schedule()
+    chunks = scheduled.prefill_chunks
+    assert [[[s.prompt_index for s in group] for group in chunk] for chunk in chunks] == [
+        [[0, 0], [1, 1]],
+        [[2, 2], [3, 3]],
+        [[4, 4]],
+    ]
+    assert len(gen.scheduler.queue) == 0 and scheduled.preempted == []
+
+
+def test_a_decode_steps_blocks_are_reserved_before_its_forward_and_preemption_still_happens():
+    model = make_model("qwen2")
+    prompts = random_prompts(6, min_len=10, max_len=20, seed=7)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=40, seed=0)
+    spec = SpecConfig(method="ngram", num_speculative_tokens=3)
+    reference = Generator(model, max_batch_size=18, max_seq_len=64, spec=spec).generate(prompts, params)
+    gen = Generator(model, max_batch_size=18, max_seq_len=64, kv_layout="paged", kv_pool_blocks=16, spec=spec)
+    manager = gen.runner.cache.manager
+    short: list[int] = []  # per decode forward: rows that lacked a block for a token fed to them
+    allocated: list[int] = []  # per allocation inside a decode forward: the blocks it took
+    allocate, forward = manager.allocate, gen._forward
+    in_forward = [False]
+
+    def spy_allocate(rows, num_positions):
+        if in_forward[0]:
+            allocated.append(int(np.maximum(manager.blocks_for(num_positions) - manager.num_row_blocks[rows], 0).sum()))
+        return allocate(rows, num_positions)
+
+    def spy_forward(num_rows, drafts, layout):
+        end = gen.slots.cache_len[:num_rows].numpy() + layout.node_counts.numpy()
+        short.append(int((manager.num_row_blocks[:num_rows] < manager.blocks_for(end)).sum()))
+        in_forward[0] = True
+        try:
+            return forward(num_rows, drafts, layout)
+        finally:
+            in_forward[0] = False
+
+    manager.allocate, gen._forward = spy_allocate, spy_forward
+    outs = gen.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert sum(r.num_preempted for r in gen.last_trace) > 0, "the pool never ran short: nothing was tested"
+    assert len(short) == sum(r.kind == "decode" for r in gen.last_trace)
+    assert sum(short) == 0, "a decode forward ran before its rows held their blocks"
+    assert sum(allocated) == 0, "a decode forward allocated blocks"
+    assert max(r.num_drafted for r in gen.last_trace) > 0, "no drafts: every step was one token wide"
