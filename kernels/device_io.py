@@ -32,3 +32,30 @@ def host(tensor: Tensor) -> Tensor:
     """`tensor` on the host: itself when it is there already, else copied back, which waits for the device. The engine
     reads the device once per step (`.cpu()` on the step's packed results); host-side data goes through here."""
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
+
+
+class PendingRead:
+    """A device tensor on its way to the host (`start_read`): `wait()` returns it there, waiting for the device then
+    and not before, so that the host can queue more work in between."""
+
+    def __init__(self, tensor: Tensor):
+        self._event = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor.cpu()  # the engine's marker of a read (a host tensor is itself)
+
+    def wait(self) -> Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
+def start_read(tensor: Tensor) -> PendingRead:
+    """Start copying `tensor` to the host without waiting for the device; `.wait()` on the result waits for the copy.
+    The engine's one read of the device a step."""
+    return PendingRead(tensor)

@@ -59,6 +59,8 @@ class Rollout:
         kv_layout: the generator's KV layout: "auto" (paged on a GPU, slots on a CPU), "paged" or "slots" (see
             `Generator`).
         cuda_graphs: "auto" (on with the paged layout on a GPU), True or False: decode steps replay CUDA graphs.
+        async_scheduling: "auto" (on a GPU, without speculation), True or False: the host one step ahead of the
+            device (see `Generator`); the same samples either way.
         threads: torch's CPU threads for this process (`torch.set_num_threads`), set before the generator is built;
             None leaves torch's setting. On a small CPU one thread is often the fastest: torch's default (one per
             core) slows many times over when another process holds a core. No effect on what is sampled.
@@ -82,6 +84,7 @@ class Rollout:
         non_finite_rewards_as_null: bool = False,
         kv_layout: str = "auto",
         cuda_graphs: bool | str = "auto",
+        async_scheduling: bool | str = "auto",
         threads: int | None = None,
     ):
         if threads is not None:
@@ -108,6 +111,7 @@ class Rollout:
             spec=spec,
             kv_layout=kv_layout,
             cuda_graphs=cuda_graphs,
+            async_scheduling=async_scheduling,
         )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0

@@ -53,12 +53,14 @@ from rollout.phases import PHASES, PhaseLabeler, summarize  # noqa: E402
 from rollout.tasks import format_prompt, generate_problems  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 
-ROWS = ("standard", "none", "none_eager", "hf_generate", "generate_batch", "suffix", "suffix_eager", "suffix+draft")
-ROWS += ("draft",)
+ROWS = ("standard", "none", "none_lockstep", "none_eager", "hf_generate", "generate_batch", "suffix", "suffix_eager")
+ROWS += ("suffix+draft", "draft")
 # the most wanted first: a run short of budget skips the last; *_eager: the same row without CUDA graphs; *_slots:
-# on the slot KV layout (the engine before the paged work)
+# on the slot KV layout (the engine before the paged work); *_lockstep: without the host one step ahead
+# (async_scheduling=False)
 ROWS += ("ngram", "suffix_k4", "none_slots", "suffix_slots", "suffix_k2", "suffix_k1", "trl")
-QUICK_ROWS = ("standard", "none", "none_eager", "suffix", "suffix_eager", "generate_batch", "hf_generate", "draft")
+QUICK_ROWS = ("standard", "none", "none_lockstep", "none_eager", "suffix", "suffix_eager", "generate_batch")
+QUICK_ROWS += ("hf_generate", "draft")
 DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
     "cuda": dict(model="tiny-target-1b", draft="tiny-draft-150m", dtype="bfloat16", sizes="64x8,256x8",
                  max_new_tokens=1024, hf_batch_size=512, max_batch_size=1024, budget_s=440.0, row_cap_s=150.0,
@@ -254,7 +256,8 @@ def kv_bytes_per_token(model) -> int:
 
 
 def spec_for(row_id: str, args, draft) -> SpecConfig | None:
-    row_id = row_id.removesuffix("_slots").removesuffix("_eager")  # the same configuration, other engine settings
+    # the same configuration, other engine settings
+    row_id = row_id.removesuffix("_slots").removesuffix("_eager").removesuffix("_lockstep")
     if row_id == "none":
         return None
     if row_id.startswith("suffix_k"):
@@ -269,7 +272,7 @@ def spec_for(row_id: str, args, draft) -> SpecConfig | None:
 
 
 def row_label(row_id: str) -> str:
-    for suffix in ("_slots", "_eager"):
+    for suffix in ("_slots", "_eager", "_lockstep"):
         if row_id.endswith(suffix):
             return f"{row_label(row_id.removesuffix(suffix))} ({suffix[1:]})"
     if row_id.startswith("suffix_k"):
@@ -469,12 +472,16 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
         slots = fitting_batch_size(model, spec, max_seq_len, slots)
     mark, start = memory_mark(device), time.perf_counter()
     graphs = "auto" if not row_id.endswith("_eager") else False
+    ahead = "auto" if not row_id.endswith("_lockstep") else False
     gen = Generator(
-        model, max_batch_size=slots, max_seq_len=max_seq_len, spec=spec, kv_layout=layout, cuda_graphs=graphs
-    )
+        model, max_batch_size=slots, max_seq_len=max_seq_len, spec=spec, kv_layout=layout, cuda_graphs=graphs,
+        async_scheduling=ahead,
+    )  # fmt: skip
+    shared_async = gen.config.async_scheduling
     warm_up(gen, prompts, spec)
     shared = {"slots": slots, "kv_cache_bytes": gen.kv_cache_bytes, "setup_seconds": time.perf_counter() - start}
     shared["kv_layout"] = gen.runner.kv_layout
+    shared["async_scheduling"] = shared_async
     graphs = getattr(gen, "graph_runners", [])  # the target's, and a draft model's
     if graphs:
         shared["graphs"] = {

@@ -1,5 +1,5 @@
-"""A decode step reads the device once: the packed copy of its results (`DecodeStep._commit`), for chains, token
-trees and the cascade alike (DESIGN.md's invariant).
+"""A decode step reads the device once: the packed copy of its results (started by `DecodeStep._launch_decode`,
+waited for by `_finish_decode`), for chains, token trees and the cascade alike (DESIGN.md's invariant).
 
 A CPU has no device to wait for, so it cannot see a synchronisation: the gate is `tests/test_gpu_policy.py`, which
 counts them on CUDA with torch's sync-debug mode. What a CPU can count is the engine's own marker of a read: by this

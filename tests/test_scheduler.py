@@ -76,12 +76,12 @@ def test_a_decode_steps_blocks_are_reserved_before_its_forward_and_preemption_st
             allocated.append(int(np.maximum(manager.blocks_for(num_positions) - manager.num_row_blocks[rows], 0).sum()))
         return allocate(rows, num_positions)
 
-    def spy_forward(num_rows, drafts, layout):
+    def spy_forward(num_rows, drafts, layout, pending=None):
         end = gen.slots.cache_len[:num_rows].numpy() + layout.node_counts.numpy()
         short.append(int((manager.num_row_blocks[:num_rows] < manager.blocks_for(end)).sum()))
         in_forward[0] = True
         try:
-            return forward(num_rows, drafts, layout)
+            return forward(num_rows, drafts, layout, pending)
         finally:
             in_forward[0] = False
 

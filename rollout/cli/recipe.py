@@ -107,6 +107,7 @@ class RolloutRecipe:
         kv_layout: the KV cache: auto = paged on a GPU, slots on a CPU; paged = blocks that follow the tokens in
             flight, read by the attention function registered with transformers; slots = a dense cache and 4D masks.
         cuda_graphs: auto = decode steps replay CUDA graphs with the paged layout on a GPU; true or false.
+        async_scheduling: auto = the host one step ahead of the device on a GPU, without speculation; true or false.
     """
 
     max_batch_size: Any = 64
@@ -117,6 +118,7 @@ class RolloutRecipe:
     non_finite_rewards_as_null: bool = False
     kv_layout: str = "auto"
     cuda_graphs: Any = "auto"
+    async_scheduling: Any = "auto"
 
     def __post_init__(self) -> None:
         _require(self.num_rollouts >= 1, f"rollout.num_rollouts ({self.num_rollouts}) must be >= 1")
@@ -127,6 +129,10 @@ class RolloutRecipe:
         _require(
             self.cuda_graphs in (True, False, "auto"),
             f"rollout.cuda_graphs ({self.cuda_graphs!r}) must be auto, true or false",
+        )
+        _require(
+            self.async_scheduling in (True, False, "auto"),
+            f"rollout.async_scheduling ({self.async_scheduling!r}) must be auto, true or false",
         )
         p = self.prompts_per_rollout
         _require(p is None or p >= 1, f"rollout.prompts_per_rollout ({p}) must be >= 1, or null for all prompts")

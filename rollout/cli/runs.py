@@ -121,6 +121,7 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None, 
         non_finite_rewards_as_null=recipe.rollout.non_finite_rewards_as_null,
         kv_layout=recipe.rollout.kv_layout,
         cuda_graphs=recipe.rollout.cuda_graphs,
+        async_scheduling=recipe.rollout.async_scheduling,
     )
 
 

@@ -1,5 +1,10 @@
 """One decode step in its stages: schedule (K and the drafts asked of each row), propose, forward, verify, commit.
 
+A step is launched (`_launch_decode`: everything up to the verification, queued on the device, and the copy of its
+results to the host started), then finished (`_finish_decode`: the results read, committed, learned from, recorded).
+Between the two the host may launch the next step behind it (`rollout.engine.run_ahead`): a step of one token a row
+needs only the tokens already on the device.
+
 A mixin over the `Generator`'s state (scheduler, slots, runner, proposers, K policy); the generator is the only user.
 """
 
@@ -11,9 +16,10 @@ import time
 import torch
 from torch import Tensor
 
+from rollout.engine.run_ahead import LaunchedStep
 from rollout.engine.sequence import Sequence
 from rollout.engine.trace import StepRecord
-from rollout_kernels.device_io import upload
+from rollout_kernels.device_io import start_read, upload
 from specdec.auto_policy import StepObservation
 from specdec.policies import Decision
 from specdec.proposers.base import Drafts, ProposalBatch
@@ -24,60 +30,92 @@ from specdec.verify import RaceKeys, VerifyResult, verify
 class DecodeStep:
     """The decode step's stages (see the module docstring)."""
 
-    def _decode_step(self) -> tuple[StepRecord, StepObservation | None]:
-        """Feed each active row its pending token plus its drafts (a tree rooted at the pending token; a chain is the
-        one-child tree), verify them all in the same forward, commit the accepted path."""
+    def _launch_decode(self, after: LaunchedStep | None = None) -> LaunchedStep:
+        """Feed each row in flight its pending token plus its drafts (a tree rooted at the pending token; a chain is
+        the one-child tree) and verify them all in the same forward, on the device; start the results' copy to the
+        host. `after`: a step still in flight, whose sampled tokens (on the device) this one feeds, one token a row
+        (no drafts: the host has not seen the tokens they would follow)."""
         start = time.perf_counter()
         num_rows = self.scheduler.num_active
+        rows = slice(0, num_rows)
         context = int(self.slots.cache_len[:num_rows].max())  # rows attend over the longest row's cache (padded)
-        observed = self.policy is not None  # a policy learns from the step
+        observed = self.policy is not None and after is None  # a policy learns from the step
         routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]] if observed else []
-        decision, asked = self._schedule(num_rows, context, routes)
-        uniforms = self._uniforms(slice(0, num_rows), asked)
-        sampling = self.slots.row_sampling(slice(0, num_rows), self.device)  # shared by the proposers and the verifier
-        race = self._race_keys(slice(0, num_rows))  # shared by the draft model and the verifier
+        if after is None:
+            decision, asked = self._schedule(num_rows, context, routes)
+        else:
+            decision, asked = Decision(0), torch.zeros(num_rows, dtype=torch.long)
+        uniforms = self._uniforms(rows, asked)
+        sampling = self.slots.row_sampling(rows, self.device)  # shared by the proposers and the verifier
+        race = self._race_keys(rows, ahead=after is not None)  # shared by the draft model and the verifier
         propose_start = time.perf_counter()
-        drafts, served = self._propose(num_rows, asked, sampling, uniforms, race)
+        drafts, served = self._propose(num_rows, asked, sampling, uniforms, race) if after is None else (None, [])
         propose_seconds = time.perf_counter() - propose_start
         layout = layout_drafts(
             drafts.num_drafted if drafts is not None else [0] * num_rows,
             drafts.parents if drafts is not None else None,
         )
         self.scheduler.reserve(layout.node_counts)  # blocks before the forward that writes them
-        input_ids, logits = self._forward(num_rows, drafts, layout)
+        pending = after.next_input_ids(num_rows, self.device) if after is not None else None
+        input_ids, logits = self._forward(num_rows, drafts, layout, pending)
         result = self._verify(num_rows, input_ids, logits, layout, drafts, sampling, uniforms, race)
         base_positions = self.slots.cache_len[:num_rows].clone()  # where each root was written (the commit moves it)
-        num_emitted, accepted_per_row, emitted_ids, accepted_nodes = self._commit(
-            slice(0, num_rows), result, in_cache=True, tree=not layout.is_chain
+        tree = not layout.is_chain
+        # the step's one read of the device, started here and waited for in `_finish_decode`
+        read = start_read(_packed(result, tree))
+        advanced = layout.width == 1 and self.config.async_scheduling
+        if advanced:  # one token a row: each row's pending token is in the cache now, whatever it samples
+            self.slots.cache_len[:num_rows] += 1
+        return LaunchedStep(
+            start, num_rows, context, decision, asked, routes, served or [None] * num_rows, drafts is not None,
+            layout, propose_seconds, result, read, base_positions, advanced,
+        )  # fmt: skip
+
+    def _finish_decode(self, step: LaunchedStep) -> tuple[StepRecord, StepObservation | None]:
+        """Read a launched step's results (waiting for the device), commit them to the rows they belong to now, let
+        the proposers and the K policy learn from them, and record the step."""
+        layout = step.layout
+        packed = step.read.wait()
+        source = step.source_rows(self.scheduler.num_active)
+        if source is not None:  # rows released since the launch: the others' results, in today's row order
+            packed = packed[torch.from_numpy(source)]
+        num_rows = len(packed)
+        num_emitted, accepted_per_row, emitted_ids, accepted_nodes = self._commit_packed(
+            0, packed, step.result.output_token_ids.shape[1], in_cache=not step.advanced, tree=not layout.is_chain
         )
         if accepted_nodes is not None:  # move accepted paths next to their roots (a chain's path is in place already)
-            self.runner.compact_paths(torch.arange(num_rows), base_positions, accepted_nodes)  # host: no read
+            self.runner.compact_paths(torch.arange(num_rows), step.base_positions, accepted_nodes)  # host: no read
         accepted = accepted_per_row.tolist()
-        seconds = time.perf_counter() - start
-        if drafts is not None:  # a cascade learns which proposer earns what, at what cost
+        now = time.perf_counter()
+        seconds = now - max(step.start, self._last_finish)  # a step launched ahead counts from the last one's end
+        self._last_finish = now
+        if step.drafted:  # a cascade learns which proposer earns what, at what cost
             self.proposers.observe(accepted, seconds, emitted_ids)
-        asked_list = asked.tolist()
+        asked_list = step.asked.tolist()
         drafting = [k > 0 for k in asked_list]
         observation = None
-        if observed:
-            observation = self._observation(asked_list, drafting, routes, served, accepted, layout, seconds, context)
+        if step.routes:
+            observation = self._observation(
+                asked_list, drafting, step.routes, step.served, accepted, layout, seconds, step.context
+            )
             self.policy.observe(observation)
         depths = layout.node_counts - 1 if layout.is_chain else torch.tensor(layout.row_depths)
         position = torch.arange(layout.max_depth)
+        decision = step.decision
         record = StepRecord(
             "decode",
-            num_rows,
+            step.num_rows,
             decision.num_draft_tokens,
-            sum(layout.num_nodes) - num_rows,
+            sum(layout.num_nodes) - step.num_rows,
             sum(accepted),
             num_emitted,
             seconds,
-            propose_seconds,
+            step.propose_seconds,
             drafted_per_position=(depths[:, None] > position).sum(0).tolist(),
             accepted_per_position=(accepted_per_row[:, None] > position).sum(0).tolist(),
             predicted_gain=decision.predicted_gain,
             measuring=decision.measuring,
-            rows_by_method=_count_by(served, drafting),
+            rows_by_method=_count_by(step.served, drafting),
         )
         return record, observation
 
@@ -117,9 +155,12 @@ class DecodeStep:
         )
         return self.proposers.propose(batch, [seq.params.spec.method for seq in sequences])
 
-    def _forward(self, num_rows: int, drafts: Drafts | None, layout: DraftLayout) -> tuple[Tensor, Tensor]:
-        """The pending tokens and the drafts `[rows, width]` through the model: logits `[rows, width, V]`."""
-        input_ids = upload(self.slots.pending(num_rows)[:, None], self.device)
+    def _forward(
+        self, num_rows: int, drafts: Drafts | None, layout: DraftLayout, pending: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The pending tokens (the slots', or `pending [rows, 1]` on the device) and the drafts `[rows, width]` through
+        the model: logits `[rows, width, V]`."""
+        input_ids = upload(self.slots.pending(num_rows)[:, None], self.device) if pending is None else pending
         if layout.width > 1:  # drafts stay where the proposer made them (a draft model's on the device): no round trip
             draft_ids = upload(drafts.token_ids[:, : layout.width - 1], self.device).clamp(min=0)
             input_ids = torch.cat([input_ids, draft_ids], dim=1)
@@ -160,33 +201,34 @@ class DecodeStep:
             return torch.zeros(rows.stop - rows.start, 2 * max_k + 1, dtype=torch.float64)
         return self.slots.uniforms(rows, asked)
 
-    def _race_keys(self, rows: slice) -> RaceKeys | None:
-        """Each row's sample seed and the completion position of the token its root draws (None: rejection)."""
+    def _race_keys(self, rows: slice, ahead: bool = False) -> RaceKeys | None:
+        """Each row's sample seed and the completion position of the token its root draws (None: rejection);
+        `ahead`: for a step launched behind one whose token the rows have not taken in yet."""
         if not self.exact:
             return None
         s = self.slots
-        return RaceKeys(s.seed[rows, 0], s.num_tokens[rows] - s.prompt_len[rows])
+        return RaceKeys(s.seed[rows, 0], s.num_tokens[rows] - s.prompt_len[rows] + int(ahead))
 
-    def _commit(
-        self, rows: slice, result: VerifyResult, in_cache: bool, tree: bool = False
+    def _commit(self, rows: slice, result: VerifyResult, in_cache: bool) -> int:
+        """Bring a prefill's result to the host (its one read of the device) and append it to the rows; returns the
+        tokens kept."""
+        packed = start_read(_packed(result, tree=False)).wait()
+        return self._commit_packed(rows.start, packed, result.output_token_ids.shape[1], in_cache, tree=False)[0]
+
+    def _commit_packed(
+        self, row_start: int, packed: Tensor, width: int, in_cache: bool, tree: bool
     ) -> tuple[int, Tensor, Tensor, Tensor | None]:
-        """Bring the step's result to the host in ONE transfer (the step's one read of the device) and append it to
-        the rows.
+        """Append a step's results (`_packed`, read to the host) to the rows from `row_start` on.
 
         Returns the tokens kept (after stops and length caps), the drafts accepted per row `[rows]`, the emitted
         tokens `[rows, max depth + 1]` (row i's first `accepted[i] + 1` are its own) and a token tree's accepted
         nodes `[rows, max depth]` (with `tree`, else None), all on the host.
         """
-        parts = [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)]
-        if tree:
-            parts.append(result.accepted_nodes.to(torch.long))
-        packed = torch.cat(parts, dim=1).cpu()
-        width = result.output_token_ids.shape[1]
         num_emitted = packed[:, 0]
         tokens = packed[:, 1 : 1 + width]
         logprobs = packed[:, 1 + width : 1 + 2 * width].contiguous().view(torch.float64)
         accepted_nodes = packed[:, 1 + 2 * width :].contiguous() if tree else None
-        kept = self.slots.commit(rows.start, num_emitted, tokens, logprobs, in_cache)
+        kept = self.slots.commit(row_start, num_emitted, tokens, logprobs, in_cache)
         return int(kept.sum()), num_emitted - 1, tokens, accepted_nodes
 
     def _route(self, seq: Sequence) -> str:
@@ -219,3 +261,12 @@ def _count_by(values: list, keep: list[bool]) -> dict:
     """How many kept entries hold each value, in first-seen order (the step record's rows by proposer)."""
     kept = list(itertools.compress(values, keep))
     return {value: kept.count(value) for value in _distinct(kept)}
+
+
+def _packed(result: VerifyResult, tree: bool) -> Tensor:
+    """A step's results in one int64 tensor `[rows, 1 + 2 W (+ depth)]` (emitted count, tokens, log-probs' bits, a
+    tree's accepted nodes), so that they come back to the host in one copy."""
+    parts = [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)]
+    if tree:
+        parts.append(result.accepted_nodes.to(torch.long))
+    return torch.cat(parts, dim=1)

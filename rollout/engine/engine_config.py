@@ -24,6 +24,7 @@ class EngineConfig:
     kv_layout: str  # "paged" or "slots": the layout the model runs on (after "auto" and the model's checks)
     cuda_graphs: bool  # chain decode and verification steps replay CUDA graphs
     kv_cache_bytes: int  # planned for the KV caches, the target's and a draft model's
+    async_scheduling: bool  # one-token steps launched before the last one is read (`rollout.engine.run_ahead`)
 
 
 def resolve_engine(
@@ -35,6 +36,7 @@ def resolve_engine(
     kv_layout: str,
     kv_pool_blocks: int | None,
     cuda_graphs: bool | str,
+    async_scheduling: bool | str = "auto",
 ) -> tuple[EngineConfig, ModelRunner]:
     """Plan the KV memory, build the target's model runner (which checks the model and settles the layout) and
     capture its CUDA graphs where they are on; the arguments are the `Generator`'s, already checked."""
@@ -54,8 +56,17 @@ def resolve_engine(
     use_graphs = cuda_graphs is not False and graphs_possible
     if use_graphs:  # before the auto policy's warm-up, so that it times the captured steps
         runner.use_graphs(max_width).capture_all(max_batch_size)
+    if async_scheduling is True and spec is not None:
+        raise ValueError(
+            "async_scheduling=True runs the host one step ahead of the device, which drafting cannot (drafts follow "
+            "the tokens the host has read): pass spec=None, or async_scheduling='auto' or False"
+        )
+    # "auto": where the host and the device run side by side (on a CPU it gains nothing, and a finished row rides
+    # one step further)
+    wanted = async_scheduling is True or (async_scheduling == "auto" and runner.device.type == "cuda")
+    run_ahead = spec is None and wanted
     config = EngineConfig(
         max_batch_size, max_seq_len, max_prefill_tokens, max_width, num_positions, runner.kv_layout, use_graphs,
-        kv_cache_bytes,
+        kv_cache_bytes, run_ahead,
     )  # fmt: skip
     return config, runner

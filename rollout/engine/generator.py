@@ -29,6 +29,7 @@ from rollout.engine.requests import (
     checked_sequences,
     eos_token_ids,
 )
+from rollout.engine.run_ahead import LaunchedStep
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import PromptGroups, Sequence
@@ -57,6 +58,10 @@ class Generator(Admission, DecodeStep):
         cuda_graphs: "auto" (on with the paged layout on a GPU), True or False: chain decode and verification
             forwards replay CUDA graphs captured here, one per padded row count and width
             (`rollout.engine.graph_runner`); token trees, prefills and autocast run eagerly.
+        async_scheduling: "auto" (on a GPU, without speculation), True or False: the host one step ahead of the
+            device, a one-token decode step launched from the last step's samples before it reads them, so that its
+            bookkeeping overlaps the device's work (`rollout.engine.run_ahead`); the same samples either way. Needs
+            spec=None (drafts follow the tokens the host has read).
     """
 
     def __init__(
@@ -69,15 +74,19 @@ class Generator(Admission, DecodeStep):
         kv_layout: str = "auto",
         kv_pool_blocks: int | None = None,
         cuda_graphs: bool | str = "auto",
+        async_scheduling: bool | str = "auto",
     ):
-        check_generator_args(model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec)
+        check_generator_args(
+            model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec, async_scheduling
+        )
         if spec is not None and not spec.methods:  # method None: speculation off
             spec = None
         self.model = model
         self.spec = spec
         self.config, self.runner = resolve_engine(
-            model, spec, max_batch_size, max_seq_len, max_prefill_tokens, kv_layout, kv_pool_blocks, cuda_graphs
-        )
+            model, spec, max_batch_size, max_seq_len, max_prefill_tokens, kv_layout, kv_pool_blocks, cuda_graphs,
+            async_scheduling,
+        )  # fmt: skip
         self.max_batch_size, self.max_seq_len, self.max_width = max_batch_size, max_seq_len, self.config.max_width
         self.kv_cache_bytes = self.config.kv_cache_bytes
         self.device = self.runner.device
@@ -98,6 +107,8 @@ class Generator(Admission, DecodeStep):
         self._lock = threading.Lock()  # one generate call at a time
         self._graph_epoch = 0  # raised by `invalidate_graphs`
         self._closed = False  # `close` freed the caches
+        self._in_flight: LaunchedStep | None = None  # a decode step launched ahead, not read yet
+        self._last_finish = 0.0  # when the last decode step was read (a step launched ahead is timed from it)
         self._policy_modules = list(model.modules())  # listed anew by every `generate` and `add_requests` call
         # the policy measures what it needs (auto: step times, as vLLM profiles)
         self.warm_up_seconds = warm_up(self) if self.policy is not None else 0.0
@@ -278,12 +289,19 @@ class Generator(Admission, DecodeStep):
     def _step(self) -> StepOutput:
         """schedule -> execute -> postprocess: the scheduler decides (admit, or decode after preempting rows), the
         prefill or the decode step runs it, then the finished rows are released."""
+        ahead, self._in_flight = self._in_flight, None
+        if ahead is not None:  # launched by the last call: launch the next behind it, then read it
+            if self.scheduler.can_run_ahead():
+                self._in_flight = self._launch_decode(after=ahead)
+            return self._postprocess(*self._finish_decode(ahead))
         scheduled = self.scheduler.schedule()
         if scheduled.is_prefill:
-            record, observation = self._admit(scheduled.prefill_chunks), None
-        else:
-            if scheduled.preempted:
-                self._remove_rows(scheduled.preempted)
-            record, observation = self._decode_step()
-            record.num_preempted = len(scheduled.preempted)
+            return self._postprocess(self._admit(scheduled.prefill_chunks), None)
+        if scheduled.preempted:
+            self._remove_rows(scheduled.preempted)
+        launched = self._launch_decode()
+        if launched.advanced and self.scheduler.can_run_ahead():  # the host one step ahead
+            self._in_flight = self._launch_decode(after=launched)
+        record, observation = self._finish_decode(launched)
+        record.num_preempted = len(scheduled.preempted)
         return self._postprocess(record, observation)

@@ -81,10 +81,14 @@ class GraphRunner:
             # positions, slot mapping, block tables, cache lengths, query starts, query counts: one int64 buffer
             self._sizes = (cells, cells, self.max_rows * self.table_width, self.max_rows, self.max_rows, self.max_rows)
             self.meta = torch.zeros(sum(self._sizes), dtype=torch.long, device=self.device)
-            self._staging = torch.zeros(sum(self._sizes), dtype=torch.long, pin_memory=self.device.type == "cuda")
+            # two host buffers, used in turn: a step launched ahead stages its metadata while the last step's copies
+            # may still be queued behind the device's work
+            pinned = self.device.type == "cuda"
+            self._staging = [torch.zeros(sum(self._sizes), dtype=torch.long, pin_memory=pinned) for _ in range(2)]
             hidden_size = model.config.get_text_config().hidden_size
             self.hidden = torch.zeros(cells, hidden_size, dtype=next(model.parameters()).dtype, device=self.device)
-        self._copied: torch.cuda.Event | None = None  # the last copy out of the staging buffer
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # the last copy out of each staging buffer
+        self._turn = 0  # the staging buffer the next step fills
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         # captures run on one side stream: the allocator caches blocks per stream, so the warm-up runs of all
@@ -187,11 +191,13 @@ class GraphRunner:
     def _stage(self, rows: int, width: int, parts: list) -> None:
         """Fill the metadata buffer's `rows` x `width` views from host arrays (`parts`, in `_views` order, each of the
         real rows only): padding rows get no queries and slot -1, then one asynchronous copy per view."""
-        if self._copied is not None and not self._copied.query():
-            self._copied.synchronize()  # the last step's copies still read the staging buffer (rarely: a step syncs)
+        turn, self._turn = self._turn, 1 - self._turn
+        copied = self._copied[turn]
+        if copied is not None and not copied.query():
+            copied.synchronize()  # the copies of two steps back still read this buffer (rarely: a step syncs)
         offset, targets = 0, []
         for region, (size, view, part) in enumerate(zip(self._sizes, self._views(rows, width), parts)):
-            staged = self._staging[offset : offset + view.numel()].view(view.shape)
+            staged = self._staging[turn][offset : offset + view.numel()].view(view.shape)
             part = torch.as_tensor(part)
             staged[: len(part)] = part
             staged[len(part) :] = -1 if region == 1 else 0  # padding: slot -1 (nothing stored), all else 0
@@ -200,8 +206,8 @@ class GraphRunner:
         for view, staged in targets:
             upload_into(view, staged)
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
 
     def _body(self, rows: int, width: int) -> None:
         """The forward over the buffers' `rows` x `width` views, final hidden states into `self.hidden`."""

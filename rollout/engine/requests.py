@@ -131,7 +131,9 @@ def eos_token_ids(model: PreTrainedModel) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos)
 
 
-def check_generator_args(model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec) -> None:
+def check_generator_args(
+    model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec, async_scheduling="auto"
+) -> None:
     """Refuse a `Generator`'s arguments that it cannot take, with what to pass instead."""
     if isinstance(model, (str, os.PathLike)):
         raise TypeError(
@@ -151,6 +153,8 @@ def check_generator_args(model, max_batch_size, max_seq_len, max_prefill_tokens,
         )
     if cuda_graphs not in (True, False, "auto"):
         raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
+    if async_scheduling not in (True, False, "auto"):
+        raise ValueError(f"async_scheduling ({async_scheduling!r}) must be True, False or 'auto'")
     if spec is not None and not isinstance(spec, SpecConfig):
         raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
 

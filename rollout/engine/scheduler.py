@@ -104,6 +104,14 @@ class Scheduler:
             chunk.append(group)
         return chunks
 
+    def can_run_ahead(self) -> bool:
+        """Whether the next decode step may be launched before the last one is read (`rollout.engine.run_ahead`):
+        nothing to admit (no queued sample, or no free slot for one) and no row to give up (a paged pool holds the
+        step's blocks for every row)."""
+        if self.queue and self.num_admissible():
+            return False
+        return not self.preemption_victims()
+
     # ---- blocks ----------------------------------------------------------------------------------------------------
 
     def num_admissible(self) -> int:

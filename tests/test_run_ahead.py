@@ -1,0 +1,169 @@
+"""The host one step ahead (`Generator(async_scheduling=True)`, `rollout.engine.run_ahead`): a one-token decode step
+is launched from the previous step's samples before the host reads them. The completions are those of the engine
+in lockstep, token for token, log-probs to float64 rounding, finish reason for finish reason: on slots and paged caches, the
+padded graph forward, a pool short enough to preempt, rows finishing on stop ids and length caps while a step is in
+flight, requests added mid-flight. A decode step still reads the device once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, random_prompts
+from test_device_reads import CountingReads
+from test_generator import teacher_forced_logprobs, use_frequent_token_as_eos
+
+from rollout import Generator, SamplingParams
+from rollout.engine.run_ahead import LaunchedStep
+from specdec.config import SpecConfig
+
+
+class Spy:
+    """Counts the steps launched behind another and the rows released while a step was in flight."""
+
+    def __init__(self, gen: Generator):
+        self.ahead = self.moved = 0
+        launch, moved = gen._launch_decode, LaunchedStep.rows_moved
+
+        def spy_launch(after=None):
+            self.ahead += after is not None
+            return launch(after)
+
+        def spy_moved(step, num_active, leaving, movers, holes):
+            self.moved += len(leaving)
+            return moved(step, num_active, leaving, movers, holes)
+
+        gen._launch_decode = spy_launch
+        self._patch = pytest.MonkeyPatch()
+        self._patch.setattr(LaunchedStep, "rows_moved", spy_moved)
+
+    def close(self):
+        self._patch.undo()
+
+
+def generate_both(model, prompts, params, graphs: bool = False, **kwargs):
+    runs = {}
+    for ahead in (False, True):
+        gen = Generator(model, async_scheduling=ahead, **kwargs)
+        if graphs:
+            gen.runner.use_graphs(gen.max_width, capture=False)  # the padded forward a CUDA graph replays
+        spy = Spy(gen)
+        try:
+            outs = gen.generate(prompts, params)
+        finally:
+            spy.close()
+        runs[ahead] = (outs, gen, spy)
+    return runs
+
+
+def assert_same(runs):
+    (lockstep, *_), (ahead, *_) = runs[False], runs[True]
+    assert [(o.prompt_index, o.sample_index) for o in ahead] == [(o.prompt_index, o.sample_index) for o in lockstep]
+    for a, b in zip(ahead, lockstep):
+        assert a.token_ids == b.token_ids, f"prompt {a.prompt_index} sample {a.sample_index}"
+        assert a.finish_reason == b.finish_reason, f"prompt {a.prompt_index} sample {a.sample_index}"
+        # float64: a row that finished rides one step further, so a batch's padded shapes (and its sums' rounding)
+        # may differ; the tokens may not
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kv_layout, graphs", [("slots", False), ("paged", False), ("paged", True)], ids=["slots", "paged", "padded-graph"]
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_running_ahead_samples_what_lockstep_samples(kv_layout, graphs, temperature):
+    model = make_model("llama")
+    prompts = random_prompts(7, min_len=3, max_len=12, seed=3)
+    use_frequent_token_as_eos(model, prompts, 20)  # rows stop at different steps, some while a step is in flight
+    params = [
+        SamplingParams(n=2, temperature=temperature, max_new_tokens=8 + 3 * i, seed=5) for i in range(len(prompts))
+    ]
+    runs = generate_both(model, prompts, params, graphs, max_batch_size=5, max_seq_len=64, kv_layout=kv_layout)
+    assert_same(runs)
+    outs, gen, spy = runs[True]
+    assert spy.ahead > 0, "no step was launched ahead: nothing was tested"
+    assert spy.moved > 0, "no row was released while a step was in flight"
+    assert {o.finish_reason for o in outs} == {"stop", "length"}
+    assert runs[False][2].ahead == 0
+    if temperature > 0:  # the log-probs a trainer takes are the model's, not only the same as lockstep's
+        for out in outs[:4]:
+            expected = teacher_forced_logprobs(model, prompts[out.prompt_index], out.token_ids, params[0])
+            torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), expected, atol=1e-4, rtol=0)
+
+
+def test_running_ahead_on_a_pool_that_preempts():
+    model = make_model("qwen2")
+    prompts = random_prompts(6, min_len=10, max_len=20, seed=7)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=40, seed=0)
+    runs = generate_both(model, prompts, params, max_batch_size=18, max_seq_len=64, kv_layout="paged",
+                         kv_pool_blocks=16)  # fmt: skip
+    assert_same(runs)
+    trace = runs[True][1].last_trace
+    assert sum(r.num_preempted for r in trace) > 0, "the pool never ran short: nothing was tested"
+    assert runs[True][2].ahead > 0
+
+
+def test_requests_added_while_a_step_is_in_flight_join_and_sample_the_same():
+    model = make_model("llama")
+    first, second = random_prompts(3, seed=1), random_prompts(2, seed=2)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4)
+    results = {}
+    for ahead in (False, True):
+        gen = Generator(model, max_batch_size=8, max_seq_len=48, async_scheduling=ahead)
+        gen.add_requests(first, params, seed_indices=[0, 1, 2])
+        done = []
+        for _ in range(4):  # a prefill, then decode steps: one is in flight when the new requests come
+            done += gen.step().finished
+        assert not ahead or gen._in_flight is not None, "expected a step in flight"
+        gen.add_requests(second, params, seed_indices=[3, 4], keep_in_flight=True)
+        while gen.has_unfinished:
+            done += gen.step().finished
+        results[ahead] = sorted((c.prompt_index, c.sample_index, tuple(c.token_ids), c.finish_reason) for c in done)
+    assert results[True] == results[False]
+    assert len(results[True]) == 10
+
+
+def test_a_step_in_flight_is_dropped_by_abort_and_refused_by_snapshot():
+    model = make_model("llama")
+    prompts = random_prompts(3, seed=1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=0)
+    gen = Generator(model, max_batch_size=4, max_seq_len=48, async_scheduling=True)
+    gen.add_requests(prompts, params)
+    gen.step()
+    gen.step()
+    assert gen._in_flight is not None, "expected a step in flight"
+    with pytest.raises(RuntimeError, match="in flight"):
+        gen.snapshot()
+    gen.abort()
+    assert gen._in_flight is None and not gen.has_unfinished
+    again = gen.generate(prompts, params)
+    assert [o.token_ids for o in again] == [o.token_ids for o in Generator(model, 4, 48).generate(prompts, params)]
+
+
+def test_a_step_launched_ahead_still_reads_the_device_once():
+    model = make_model("llama")
+    gen = Generator(model, max_batch_size=6, max_seq_len=48, async_scheduling=True)
+    gen.add_requests(random_prompts(3, seed=2), SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=0))
+    launch, launched = gen._launch_decode, []
+
+    def counting_launch(after=None):
+        launched.append(after is not None)
+        return launch(after)
+
+    gen._launch_decode = counting_launch
+    reads = 0
+    while gen.has_unfinished:
+        with CountingReads() as counter:
+            gen.step()
+        reads += counter.count
+    # the prefill's read, then one a decode step, started when it is launched and waited for when it is read
+    assert any(launched), "no step was launched ahead: nothing was tested"
+    assert reads == 1 + len(launched), f"{reads} reads for a prefill and {len(launched)} decode steps"
+
+
+def test_async_scheduling_refuses_speculation_and_bad_values():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="async_scheduling"):
+        Generator(model, 4, 48, spec=SpecConfig(method="ngram", num_speculative_tokens=2), async_scheduling=True)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        Generator(model, 4, 48, async_scheduling="yes")
+    assert not Generator(model, 4, 48).config.async_scheduling  # "auto": on a GPU only
