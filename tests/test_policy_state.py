@@ -238,5 +238,6 @@ def test_the_draft_models_graphs_follow_their_own_model():
     target, draft = gen.graph_runners
     assert draft.model is spec.model and target.model is not spec.model
     spec.model.get_output_embeddings().weight = torch.nn.Parameter(spec.model.get_output_embeddings().weight.clone())
-    gen._refresh_graphs(full=True)
+    with gen._serving(full=True):
+        pass
     assert target.recaptures == [] and draft.recaptures == ["tensors"]

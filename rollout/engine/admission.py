@@ -1,12 +1,14 @@
 """Rows in and out of flight: an admission's prefill (one per prompt, shared by its samples), the release of finished
-rows and the removal of preempted ones, keeping the rows in flight packed at the front of the slots. What to admit
-and whom to preempt is the scheduler's decision (`rollout.engine.scheduler`).
+rows and the removal of preempted ones, keeping the rows in flight packed at the front of the slots; every row dropped
+(`abort`, `close`), saved and put back. What to admit and whom to preempt is the scheduler's decision
+(`rollout.engine.scheduler`).
 
 A mixin over the `Generator`'s state (scheduler, slots, runner, proposers); the generator is the only user.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -113,7 +115,7 @@ class Admission:
             runner.release_rows(remaining, num_active)
         self.scheduler.num_active = remaining
 
-    # ---- rows dropped, saved and put back -----------------------------------------------------------------------
+    # ---- rows dropped (the engine closed), saved and put back -------------------------------------------------
 
     def abort(self) -> None:
         """Drop every request queued or in flight (their KV is garbage the next admission overwrites)."""
@@ -125,6 +127,24 @@ class Admission:
         for runner in self._runners():
             runner.release_rows(0, self.max_batch_size)
         self.scheduler.num_active = 0
+
+    def close(self) -> None:
+        """Give back the KV caches, the CUDA graphs and their memory pool now, the target's and a draft model's,
+        whatever still refers to this generator (a trainer that rebuilds it plans the next one from the memory freed).
+        Its drafting history stays readable (`draft_history`); every other call is refused after it."""
+        if self._closed:
+            return
+        self.abort()
+        for runner in self._runners():
+            runner.close()
+        self._closed = True
+        gc.collect()  # a generator's parts refer to each other: their memory returns only once the cycles go
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Generator was closed (its KV cache and graphs are freed): build a new one")
 
     def snapshot(self) -> list[RowSnapshot]:
         """The rows in flight, in row order, for `restore`."""

@@ -12,7 +12,7 @@ The public engine: `generate` (a whole call), or `add_requests`, then `step` unt
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -186,9 +186,7 @@ class Generator(Admission, DecodeStep):
         self.last_trace = []
         groups = PromptGroups(sequences)
         num_finished = 0
-        self._policy_modules = list(self.model.modules())
-        with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
-            self._refresh_graphs(full=True)  # once per call: the policy does not change under a call
+        with self._serving(full=True):  # checked in full once per call: the policy does not change under a call
             while self.has_unfinished:
                 out = self._step()
                 num_finished += len(out.finished)
@@ -229,9 +227,8 @@ class Generator(Admission, DecodeStep):
             runner.reserve_positions(min(longest, runner.num_positions))
         self.scheduler.add(sequences, behind_those_here=keep_in_flight)
         if not self._lock.locked():  # a server's new requests (`generate` checks in full itself)
-            self._policy_modules = list(self.model.modules())
-            with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
-                self._refresh_graphs(full=True)
+            with self._serving(full=True):
+                pass
         return sequences
 
     def _runners(self) -> list[ModelRunner]:
@@ -248,29 +245,9 @@ class Generator(Admission, DecodeStep):
         K its policy chooses (a calibration forces K through `rollout.engine.step_timer.forced_steps`). Finished rows
         are released before it returns. The step runs the policy in eval mode, whatever mode it is in (and hands it
         back in that mode)."""
-        # as in `generate`: the state tensors are inference tensors; the modules listed by the last `add_requests`
         self._check_open()
-        with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
-            self._refresh_graphs(full=False)
+        with self._serving(full=False):  # the modules as the last `add_requests` listed them
             return self._step()
-
-    def close(self) -> None:
-        """Give back the KV caches, the CUDA graphs and their memory pool now, the target's and a draft model's,
-        whatever still refers to this generator (a trainer that rebuilds it plans the next one from the memory freed).
-        Its drafting history stays readable (`draft_history`); every other call is refused after it."""
-        if self._closed:
-            return
-        self.abort()
-        for runner in self._runners():
-            runner.close()
-        self._closed = True
-        gc.collect()  # a generator's parts refer to each other: their memory returns only once the cycles go
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this Generator was closed (its KV cache and graphs are freed): build a new one")
 
     def invalidate_graphs(self) -> None:
         """Capture the CUDA graphs again at the next call. The graphs follow what they can see by themselves (weights
@@ -280,11 +257,16 @@ class Generator(Admission, DecodeStep):
         then reads through a hook. No effect without graphs."""
         self._graph_epoch += 1
 
-    def _refresh_graphs(self, full: bool) -> None:
-        """Drop the graphs captured from a policy that has changed since (`GraphRunner.refresh`): in full once per
-        `generate` or `add_requests` call, the cheap part (training flag, adapters, autocast, pools) every step."""
-        for graphs in self.graph_runners:
-            graphs.refresh(self._graph_epoch, full)
+    @contextlib.contextmanager
+    def _serving(self, full: bool):
+        """Inference and eval mode, the graphs of a policy changed since dropped (`GraphRunner.refresh`): in `full`
+        (the modules listed anew) once per call, the cheap part (training flag, adapters, autocast, pools) a step."""
+        if full:
+            self._policy_modules = list(self.model.modules())
+        with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
+            for graphs in self.graph_runners:
+                graphs.refresh(self._graph_epoch, full)
+            yield
 
     def _step(self) -> StepOutput:
         """schedule -> execute -> postprocess: the scheduler decides (admit, or decode after preempting rows), the
