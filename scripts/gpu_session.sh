@@ -17,7 +17,8 @@
 #   bash scripts/gpu_session.sh kernels "$OUT"            # there: the new kernels compiled (issues 40, 42, 43)
 #
 # `kernels` writes test_kernels.log (the race kernels' bits against their references, race_logits and paged attention
-# tests compiled) and paged_attention.log (scripts/bench_paged_attention.py: page tiles vs 64/128-key tiles and splits).
+# tests compiled), paged_attention.log (scripts/bench_paged_attention.py: page tiles vs 64/128-key tiles and splits),
+# test_keep_threshold.log and keep_threshold.log (top-k / top-p thresholds: the kernel against the sort it replaced).
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -45,7 +46,12 @@ run | policy | kernels)
         echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
         timeout 180 python3 scripts/bench_paged_attention.py 2>&1 | grep -v USDT > "$out/paged_attention.log"
         tail -20 "$out/paged_attention.log"
-        echo "paged attention: $(( $(date +%s) - start )) s"
+        echo "paged attention: $(( $(date +%s) - start )) s"; start=$(date +%s)
+        timeout 120 python3 -m pytest tests/kernels/test_keep_threshold.py -q -p no:cacheprovider 2>&1 \
+            | tee "$out/test_keep_threshold.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -6
+        timeout 120 python3 scripts/bench_keep_threshold.py --repeats 10 2>&1 | grep -v USDT > "$out/keep_threshold.log"
+        tail -8 "$out/keep_threshold.log"
+        echo "keep threshold: $(( $(date +%s) - start )) s"
         exit 0
     fi
     if [ "$mode" = policy ]; then

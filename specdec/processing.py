@@ -7,14 +7,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rollout_kernels.keep_threshold import keep_threshold, keep_threshold_ref
+
 
 @dataclass
 class RowSampling:
     """Per-row sampling settings as tensors on the model's device.
 
     `temperature == 0` marks a greedy row. `top_k == 0` and `top_p == 1` turn those filters off.
-    The flags are decided on the host, so no device sync is needed: `needs_filter` False skips the vocabulary
-    sort entirely; `all_greedy` / `any_greedy` pick the greedy path.
+    The flags are decided on the host, so no device sync is needed: `needs_filter` False skips the top-k / top-p
+    thresholds entirely; `all_greedy` / `any_greedy` pick the greedy path.
     """
 
     temperature: Tensor  # [rows] float
@@ -55,31 +57,20 @@ class RowSampling:
 def processed_logprobs(logits: Tensor, sampling: RowSampling) -> Tensor:
     """Log-probabilities `[rows, V]` of the distribution each row samples from (-inf outside top-k/top-p).
 
-    Greedy rows get the model's plain log-softmax: their token is the argmax and their reported log-prob is the
-    model's own. Computed in at least float32; float64 logits stay float64.
+    The kept tokens are those of `keep_thresholds`, the set the verification race draws from, so a reported log-prob
+    and a drawn token always agree on it. Greedy rows and rows without a filter get the model's plain log-softmax
+    (of logits / T): their reported log-prob is the model's own. Computed in at least float32; float64 logits stay
+    float64.
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    greedy = sampling.temperature == 0
     scaled = logits.to(dtype) / sampling.divisors().to(dtype)[:, None]
     if not sampling.needs_filter:
         return torch.log_softmax(scaled, dim=-1)
-    vocab_size = logits.shape[-1]
-    # sorted by the logits themselves (the order of logit / T for T > 0, without the ties a division can round two
-    # logits into: `keep_thresholds` cuts on the logits); stable: equal logits keep vocabulary order, so "the top k" is
-    # well defined under ties
-    order = logits.sort(dim=-1, descending=True, stable=True).indices
-    sorted_logits = scaled.gather(1, order)
-    rank = torch.arange(vocab_size, device=logits.device)
-    top_k = torch.where((sampling.top_k > 0) & ~greedy, sampling.top_k, vocab_size)
-    keep = rank[None, :] < top_k[:, None]
-    sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is below top_p
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    top_p = torch.where(greedy, torch.ones_like(sampling.top_p), sampling.top_p).to(dtype)
-    keep = keep & ((mass_before < top_p[:, None]) | (rank[None, :] == 0))
-    sorted_logprobs = torch.log_softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-    return torch.empty_like(sorted_logprobs).scatter_(1, order, sorted_logprobs)
+    keep_min, keep_last = keep_thresholds(logits, sampling)
+    x = logits.to(torch.float64)
+    token_ids = torch.arange(logits.shape[-1], device=logits.device)
+    kept = (x > keep_min[:, None]) | ((x == keep_min[:, None]) & (token_ids <= keep_last[:, None]))
+    return torch.log_softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
 
 
 def target_probs(logits: Tensor, logprobs: Tensor, sampling: RowSampling) -> Tensor:
@@ -92,7 +83,7 @@ def target_probs(logits: Tensor, logprobs: Tensor, sampling: RowSampling) -> Ten
     return probs
 
 
-_THRESHOLD_CHUNK_ELEMENTS = 1 << 24  # rows x vocabulary per pass of `keep_thresholds`: its temporaries stay bounded
+_THRESHOLD_CHUNK_ELEMENTS = 1 << 22  # rows x vocabulary per pass of the reference: its temporaries stay bounded
 
 
 def keep_thresholds(
@@ -103,26 +94,21 @@ def keep_thresholds(
     `t <= keep_last`); a row without a filter (or greedy) keeps every token. `(None, None)` when no row filters.
     `rows` (`[n]`): the rows of `logits` to take, in `sampling`'s order (default: every row).
 
-    The kept set is `processed_logprobs`'s: a prefix of the vocabulary sorted by (logit descending, id ascending),
-    found by a sort of every row (rows with top-k / top-p keep today's sort), a chunk of rows at a time."""
+    The kept set is a prefix of the vocabulary sorted by (logit descending, id ascending): the first top_k, cut where
+    its mass reaches top_p, the mass of `x / T` summed as fixed-point weights (`rollout_kernels.keep_threshold`: exact
+    sums, so the Triton kernel that runs on CUDA and the torch reference elsewhere agree bit for bit, and no row of the
+    vocabulary is sorted). Up to the fixed point's rounding it is the softmax's mass: a row whose cumulative mass lands
+    within about 1e-6 of top_p can keep one token more or fewer than a float sort + cumsum would."""
     if not sampling.needs_filter:
         return None, None
-    vocab_size = logits.shape[-1]
-    num_rows = len(rows) if rows is not None else logits.shape[0]
-    chunk = max(1, _THRESHOLD_CHUNK_ELEMENTS // vocab_size)
-    keep_min = torch.empty(num_rows, dtype=torch.float64, device=logits.device)
-    keep_last = torch.empty(num_rows, dtype=torch.long, device=logits.device)
-    token_ids = torch.arange(vocab_size, device=logits.device)
-    for start in range(0, num_rows, chunk):
-        part = slice(start, min(start + chunk, num_rows))
-        x = logits[rows[part]] if rows is not None else logits[part]
-        kept = processed_logprobs(x, sampling.select(part)) > float("-inf")
-        least = torch.where(kept, x, float("inf")).amin(dim=1)  # in the logits' dtype: exact in float64 after
-        keep_min[part] = least.to(torch.float64)
-        keep_last[part] = torch.where(kept & (x == least[:, None]), token_ids, -1).amax(dim=1)
-    unfiltered = (sampling.temperature == 0) | (
-        ((sampling.top_k <= 0) | (sampling.top_k >= vocab_size)) & (sampling.top_p >= 1)
+    logit_rows = rows if rows is not None else torch.arange(logits.shape[0], device=logits.device)
+    args = (
+        logits,
+        logit_rows.contiguous(),
+        sampling.temperature.contiguous(),
+        sampling.top_k.contiguous(),
+        sampling.top_p.contiguous(),
     )
-    keep_min = torch.where(unfiltered, float("-inf"), keep_min)
-    keep_last = torch.where(unfiltered, vocab_size, keep_last)
-    return keep_min, keep_last
+    if logits.is_cuda:
+        return keep_threshold(*args)
+    return keep_threshold_ref(*args, elements_per_chunk=_THRESHOLD_CHUNK_ELEMENTS)
