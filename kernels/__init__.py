@@ -2,6 +2,7 @@
 reference for each."""
 
 from rollout_kernels.greedy_verify import greedy_verify, greedy_verify_ref
+from rollout_kernels.keep_threshold import keep_threshold, keep_threshold_ref
 from rollout_kernels.kv_compact import compact_kv_, compact_kv_ref_
 from rollout_kernels.paged_attention import paged_attention, paged_attention_ref
 from rollout_kernels.race_logits import race_logits, race_logits_ref
@@ -16,6 +17,8 @@ __all__ = [
     "compact_kv_ref_",
     "greedy_verify",
     "greedy_verify_ref",
+    "keep_threshold",
+    "keep_threshold_ref",
     "paged_attention",
     "paged_attention_ref",
     "race_logits",
