@@ -33,6 +33,7 @@ from bench_gpu import build_prompts, device_busy_us, load_model, synchronize  # 
 
 from rollout import Generator, SamplingParams  # noqa: E402
 from rollout.engine.attention import paged_attention_for  # noqa: E402
+from rollout.engine.step_batch import StepBatch  # noqa: E402
 
 
 def parse_args(argv):
@@ -75,9 +76,9 @@ def forward_probe(gen, num_rows, width, device, repeats):
     drafts), eager against a replayed CUDA graph."""
     model, cache = gen.runner.model, gen.runner.cache
     lens = gen.slots.cache_len[:num_rows].clone()
-    step = cache.prepare(0, lens, torch.zeros_like(lens), torch.full_like(lens, width), width)
     pending = gen.slots.pending(num_rows)[:, None]
     ids = torch.cat([pending] + [pending] * (width - 1), 1).to(device)  # stand-in drafts: real tokens, any will do
+    step = cache.prepare(StepBatch.build(0, ids, lens, torch.zeros_like(lens), torch.full_like(lens, width)))
     positions = (lens[:, None] + torch.arange(width)[None, :]).to(device)
 
     def forward():

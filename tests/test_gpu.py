@@ -14,6 +14,7 @@ from conftest import make_model, random_prompts
 
 from rollout import Generator, SamplingParams
 from rollout.engine.graph_runner import row_buckets
+from rollout.engine.step_batch import StepBatch
 from specdec.config import SpecConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton kernels)")
@@ -107,11 +108,11 @@ def test_a_replayed_graph_computes_what_the_eager_forward_computes():
         lens = gen.slots.cache_len[:rows].clone()
         counts = torch.tensor([1 + i % 4 for i in range(rows)])  # rows of 0-3 drafts, width 4
         ids = torch.randint(1, 97, (rows, 4), device="cuda")
-        positions = lens[:, None] + torch.arange(4)[None, :]
+        batch = StepBatch.build(0, ids, lens, torch.zeros_like(lens), counts)
         logits = []
         for capture in (True, False):
             graphs.capture = capture
-            logits.append(graphs.forward(0, ids, positions, lens, torch.zeros_like(lens), counts).clone())
+            logits.append(graphs.forward(batch).clone())
     graphs.capture = True
     assert torch.equal(logits[0], logits[1])
 

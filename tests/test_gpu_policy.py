@@ -11,6 +11,7 @@ from test_gpu import with_syncs
 from test_policy_state import lora_policy, wrapped_in_autocast
 
 from rollout import Generator, SamplingParams
+from rollout.engine.step_batch import StepBatch
 from specdec.config import SpecConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
@@ -37,13 +38,13 @@ def test_a_dropout_policy_left_in_train_mode_replays_the_eval_mode_logits_bit_fo
         lens = gen.slots.cache_len[:rows].clone()
         counts = torch.tensor([1 + i % 4 for i in range(rows)])
         ids = torch.randint(1, 97, (rows, 4), device="cuda")
-        positions = lens[:, None] + torch.arange(4)[None, :]
-        replayed = graphs.forward(0, ids, positions, lens, torch.zeros_like(lens), counts).clone()
+        batch = StepBatch.build(0, ids, lens, torch.zeros_like(lens), counts)
+        replayed = graphs.forward(batch).clone()
         graphs.capture = False
         model.eval()
-        eager = graphs.forward(0, ids, positions, lens, torch.zeros_like(lens), counts).clone()
+        eager = graphs.forward(batch).clone()
         model.train()
-        dropped = graphs.forward(0, ids, positions, lens, torch.zeros_like(lens), counts).clone()
+        dropped = graphs.forward(batch).clone()
     graphs.capture = True
     assert torch.equal(replayed, eager)
     assert not torch.equal(dropped, eager), "the dropout under test is not live: nothing was tested"

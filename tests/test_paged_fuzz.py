@@ -13,6 +13,7 @@ from conftest import make_model, random_prompts
 from rollout import Generator, SamplingParams
 from rollout.engine.block_manager import BlockManager, OutOfBlocks
 from rollout.engine.paged_cache import PagedKVCache
+from rollout.engine.step_batch import StepBatch
 from rollout_kernels.store_kv import store_kv_ref_
 from specdec.config import SpecConfig
 
@@ -188,7 +189,8 @@ def write_step(cache: PagedKVCache, dense: DenseRows, row_start: int, counts: li
     count = torch.tensor(counts, dtype=torch.long)
     width = int(count.max()) + int(rng.integers(0, 3))
     query_start = torch.tensor([int(rng.integers(0, width - c + 1)) for c in counts], dtype=torch.long)
-    step = cache.prepare(row_start, lens, query_start, count, width)
+    ids = torch.zeros(num_rows, width, dtype=torch.long)  # the ids play no part in where tokens go
+    step = cache.prepare(StepBatch.build(row_start, ids, lens, query_start, count))
     column = torch.arange(width)[None, :] - query_start[:, None]
     valid = (column >= 0) & (column < count[:, None])
     fresh = torch.tensor(rng.integers(1, 10**6, size=(num_rows, width)), dtype=torch.float64)

@@ -7,8 +7,31 @@ tree's ancestor-or-self relation), and builds a sliding window into the mask, be
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class MaskSettings:
+    """How a model on the slot cache takes its masks and its cache: one mask for every layer (with the model-wide
+    sliding window) or one per layer type (each with its window); bool masks for sdpa, additive ones for eager
+    attention; the forward keyword that takes the cache."""
+
+    layer_windows: dict[str, int | None] | None  # per layer type its window; None: one mask for all layers
+    uniform_window: int | None  # the window of the one mask (a model-wide window, Mistral's)
+    additive_dtype: torch.dtype | None  # eager attention: additive masks of this dtype (None: bool, for sdpa)
+    cache_keyword: str  # "past_key_values" or "cache_params"
+
+    def build(self, prefix_lengths, write_positions, valid, positions, kv_len: int, ancestors) -> Tensor | dict:
+        """The mask the model takes (`build_attention_mask`'s, per layer type where the model has several)."""
+        masks = {}
+        windows = self.layer_windows if self.layer_windows is not None else {None: self.uniform_window}
+        for layer_type, window in windows.items():
+            mask = build_attention_mask(prefix_lengths, write_positions, valid, positions, kv_len, ancestors, window)
+            masks[layer_type] = mask if self.additive_dtype is None else to_additive(mask, self.additive_dtype)
+        return masks if self.layer_windows is not None else masks[None]
 
 
 def build_attention_mask(

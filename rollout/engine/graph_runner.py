@@ -38,6 +38,7 @@ from rollout.engine.attention import paged_attention_for
 from rollout.engine.graph_key import GraphKey, graph_key, tuner_layers
 from rollout.engine.paged_cache import PagedKVCache, PagedStep
 from rollout.engine.policy_mode import eval_mode
+from rollout.engine.step_batch import StepBatch
 from rollout_kernels.device_io import upload_into
 
 # config fields with which a causal LM changes its logits after the LM head (softcapping, scaling)
@@ -148,25 +149,18 @@ class GraphRunner:
         dtype = self.key.autocast
         return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
-    def forward(
-        self,
-        row_start: int,
-        input_ids: Tensor,  # [rows, width] on the device
-        positions: Tensor,  # [rows, width] int64 host: each column's position id (0 for padding)
-        cache_lens: Tensor,  # [rows] int64 host
-        query_start: Tensor,  # [rows] int64 host
-        num_queries: Tensor,  # [rows] int64 host
-    ) -> Tensor:
-        """Logits `[rows, width, V]` of one chain step over rows `[row_start, row_start + rows)`, computed as the
-        eager paged forward computes them, with the rows padded to their bucket."""
-        num_rows, width = input_ids.shape
+    def forward(self, batch: StepBatch) -> Tensor:
+        """Logits `[rows, width, V]` of one chain step (`batch`), computed as the eager paged forward computes them,
+        with the rows padded to their bucket."""
+        num_rows, width = batch.num_rows, batch.width
         padded = self.bucket(num_rows)
         graph = self._graph(padded, width)  # captured first: a capture stages padding of its own
-        slot_mapping = self.cache.write_plan(row_start, cache_lens, query_start, num_queries, width)
-        tables = self.cache.tables(row_start, num_rows)
-        self._stage(padded, width, [positions, slot_mapping, tables, cache_lens, query_start, num_queries])
+        slot_mapping = self.cache.write_plan(batch)
+        tables = self.cache.tables(batch.row_start, num_rows)
+        metadata = [batch.positions, slot_mapping, tables, batch.cache_lens, batch.query_start, batch.num_queries]
+        self._stage(padded, width, metadata)
         ids = self.ids[: padded * width].view(padded, width)
-        ids[:num_rows].copy_(input_ids)
+        ids[:num_rows].copy_(batch.input_ids)
         if padded > num_rows:
             ids[num_rows:].zero_()
         if graph is None:

@@ -13,6 +13,9 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from rollout.engine.attention_mask import MaskSettings
+from rollout.engine.step_batch import StepBatch
+from rollout_kernels.device_io import upload
 from rollout_kernels.kv_compact import compact_kv_, compact_kv_ref_
 
 
@@ -130,6 +133,21 @@ class SlotKVCache(Cache):
 
     def finish(self) -> None:
         self.step = None
+
+    def model_inputs(self, batch: StepBatch, positions: Tensor, masks: MaskSettings) -> dict:
+        """The forward's keywords for `batch` (`positions`: its position ids on the device): this cache, set to write
+        the new tokens (padding at the scratch position), and the 4D masks of what each query sees. `finish()` after
+        the forward."""
+        kv_len = batch.kv_len
+        self.ensure_capacity(kv_len)  # before the padding is pointed at the scratch position past the capacity
+        write_positions = torch.where(batch.valid, batch.cache_positions, self.scratch_position)
+        device = batch.input_ids.device
+        host = (batch.cache_lens, write_positions, batch.valid)
+        prefix_lengths, write_positions, valid = (upload(t, device) for t in host)
+        ancestors = upload(batch.ancestors, device) if batch.ancestors is not None else None
+        attention_mask = masks.build(prefix_lengths, write_positions, valid, positions, kv_len, ancestors)
+        self.prepare(batch.row_start, write_positions, kv_len)
+        return {"attention_mask": attention_mask, "use_cache": True, masks.cache_keyword: self}
 
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int | None = None) -> None:
         """Copy slots `src` into slots `dst` (`[n]` each), keys and values; sources are read before any write.

@@ -16,6 +16,7 @@ from rollout.engine.kv_cache import SlotKVCache
 from rollout.engine.memory_plan import kv_head_shape
 from rollout.engine.paged_cache import PagedKVCache
 from rollout.engine.policy_mode import eval_mode
+from rollout.engine.step_batch import StepBatch
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -83,7 +84,7 @@ def probe(runner, layout: str) -> bool:
     try:
         # eval mode as in generation: in train mode a model with gradient checkpointing turns its cache off
         with torch.no_grad(), eval_mode(runner.model):
-            logits = runner.forward(0, ids, zero, zero, two, cache=cache)
+            logits = runner.forward(StepBatch.build(0, ids, zero, zero, two), cache=cache)
     except Exception as err:  # the model's own error says what it could not do with our cache or mask
         if layout == "paged":
             message = f"{name} runs on the slot KV cache: the paged attention failed ({type(err).__name__}: {err})"

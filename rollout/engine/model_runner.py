@@ -9,18 +9,21 @@ follows the tokens in flight.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from rollout.engine.attention import paged_attention_for
-from rollout.engine.attention_mask import build_attention_mask, to_additive
+from rollout.engine.attention_mask import MaskSettings
 from rollout.engine.graph_key import observing_autocast
 from rollout.engine.graph_runner import GraphRunner
 from rollout.engine.kv_cache import SlotKVCache
 from rollout.engine.memory_plan import DEFAULT_BLOCK_SIZE, kv_head_shape
 from rollout.engine.model_checks import cache_keyword, check_supported, probe
 from rollout.engine.paged_cache import PagedKVCache
+from rollout.engine.step_batch import StepBatch
 from rollout_kernels.device_io import upload
 
 KV_LAYOUTS = ("auto", "paged", "slots")
@@ -67,6 +70,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.cache_keyword = cache_keyword(model)
+        additive = None if self.attn_implementation == "sdpa" else self.dtype  # eager attention adds its mask
+        self.masks = MaskSettings(self.layer_windows, self.uniform_window, additive, self.cache_keyword)
         self.num_slots, self.num_positions = num_slots, num_positions
         self.graphs: GraphRunner | None = None  # captured chain steps (`use_graphs`)
         if kv_layout == "auto":
@@ -152,10 +157,8 @@ class ModelRunner:
         lengths = torch.tensor([len(p) for p in prompts])
         self.release_rows(row_start, row_start + len(prompts))  # a new prompt in these slots
         zeros = torch.zeros(len(prompts), dtype=torch.long)
-        logits = self.forward(
-            row_start, upload(input_ids, self.device), zeros, width - lengths, lengths, last_only=True
-        )
-        return logits[:, 0]
+        ids = upload(input_ids, self.device)
+        return self.forward(StepBatch.build(row_start, ids, zeros, width - lengths, lengths, last_only=True))[:, 0]
 
     def decode(
         self,
@@ -176,54 +179,26 @@ class ModelRunner:
         """
         lens, counts = torch.as_tensor(cache_lens), torch.as_tensor(num_inputs)  # host tensors or lists
         starts = torch.zeros(len(lens), dtype=torch.long)
-        return self.forward(row_start, upload(input_ids, self.device), lens, starts, counts, depths, ancestors)
+        ids = upload(input_ids, self.device)
+        return self.forward(StepBatch.build(row_start, ids, lens, starts, counts, depths, ancestors))
 
-    def forward(
-        self,
-        row_start: int,
-        input_ids: Tensor,  # [rows, S] on the device
-        cache_lens: Tensor,  # [rows] int64 host: committed tokens before the new ones
-        query_start: Tensor,  # [rows] int64 host: first column of the row's new tokens
-        num_queries: Tensor,  # [rows] int64 host: new tokens of the row (padding around them)
-        depths: Tensor | None = None,  # [rows, S] a tree's node depths; None = causal chains
-        ancestors: Tensor | None = None,  # [rows, S, S] bool which nodes each node sees
-        last_only: bool = False,
-        cache: SlotKVCache | PagedKVCache | None = None,
-    ) -> Tensor:
-        """One forward over slots `[row_start, row_start + rows)`: new token i of row r (column `query_start[r] + i`)
-        is written at cache position `cache_lens[r] + i`, with position id `cache_lens[r] + (depths[r, i] or i)`.
-        Returns logits `[rows, S, V]`, or `[rows, 1, V]` for the last column only (a left-padded prefill)."""
+    def forward(self, batch: StepBatch, cache: SlotKVCache | PagedKVCache | None = None) -> Tensor:
+        """One forward over `batch` (`rollout.engine.step_batch`): a replayed CUDA graph for a chain step it serves,
+        else the model, with the cache's keywords. Returns logits `[rows, S, V]`, or `[rows, 1, V]` for the last
+        column only (a left-padded prefill)."""
         cache = self.cache if cache is None else cache
-        width = input_ids.shape[1]
-        column = torch.arange(width)[None, :] - query_start[:, None]
-        valid = (column >= 0) & (column < num_queries[:, None])
-        offsets = column if depths is None else depths.gather(1, column.clamp(0, width - 1))
-        host_positions = torch.where(valid, cache_lens[:, None] + offsets, 0)
         graphs = self.graphs  # None until `use_graphs` (and during the constructor's probe, before `self.cache`)
-        chain_step = graphs is not None and cache is self.cache and depths is None and not last_only
-        if chain_step and graphs.serves(len(input_ids), width):  # a captured graph
-            return graphs.forward(row_start, input_ids, host_positions, cache_lens, query_start, num_queries)
-        positions = upload(host_positions, self.device)
-        common = dict(input_ids=input_ids, position_ids=positions, logits_to_keep=1 if last_only else 0)
-        if isinstance(cache, PagedKVCache):
-            step = cache.prepare(row_start, cache_lens, query_start, num_queries, width, depths, ancestors)
-            with paged_attention_for(self.model):
-                return self.model(**common, use_cache=False, rollout_step=step).logits
-        kv_len = int((cache_lens + num_queries).max())
-        cache.ensure_capacity(kv_len)  # before the padding is pointed at the scratch position past the capacity
-        write_positions = torch.where(valid, cache_lens[:, None] + column, cache.scratch_position)
-        prefix_lengths, write_positions, valid = (upload(t, self.device) for t in (cache_lens, write_positions, valid))
-        if ancestors is not None:
-            ancestors = upload(ancestors, self.device)
-        masks = {}
-        windows = self.layer_windows if self.layer_windows is not None else {None: self.uniform_window}
-        for layer_type, window in windows.items():
-            mask = build_attention_mask(prefix_lengths, write_positions, valid, positions, kv_len, ancestors, window)
-            masks[layer_type] = mask if self.attn_implementation == "sdpa" else to_additive(mask, self.dtype)
-        attention_mask = masks if self.layer_windows is not None else masks[None]
-        cache.prepare(row_start, write_positions, kv_len)
+        if graphs is not None and cache is self.cache and batch.is_chain_step and graphs.serves(*batch.input_ids.shape):
+            return graphs.forward(batch)
+        positions = upload(batch.positions, self.device)
+        inputs = cache.model_inputs(batch, positions, self.masks)  # a paged step, or a slot cache and 4D masks
+        paged = isinstance(cache, PagedKVCache)
         try:
-            out = self.model(**common, attention_mask=attention_mask, use_cache=True, **{self.cache_keyword: cache})
+            with paged_attention_for(self.model) if paged else contextlib.nullcontext():
+                out = self.model(
+                    input_ids=batch.input_ids, position_ids=positions, logits_to_keep=1 if batch.last_only else 0,
+                    **inputs,
+                )  # fmt: skip
         finally:
             cache.finish()
         return out.logits

@@ -1,7 +1,7 @@
 """A paged KV cache: per layer a pool of fixed-size blocks, rows holding blocks through a `BlockManager`.
 
-Each forward is described by a `PagedStep`: where every new token's key and value go (slot mapping), each row's
-block table, committed length and new tokens; the attention function registered with transformers
+Each forward (a `StepBatch`) becomes a `PagedStep`: where every new token's key and value go (slot mapping), each
+row's block table, committed length and new tokens; the attention function registered with transformers
 (`rollout.engine.attention`) stores and attends through it, so no mask and no `transformers.Cache` is involved.
 """
 
@@ -15,6 +15,7 @@ from torch import Tensor
 
 from rollout.engine.block_manager import BlockManager, OutOfBlocks
 from rollout.engine.memory_plan import DEFAULT_BLOCK_SIZE
+from rollout.engine.step_batch import StepBatch
 from rollout_kernels.device_io import host, upload
 
 
@@ -114,46 +115,37 @@ class PagedKVCache:
 
     # ---- one forward ----------------------------------------------------------------------------------------------
 
-    def prepare(
-        self,
-        row_start: int,
-        cache_lens: Tensor,  # [rows] int64 host
-        query_start: Tensor,  # [rows] int64 host
-        num_queries: Tensor,  # [rows] int64 host
-        width: int,
-        depths: Tensor | None = None,
-        ancestors: Tensor | None = None,
-    ) -> PagedStep:
+    def model_inputs(self, batch: StepBatch, positions: Tensor, masks=None) -> dict:
+        """The forward's keywords for `batch`: the step's metadata for the registered attention function (no mask, no
+        `transformers.Cache`)."""
+        return {"use_cache": False, "rollout_step": self.prepare(batch)}
+
+    def finish(self) -> None:
+        """Nothing to undo after a forward (the slot cache's counterpart forgets its step)."""
+
+    def prepare(self, batch: StepBatch) -> PagedStep:
         """Blocks for the rows' new tokens (copying a shared block a row is about to write), and the step's metadata
         on the device."""
-        slot_mapping = self.write_plan(row_start, cache_lens, query_start, num_queries, width)
-        end = cache_lens.numpy() + num_queries.numpy()
-        tables = self.tables(row_start, len(end))[:, : max(int(self.manager.blocks_for(end).max(initial=1)), 1)]
+        slot_mapping = self.write_plan(batch)
+        end = batch.cache_lens.numpy() + batch.num_queries.numpy()
+        tables = self.tables(batch.row_start, len(end))[:, : max(int(self.manager.blocks_for(end).max(initial=1)), 1)]
         return PagedStep(
             self,
             upload(torch.from_numpy(slot_mapping), self.device),
             upload(torch.from_numpy(np.ascontiguousarray(tables)), self.device),
-            upload(cache_lens, self.device),
-            upload(query_start, self.device),
-            upload(num_queries, self.device),
-            None if depths is None else upload(depths, self.device),
-            None if ancestors is None else upload(ancestors, self.device),
+            upload(batch.cache_lens, self.device),
+            upload(batch.query_start, self.device),
+            upload(batch.num_queries, self.device),
+            None if batch.depths is None else upload(batch.depths, self.device),
+            None if batch.ancestors is None else upload(batch.ancestors, self.device),
         )
 
-    def write_plan(
-        self,
-        row_start: int,
-        cache_lens: Tensor,  # [rows] int64 host
-        query_start: Tensor,  # [rows] int64 host
-        num_queries: Tensor,  # [rows] int64 host
-        width: int,
-    ) -> np.ndarray:
-        """Blocks for the rows' new tokens, a shared block a row is about to write copied to a block of its own (on
-        the device, in stream order); returns the pool slot of each column's token `[rows, width]` (-1 for
-        padding)."""
-        num_rows = len(cache_lens)
-        rows = np.arange(row_start, row_start + num_rows)
-        lens, first, count = cache_lens.numpy(), query_start.numpy(), num_queries.numpy()
+    def write_plan(self, batch: StepBatch) -> np.ndarray:
+        """Blocks for the rows' new tokens (a decode step's were reserved before the forward), a shared block a row
+        is about to write copied to a block of its own (on the device, in stream order); returns the pool slot of
+        each column's token `[rows, width]` (-1 for padding)."""
+        rows = np.arange(batch.row_start, batch.row_start + batch.num_rows)
+        lens, count = batch.cache_lens.numpy(), batch.num_queries.numpy()
         end = lens + count
         writing = count > 0
         self.reserve(rows[writing], end[writing], lens[writing])  # new blocks, and room for the shared ones copied
@@ -163,9 +155,7 @@ class PagedKVCache:
             dst = upload(torch.from_numpy(targets), self.device)
             for pool in (*self.k_pools, *self.v_pools):
                 pool[dst] = pool[src]
-        column = np.arange(width)[None, :] - first[:, None]
-        positions = np.where((column >= 0) & (column < count[:, None]), lens[:, None] + column, -1)
-        return self.manager.slots(rows, positions)
+        return self.manager.slots(rows, batch.cache_positions.numpy())
 
     def tables(self, row_start: int, num_rows: int) -> np.ndarray:
         """`[rows, max blocks per row]` the block tables of rows `[row_start, row_start + num_rows)` (a view: read it
