@@ -61,6 +61,7 @@ class Rollout:
         cuda_graphs: "auto" (on with the paged layout on a GPU), True or False: decode steps replay CUDA graphs.
         async_scheduling: "auto" (on a GPU, without speculation), True or False: the host one step ahead of the
             device (see `Generator`); the same samples either way.
+        compile_forward: the CUDA graphs capture the decoder compiled by `torch.compile` (see `Generator`).
         threads: torch's CPU threads for this process (`torch.set_num_threads`), set before the generator is built;
             None leaves torch's setting. On a small CPU one thread is often the fastest: torch's default (one per
             core) slows many times over when another process holds a core. No effect on what is sampled.
@@ -85,6 +86,7 @@ class Rollout:
         kv_layout: str = "auto",
         cuda_graphs: bool | str = "auto",
         async_scheduling: bool | str = "auto",
+        compile_forward: bool = False,
         threads: int | None = None,
     ):
         if threads is not None:
@@ -112,6 +114,7 @@ class Rollout:
             kv_layout=kv_layout,
             cuda_graphs=cuda_graphs,
             async_scheduling=async_scheduling,
+            compile_forward=compile_forward,
         )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0

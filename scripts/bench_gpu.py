@@ -53,14 +53,14 @@ from rollout.phases import PHASES, PhaseLabeler, summarize  # noqa: E402
 from rollout.tasks import format_prompt, generate_problems  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 
-ROWS = ("standard", "none", "none_lockstep", "none_eager", "hf_generate", "generate_batch", "suffix", "suffix_eager")
-ROWS += ("suffix+draft", "draft")
+ROWS = ("standard", "none", "none_lockstep", "none_compiled", "none_eager", "hf_generate", "generate_batch")
+ROWS += ("suffix", "suffix_eager", "suffix+draft", "draft")
 # the most wanted first: a run short of budget skips the last; *_eager: the same row without CUDA graphs; *_slots:
 # on the slot KV layout (the engine before the paged work); *_lockstep: without the host one step ahead
-# (async_scheduling=False)
+# (async_scheduling=False); *_compiled: the graphs capture the decoder compiled by torch.compile (compile_forward)
 ROWS += ("ngram", "suffix_k4", "none_slots", "suffix_slots", "suffix_k2", "suffix_k1", "trl")
-QUICK_ROWS = ("standard", "none", "none_lockstep", "none_eager", "suffix", "suffix_eager", "generate_batch")
-QUICK_ROWS += ("hf_generate", "draft")
+QUICK_ROWS = ("standard", "none", "none_lockstep", "none_compiled", "none_eager", "suffix", "suffix_eager")
+QUICK_ROWS += ("generate_batch", "hf_generate", "draft")
 DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
     "cuda": dict(model="tiny-target-1b", draft="tiny-draft-150m", dtype="bfloat16", sizes="64x8,256x8",
                  max_new_tokens=1024, hf_batch_size=512, max_batch_size=1024, budget_s=440.0, row_cap_s=150.0,
@@ -257,7 +257,8 @@ def kv_bytes_per_token(model) -> int:
 
 def spec_for(row_id: str, args, draft) -> SpecConfig | None:
     # the same configuration, other engine settings
-    row_id = row_id.removesuffix("_slots").removesuffix("_eager").removesuffix("_lockstep")
+    for suffix in ("_slots", "_eager", "_lockstep", "_compiled"):
+        row_id = row_id.removesuffix(suffix)
     if row_id == "none":
         return None
     if row_id.startswith("suffix_k"):
@@ -272,7 +273,7 @@ def spec_for(row_id: str, args, draft) -> SpecConfig | None:
 
 
 def row_label(row_id: str) -> str:
-    for suffix in ("_slots", "_eager", "_lockstep"):
+    for suffix in ("_slots", "_eager", "_lockstep", "_compiled"):
         if row_id.endswith(suffix):
             return f"{row_label(row_id.removesuffix(suffix))} ({suffix[1:]})"
     if row_id.startswith("suffix_k"):
@@ -475,7 +476,7 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
     ahead = "auto" if not row_id.endswith("_lockstep") else False
     gen = Generator(
         model, max_batch_size=slots, max_seq_len=max_seq_len, spec=spec, kv_layout=layout, cuda_graphs=graphs,
-        async_scheduling=ahead,
+        async_scheduling=ahead, compile_forward=row_id.endswith("_compiled") and device.type == "cuda",
     )  # fmt: skip
     shared_async = gen.config.async_scheduling
     warm_up(gen, prompts, spec)
@@ -487,6 +488,8 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
         shared["graphs"] = {
             "captured": sum(len(g.graphs) for g in graphs), "seconds": gen.graph_seconds,
             "memory_bytes": sum(g.memory_bytes for g in graphs),
+            "compile_seconds": sum(g.compiled.seconds for g in graphs if g.compiled is not None),
+            "compile_error": next((g.compiled.error for g in graphs if g.compiled and g.compiled.error), None),
             "error": next((g.error for g in graphs if g.error), None),
         }  # fmt: skip
     rows = []

@@ -108,6 +108,7 @@ class RolloutRecipe:
             flight, read by the attention function registered with transformers; slots = a dense cache and 4D masks.
         cuda_graphs: auto = decode steps replay CUDA graphs with the paged layout on a GPU; true or false.
         async_scheduling: auto = the host one step ahead of the device on a GPU, without speculation; true or false.
+        compile_forward: true = the CUDA graphs capture the decoder compiled by torch.compile (needs the graphs).
     """
 
     max_batch_size: Any = 64
@@ -119,6 +120,7 @@ class RolloutRecipe:
     kv_layout: str = "auto"
     cuda_graphs: Any = "auto"
     async_scheduling: Any = "auto"
+    compile_forward: bool = False
 
     def __post_init__(self) -> None:
         _require(self.num_rollouts >= 1, f"rollout.num_rollouts ({self.num_rollouts}) must be >= 1")

@@ -122,6 +122,7 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None, 
         kv_layout=recipe.rollout.kv_layout,
         cuda_graphs=recipe.rollout.cuda_graphs,
         async_scheduling=recipe.rollout.async_scheduling,
+        compile_forward=recipe.rollout.compile_forward,
     )
 
 
@@ -185,6 +186,11 @@ def kv_cache_header(gen, max_seq_len: int) -> str:
             memory = sum(g.memory_bytes for g in graphs) / 2**20
             size += f"; CUDA graphs: {sum(len(g.graphs) for g in graphs)} captured in {gen.graph_seconds:.1f} s, "
             size += f"{memory:.0f} MiB"
+            compiled = [g.compiled for g in graphs if g.compiled is not None]
+            if compiled:  # the decoder compiled by torch.compile, or why not
+                failed = next((c.error for c in compiled if c.error), None)
+                seconds = sum(c.seconds for c in compiled)
+                size += f", compile failed: {failed}" if failed else f", compiled in {seconds:.1f} s"
         return size
     return f"{size} ({gen.max_batch_size} slots x {max_seq_len} tokens)"
 

@@ -25,6 +25,7 @@ class EngineConfig:
     cuda_graphs: bool  # chain decode and verification steps replay CUDA graphs
     kv_cache_bytes: int  # planned for the KV caches, the target's and a draft model's
     async_scheduling: bool  # one-token steps launched before the last one is read (`rollout.engine.run_ahead`)
+    compile_forward: bool  # the graphs capture the decoder's forward compiled by torch.compile
 
 
 def resolve_engine(
@@ -37,6 +38,7 @@ def resolve_engine(
     kv_pool_blocks: int | None,
     cuda_graphs: bool | str,
     async_scheduling: bool | str = "auto",
+    compile_forward: bool = False,
 ) -> tuple[EngineConfig, ModelRunner]:
     """Plan the KV memory, build the target's model runner (which checks the model and settles the layout) and
     capture its CUDA graphs where they are on; the arguments are the `Generator`'s, already checked."""
@@ -54,8 +56,13 @@ def resolve_engine(
             f"kv_layout {runner.kv_layout!r}: pass cuda_graphs='auto' or False"
         )
     use_graphs = cuda_graphs is not False and graphs_possible
+    if compile_forward and not use_graphs:
+        raise ValueError(
+            f"compile_forward=True compiles the forward the CUDA graphs capture; this generator has none ("
+            f"{runner.device}, kv_layout {runner.kv_layout!r}, cuda_graphs={cuda_graphs!r}): pass compile_forward=False"
+        )
     if use_graphs:  # before the auto policy's warm-up, so that it times the captured steps
-        runner.use_graphs(max_width).capture_all(max_batch_size)
+        runner.use_graphs(max_width, compile=compile_forward).capture_all(max_batch_size)
     if async_scheduling is True and spec is not None:
         raise ValueError(
             "async_scheduling=True runs the host one step ahead of the device, which drafting cannot (drafts follow "
@@ -67,6 +74,6 @@ def resolve_engine(
     run_ahead = spec is None and wanted
     config = EngineConfig(
         max_batch_size, max_seq_len, max_prefill_tokens, max_width, num_positions, runner.kv_layout, use_graphs,
-        kv_cache_bytes, run_ahead,
+        kv_cache_bytes, run_ahead, compile_forward,
     )  # fmt: skip
     return config, runner

@@ -62,6 +62,8 @@ class Generator(Admission, DecodeStep):
             device, a one-token decode step launched from the last step's samples before it reads them, so that its
             bookkeeping overlaps the device's work (`rollout.engine.run_ahead`); the same samples either way. Needs
             spec=None (drafts follow the tokens the host has read).
+        compile_forward: the CUDA graphs capture the decoder's forward compiled by `torch.compile` (small kernels
+            fused; `rollout.engine.compiled_forward`); needs graphs. A model it cannot compile runs as without.
     """
 
     def __init__(
@@ -75,9 +77,10 @@ class Generator(Admission, DecodeStep):
         kv_pool_blocks: int | None = None,
         cuda_graphs: bool | str = "auto",
         async_scheduling: bool | str = "auto",
+        compile_forward: bool = False,
     ):
         check_generator_args(
-            model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec, async_scheduling
+            model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec, async_scheduling, compile_forward
         )
         if spec is not None and not spec.methods:  # method None: speculation off
             spec = None
@@ -85,7 +88,7 @@ class Generator(Admission, DecodeStep):
         self.spec = spec
         self.config, self.runner = resolve_engine(
             model, spec, max_batch_size, max_seq_len, max_prefill_tokens, kv_layout, kv_pool_blocks, cuda_graphs,
-            async_scheduling,
+            async_scheduling, compile_forward,
         )  # fmt: skip
         self.max_batch_size, self.max_seq_len, self.max_width = max_batch_size, max_seq_len, self.config.max_width
         self.kv_cache_bytes = self.config.kv_cache_bytes

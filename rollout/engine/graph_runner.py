@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from rollout.engine.attention import paged_attention_for
+from rollout.engine.compiled_forward import CompiledForward
 from rollout.engine.graph_key import GraphKey, graph_key, tuner_layers
 from rollout.engine.paged_cache import PagedKVCache, PagedStep
 from rollout.engine.policy_mode import eval_mode
@@ -60,6 +61,7 @@ class GraphRunner:
         max_width: the widest step (1 + the largest K).
         capture: False runs the padded forward eagerly (no CUDA needed).
         forward_autocast: the autocast dtype the policy's own forward enters (accelerate's wrapper), None without.
+        compile: the decoder's forward through `torch.compile` (`rollout.engine.compiled_forward`).
     """
 
     def __init__(
@@ -69,10 +71,12 @@ class GraphRunner:
         max_width: int,
         capture: bool = True,
         forward_autocast: torch.dtype | None = None,
+        compile: bool = False,
     ):
         self.model, self.cache, self.max_width, self.capture = model, cache, max_width, capture
         self.forward_autocast = forward_autocast
         self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
+        self.compiled = CompiledForward(self.decoder) if compile else None
         self.max_rows, self.table_width = cache.manager.tables.shape
         self.buckets = row_buckets(self.max_rows)
         self.device = cache.device
@@ -209,7 +213,8 @@ class GraphRunner:
         step = PagedStep(self.cache, slot_mapping, tables, lens, starts, counts)
         ids = self.ids[: rows * width].view(rows, width)
         with paged_attention_for(self.model), self._autocast():
-            out = self.decoder(input_ids=ids, position_ids=positions, use_cache=False, rollout_step=step)
+            decoder = self.compiled if self.compiled is not None else self.decoder
+            out = decoder(input_ids=ids, position_ids=positions, use_cache=False, rollout_step=step)
         self.hidden[: rows * width].copy_(out.last_hidden_state.reshape(rows * width, -1))
 
     def _graph(self, rows: int, width: int) -> torch.cuda.CUDAGraph | None:

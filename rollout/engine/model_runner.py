@@ -89,12 +89,13 @@ class ModelRunner:
         else:
             self.cache = SlotKVCache(self.num_layers, num_slots, num_positions)
 
-    def use_graphs(self, max_width: int, capture: bool = True) -> GraphRunner:
+    def use_graphs(self, max_width: int, capture: bool = True, compile: bool = False) -> GraphRunner:
         """Run chain decode steps of up to `max_width` tokens a row through CUDA graphs (paged layout only);
-        `capture=False` runs the same padded forward eagerly."""
+        `capture=False` runs the same padded forward eagerly; `compile`: the decoder's forward through
+        `torch.compile`."""
         if not self.paged:
             raise ValueError("CUDA graphs need the paged KV layout (kv_layout='paged')")
-        self.graphs = GraphRunner(self.model, self.cache, max_width, capture, self.forward_autocast)
+        self.graphs = GraphRunner(self.model, self.cache, max_width, capture, self.forward_autocast, compile)
         return self.graphs
 
     def _paged_cache(self, num_slots: int, num_positions: int, max_blocks: int, block_size: int) -> PagedKVCache:

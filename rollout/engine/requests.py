@@ -132,7 +132,14 @@ def eos_token_ids(model: PreTrainedModel) -> list[int]:
 
 
 def check_generator_args(
-    model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec, async_scheduling="auto"
+    model,
+    max_batch_size,
+    max_seq_len,
+    max_prefill_tokens,
+    cuda_graphs,
+    spec,
+    async_scheduling="auto",
+    compile_forward=False,
 ) -> None:
     """Refuse a `Generator`'s arguments that it cannot take, with what to pass instead."""
     if isinstance(model, (str, os.PathLike)):
@@ -153,6 +160,8 @@ def check_generator_args(
         )
     if cuda_graphs not in (True, False, "auto"):
         raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
+    if compile_forward not in (True, False):
+        raise ValueError(f"compile_forward ({compile_forward!r}) must be True or False")
     if async_scheduling not in (True, False, "auto"):
         raise ValueError(f"async_scheduling ({async_scheduling!r}) must be True, False or 'auto'")
     if spec is not None and not isinstance(spec, SpecConfig):

@@ -38,7 +38,8 @@ def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_p
             # the target's KV layout (a draft that cannot page falls back to slots, with a warning), and its graphs
             runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions, kv_layout=target.kv_layout)
             if target.graphs is not None and runner.paged:
-                runner.use_graphs(target.graphs.max_width, target.graphs.capture).capture_all(num_slots)
+                graphs = target.graphs
+                runner.use_graphs(graphs.max_width, graphs.capture, graphs.compiled is not None).capture_all(num_slots)
             proposers[method] = DraftModelProposer(runner, spec.num_speculative_tokens, target.vocab_size)
     return ProposerSet(proposers, max_k=spec.num_speculative_tokens)
 
