@@ -1,9 +1,12 @@
-"""Host-to-device copies that do not wait for the device, and host data that needs no copy back.
+"""Copies between host and device that do not wait for the device, and host data that needs no copy back.
 
 A plain `tensor.to("cuda")` from pageable host memory is a synchronising copy: the host waits until the GPU has run
 everything queued before it, so the host cannot prepare the next step while the device works on this one (torch's
-sync-debug mode counts each such copy). `upload` stages the tensor in pinned memory and copies asynchronously;
-torch's caching host allocator keeps the pinned block until the copy has run, so the source may be reused at once.
+sync-debug mode counts each such copy). `upload` stages a pageable tensor in pinned memory and copies asynchronously;
+torch's caching host allocator keeps the pinned block until the copy has run, so a pageable source may be changed at
+once. A source that is pinned already is copied from directly: it must not change until the copy has run.
+`start_read` starts a device-to-host copy into pinned memory; its `wait()` is the one place a step waits for the
+device.
 """
 
 from __future__ import annotations

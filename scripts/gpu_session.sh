@@ -19,6 +19,13 @@
 # `kernels` writes test_kernels.log (the race kernels' bits against their references, race_logits and paged attention
 # tests compiled), paged_attention.log (scripts/bench_paged_attention.py: page tiles vs 64/128-key tiles and splits),
 # test_keep_threshold.log and keep_threshold.log (top-k / top-p thresholds: the kernel against the sort it replaced).
+#
+#   COMMIT=<hash> bash scripts/gpu_session.sh engine "$OUT"  # there: issue 41 and 43's engine rows, in one process
+#
+# `engine` writes test_gpu.log (one wait for the device a decode step, Event.synchronize counted too) and bench.log /
+# bench_gpu.json: at 64 x 8, `none` (the host one step ahead) beside `none_lockstep` with the GPU's idle share,
+# `standard` (the nano-vllm benchmark), `suffix`, and `none_compiled` (torch.compile; its compile seconds in the
+# graphs record) last.
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -29,7 +36,7 @@ wheels)
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $WHEELS
     ls .whl
     ;;
-run | policy | kernels)
+run | policy | kernels | engine)
     mode=$1 out=${2:?give the output folder}; shift 2
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -52,6 +59,19 @@ run | policy | kernels)
         timeout 120 python3 scripts/bench_keep_threshold.py --repeats 10 2>&1 | grep -v USDT > "$out/keep_threshold.log"
         tail -8 "$out/keep_threshold.log"
         echo "keep threshold: $(( $(date +%s) - start )) s"
+        exit 0
+    fi
+    if [ "$mode" = engine ]; then
+        commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        start=$(date +%s)
+        timeout 120 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "reads_the_device_once" 2>&1 \
+            | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
+        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
+        timeout 420 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes 64x8 --budget-s 380 \
+            --rows standard none none_lockstep suffix none_compiled 2>&1 | grep -v USDT > "$out/bench.log"
+        tail -16 "$out/bench.log"
+        echo "bench: $(( $(date +%s) - start )) s"
         exit 0
     fi
     if [ "$mode" = policy ]; then
@@ -84,7 +104,7 @@ run | policy | kernels)
     echo "bench: $(( $(date +%s) - start )) s"
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT | kernels OUT" >&2
+    echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT | kernels OUT | engine OUT" >&2
     exit 2
     ;;
 esac

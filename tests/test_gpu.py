@@ -38,13 +38,28 @@ def test_paged_on_a_gpu_samples_what_the_slot_layout_samples():
 
 
 def with_syncs(fn):
-    """`fn()`, and where each synchronising CUDA call it made came from (the Python frames, innermost first)."""
+    """`fn()`, and where each synchronising CUDA call it made came from (the Python frames, innermost first): what
+    torch's sync-debug mode warns of, and the waits it does not see (`Event.synchronize`, `torch.cuda.synchronize`,
+    through which the engine's one read a step waits)."""
     syncs = []
+
+    def where() -> str:
+        frames = traceback.extract_stack()[-9:-1][::-1]
+        return " <- ".join(f"{pathlib.Path(f.filename).name}:{f.lineno}" for f in frames)
 
     def note(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
-            frames = traceback.extract_stack()[-9:-1][::-1]
-            syncs.append(" <- ".join(f"{pathlib.Path(f.filename).name}:{f.lineno}" for f in frames))
+            syncs.append(where())
+
+    event_wait, device_wait = torch.cuda.Event.synchronize, torch.cuda.synchronize
+
+    def counted_event_wait(event):
+        syncs.append(where())
+        return event_wait(event)
+
+    def counted_device_wait(*args, **kwargs):
+        syncs.append(where())
+        return device_wait(*args, **kwargs)
 
     with warnings.catch_warnings():  # the first switch to "warn" in a process warns once itself: not the engine's
         warnings.simplefilter("ignore")
@@ -54,9 +69,11 @@ def with_syncs(fn):
         warnings.simplefilter("always")
         warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.Event.synchronize, torch.cuda.synchronize = counted_event_wait, counted_device_wait
         try:
             result = fn()
         finally:
+            torch.cuda.Event.synchronize, torch.cuda.synchronize = event_wait, device_wait
             torch.cuda.set_sync_debug_mode("default")
     return result, syncs
 

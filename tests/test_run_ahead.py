@@ -113,7 +113,7 @@ def test_requests_added_while_a_step_is_in_flight_join_and_sample_the_same():
         done = []
         for _ in range(4):  # a prefill, then decode steps: one is in flight when the new requests come
             done += gen.step().finished
-        assert not ahead or gen._in_flight is not None, "expected a step in flight"
+        assert not ahead or gen._ahead.in_flight is not None, "expected a step in flight"
         gen.add_requests(second, params, seed_indices=[3, 4], keep_in_flight=True)
         while gen.has_unfinished:
             done += gen.step().finished
@@ -130,13 +130,38 @@ def test_a_step_in_flight_is_dropped_by_abort_and_refused_by_snapshot():
     gen.add_requests(prompts, params)
     gen.step()
     gen.step()
-    assert gen._in_flight is not None, "expected a step in flight"
+    assert gen._ahead.in_flight is not None, "expected a step in flight"
     with pytest.raises(RuntimeError, match="in flight"):
         gen.snapshot()
     gen.abort()
-    assert gen._in_flight is None and not gen.has_unfinished
+    assert gen._ahead.in_flight is None and not gen.has_unfinished
     again = gen.generate(prompts, params)
     assert [o.token_ids for o in again] == [o.token_ids for o in Generator(model, 4, 48).generate(prompts, params)]
+
+
+def test_a_step_that_fails_while_one_is_unread_stops_the_engine_until_abort():
+    model = make_model("llama")
+    prompts = random_prompts(3, seed=5)
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, seed=0)
+    reference = Generator(model, 4, 48).generate(prompts, params)
+    gen = Generator(model, 4, 48, async_scheduling=True)
+    decode, calls = gen.runner.decode, [0]
+
+    def failing_once(*args, **kwargs):  # a forward that fails once mid-rollout (a CUDA out-of-memory, say)
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("out of memory")
+        return decode(*args, **kwargs)
+
+    gen.runner.decode = failing_once
+    gen.add_requests(prompts, params)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        while gen.has_unfinished:
+            gen.step()
+    with pytest.raises(RuntimeError, match="abort"):  # rows a step's tokens short are not stepped on
+        gen.step()
+    gen.abort()
+    assert [o.token_ids for o in gen.generate(prompts, params)] == [o.token_ids for o in reference]
 
 
 def test_a_step_launched_ahead_still_reads_the_device_once():

@@ -62,14 +62,14 @@ class Admission:
             upload(uniforms[:, -1].contiguous(), self.device),
             self._race_keys(rows),
         )
-        kept = self._commit(rows, result, in_cache=False)
+        kept = self._commit_prefill(rows, result)
         return kept
 
     def _postprocess(self, record: StepRecord, observation: StepObservation | None) -> StepOutput:
         """Release the finished rows (the rows in flight stay packed) and append the step's record to the trace."""
         finished = self._release_finished()
-        if self.scheduler.num_active == 0:  # a step launched ahead holds only rows that have finished since
-            self._in_flight = None
+        if self.scheduler.num_active == 0:
+            self._ahead.drop()  # a step launched ahead holds only rows that have finished since
         if self.runner.paged:
             usage = self.runner.cache.manager
             record.kv_blocks_used, record.kv_blocks_allocated = usage.num_used, usage.num_blocks
@@ -109,8 +109,8 @@ class Admission:
             if self.proposers is not None:
                 self.proposers.copy_rows(src, dst, longest)
             s.move(movers, holes, longest)
-        if self._in_flight is not None:  # a step launched ahead: its results go to the rows where they are now
-            self._in_flight.rows_moved(num_active, rows, movers, holes)
+        if self._ahead.in_flight is not None:  # a step launched ahead: its results go to the rows where they are now
+            self._ahead.in_flight.rows_moved(num_active, rows, movers, holes)
         for runner in self._runners():  # a paged draft model's cache frees its rows too
             runner.release_rows(remaining, num_active)
         self.scheduler.num_active = remaining
@@ -120,7 +120,7 @@ class Admission:
     def abort(self) -> None:
         """Drop every request queued or in flight (their KV is garbage the next admission overwrites)."""
         self.scheduler.queue.clear()
-        self._in_flight = None  # its results are dropped (what it wrote to the cache is garbage past the lengths)
+        self._ahead.reset()
         if self._closed:
             return
         # every slot, not only those in flight: a restore to fewer rows left the others holding their blocks
@@ -161,7 +161,7 @@ class Admission:
         self.scheduler.num_active = len(rows)
 
     def _check_no_step_in_flight(self) -> None:
-        if self._in_flight is not None:
+        if self._ahead.in_flight is not None:
             raise RuntimeError(
                 "a decode step is in flight (async_scheduling runs the host one step ahead): snapshot and restore need "
                 "the engine in lockstep; build the generator with async_scheduling=False"

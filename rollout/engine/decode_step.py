@@ -66,6 +66,7 @@ class DecodeStep:
         advanced = layout.width == 1 and self.config.async_scheduling
         if advanced:  # one token a row: each row's pending token is in the cache now, whatever it samples
             self.slots.cache_len[:num_rows] += 1
+            self._ahead.unread += 1
         return LaunchedStep(
             start, num_rows, context, decision, asked, routes, served or [None] * num_rows, drafts is not None,
             layout, propose_seconds, result, read, base_positions, advanced,
@@ -75,6 +76,9 @@ class DecodeStep:
         """Read a launched step's results (waiting for the device), commit them to the rows they belong to now, let
         the proposers and the K policy learn from them, and record the step."""
         layout = step.layout
+        # rows moved since the launch: only a one-token chain without a policy or drafts (the results are remapped,
+        # the launch's per-row records are not)
+        assert step.row_of is None or (layout.is_chain and not step.routes and not step.drafted), "a remapped step"
         packed = step.read.wait()
         source = step.source_rows(self.scheduler.num_active)
         if source is not None:  # rows released since the launch: the others' results, in today's row order
@@ -83,12 +87,13 @@ class DecodeStep:
         num_emitted, accepted_per_row, emitted_ids, accepted_nodes = self._commit_packed(
             0, packed, step.result.output_token_ids.shape[1], in_cache=not step.advanced, tree=not layout.is_chain
         )
+        self._ahead.unread -= step.advanced
         if accepted_nodes is not None:  # move accepted paths next to their roots (a chain's path is in place already)
             self.runner.compact_paths(torch.arange(num_rows), step.base_positions, accepted_nodes)  # host: no read
         accepted = accepted_per_row.tolist()
         now = time.perf_counter()
-        seconds = now - max(step.start, self._last_finish)  # a step launched ahead counts from the last one's end
-        self._last_finish = now
+        seconds = now - max(step.start, self._ahead.last_finish)  # a step launched ahead counts from the last read
+        self._ahead.last_finish = now
         if step.drafted:  # a cascade learns which proposer earns what, at what cost
             self.proposers.observe(accepted, seconds, emitted_ids)
         asked_list = step.asked.tolist()
@@ -209,11 +214,11 @@ class DecodeStep:
         s = self.slots
         return RaceKeys(s.seed[rows, 0], s.num_tokens[rows] - s.prompt_len[rows] + int(ahead))
 
-    def _commit(self, rows: slice, result: VerifyResult, in_cache: bool) -> int:
-        """Bring a prefill's result to the host (its one read of the device) and append it to the rows; returns the
-        tokens kept."""
+    def _commit_prefill(self, rows: slice, result: VerifyResult) -> int:
+        """Bring a prefill's result to the host (its one read of the device) and append it to the rows (the prompts'
+        KV is in the cache, their sampled tokens pending); returns the tokens kept."""
         packed = start_read(_packed(result, tree=False)).wait()
-        return self._commit_packed(rows.start, packed, result.output_token_ids.shape[1], in_cache, tree=False)[0]
+        return self._commit_packed(rows.start, packed, result.output_token_ids.shape[1], False, tree=False)[0]
 
     def _commit_packed(
         self, row_start: int, packed: Tensor, width: int, in_cache: bool, tree: bool

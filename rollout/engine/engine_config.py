@@ -63,11 +63,6 @@ def resolve_engine(
         )
     if use_graphs:  # before the auto policy's warm-up, so that it times the captured steps
         runner.use_graphs(max_width, compile=compile_forward).capture_all(max_batch_size)
-    if async_scheduling is True and spec is not None:
-        raise ValueError(
-            "async_scheduling=True runs the host one step ahead of the device, which drafting cannot (drafts follow "
-            "the tokens the host has read): pass spec=None, or async_scheduling='auto' or False"
-        )
     # "auto": where the host and the device run side by side (on a CPU it gains nothing, and a finished row rides
     # one step further)
     wanted = async_scheduling is True or (async_scheduling == "auto" and runner.device.type == "cuda")

@@ -29,7 +29,7 @@ from rollout.engine.requests import (
     checked_sequences,
     eos_token_ids,
 )
-from rollout.engine.run_ahead import LaunchedStep
+from rollout.engine.run_ahead import RunAhead
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.engine.scheduler import Scheduler
 from rollout.engine.sequence import PromptGroups, Sequence
@@ -110,8 +110,7 @@ class Generator(Admission, DecodeStep):
         self._lock = threading.Lock()  # one generate call at a time
         self._graph_epoch = 0  # raised by `invalidate_graphs`
         self._closed = False  # `close` freed the caches
-        self._in_flight: LaunchedStep | None = None  # a decode step launched ahead, not read yet
-        self._last_finish = 0.0  # when the last decode step was read (a step launched ahead is timed from it)
+        self._ahead = RunAhead()  # the host one step ahead: the step in flight (`rollout.engine.run_ahead`)
         self._policy_modules = list(model.modules())  # listed anew by every `generate` and `add_requests` call
         # the policy measures what it needs (auto: step times, as vLLM profiles)
         self.warm_up_seconds = warm_up(self) if self.policy is not None else 0.0
@@ -247,7 +246,8 @@ class Generator(Admission, DecodeStep):
         """One step: admit queued requests while slots are free (a prefill), else decode every active row once, at the
         K its policy chooses (a calibration forces K through `rollout.engine.step_timer.forced_steps`). Finished rows
         are released before it returns. The step runs the policy in eval mode, whatever mode it is in (and hands it
-        back in that mode)."""
+        back in that mode). With `async_scheduling` the record and completions returned are those of the step the
+        last call launched, and the next step is left running on the device."""
         self._check_open()
         with self._serving(full=False):  # the modules as the last `add_requests` listed them
             return self._step()
@@ -274,11 +274,15 @@ class Generator(Admission, DecodeStep):
     def _step(self) -> StepOutput:
         """schedule -> execute -> postprocess: the scheduler decides (admit, or decode after preempting rows), the
         prefill or the decode step runs it, then the finished rows are released."""
-        ahead, self._in_flight = self._in_flight, None
-        if ahead is not None:  # launched by the last call: launch the next behind it, then read it
-            if self.scheduler.can_run_ahead():
-                self._in_flight = self._launch_decode(after=ahead)
-            return self._postprocess(*self._finish_decode(ahead))
+        with self._ahead.guarded():
+            ahead, self._ahead.in_flight = self._ahead.in_flight, None
+            if ahead is not None:  # launched by the last call: launch the next behind it, then read it
+                if self.scheduler.can_run_ahead():
+                    self._ahead.in_flight = self._launch_decode(after=ahead)
+                return self._postprocess(*self._finish_decode(ahead))
+            return self._schedule_and_run()
+
+    def _schedule_and_run(self) -> StepOutput:
         scheduled = self.scheduler.schedule()
         if scheduled.is_prefill:
             return self._postprocess(self._admit(scheduled.prefill_chunks), None)
@@ -286,7 +290,7 @@ class Generator(Admission, DecodeStep):
             self._remove_rows(scheduled.preempted)
         launched = self._launch_decode()
         if launched.advanced and self.scheduler.can_run_ahead():  # the host one step ahead
-            self._in_flight = self._launch_decode(after=launched)
+            self._ahead.in_flight = self._launch_decode(after=launched)
         record, observation = self._finish_decode(launched)
         record.num_preempted = len(scheduled.preempted)
         return self._postprocess(record, observation)

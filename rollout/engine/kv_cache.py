@@ -160,7 +160,7 @@ class SlotKVCache(Cache):
         if not buffers:
             return
         if buffers[0].is_cuda:  # one gather (every source read first) and one scatter per buffer: no device sync
-            src, dst = src.to(buffers[0].device, non_blocking=True), dst.to(buffers[0].device, non_blocking=True)
+            src, dst = upload(src, buffers[0].device), upload(dst, buffers[0].device)  # pinned: no wait
             for buffer in buffers:
                 view = buffer[:, :, :end]
                 view.index_copy_(0, dst, view.index_select(0, src))

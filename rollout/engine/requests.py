@@ -6,6 +6,7 @@ import hashlib
 import numbers
 import os
 import random
+import sys
 import warnings
 
 import torch
@@ -164,6 +165,11 @@ def check_generator_args(
         raise ValueError(f"compile_forward ({compile_forward!r}) must be True or False")
     if async_scheduling not in (True, False, "auto"):
         raise ValueError(f"async_scheduling ({async_scheduling!r}) must be True, False or 'auto'")
+    if async_scheduling is True and isinstance(spec, SpecConfig) and spec.methods:
+        raise ValueError(
+            "async_scheduling=True runs the host one step ahead of the device, which drafting cannot (drafts follow "
+            "the tokens the host has read): pass spec=None, or async_scheduling='auto' or False"
+        )
     if spec is not None and not isinstance(spec, SpecConfig):
         raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
 
@@ -187,5 +193,15 @@ def checked_sequences(
     sequences = make_sequences(prompt_ids, per_prompt, eos_ids, max_seq_len, max_k, seed_indices)
     note = length_cap_note(prompt_ids, [p.max_new_tokens for p in per_prompt], max_seq_len)
     if note is not None:
-        warnings.warn(note, stacklevel=4)  # the caller of `generate` / `add_requests`
+        warnings.warn(note, stacklevel=_outside_the_engine())
     return sequences
+
+
+def _outside_the_engine() -> int:
+    """The `stacklevel` at which a warning raised by the caller points at the first frame outside the engine (the
+    code that called `generate` or `add_requests`)."""
+    frame, level = sys._getframe(2), 2  # the frame that calls `warnings.warn` is level 1
+    engine = os.path.dirname(os.path.abspath(__file__))
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == engine:
+        frame, level = frame.f_back, level + 1
+    return level

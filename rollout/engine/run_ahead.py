@@ -13,6 +13,7 @@ seed and the token's position: the tokens are the same, launched ahead or not.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,3 +71,43 @@ class LaunchedStep:
         sampled = self.result.output_token_ids[:, :1]
         source = self.source_rows(num_rows)
         return sampled if source is None else sampled[upload(torch.from_numpy(source), device)]
+
+
+class RunAhead:
+    """The generator's side of it: the step in flight, and the steps launched with their rows' cache lengths raised
+    and not read yet. A step that raises while such a step is unread leaves rows a step's tokens short: the
+    generator refuses to step on until `reset` (its `abort`)."""
+
+    def __init__(self):
+        self.in_flight: LaunchedStep | None = None  # launched ahead by the last call, not read yet
+        self.unread = 0  # steps launched with the rows' cache lengths raised, not read yet
+        self.failed = False
+        self.last_finish = 0.0  # when the last decode step was read (a step launched ahead is timed from it)
+
+    @contextlib.contextmanager
+    def guarded(self):
+        """Around a step: refuses after a failure that lost an unread step, and notes one that does."""
+        if self.failed:
+            raise RuntimeError(
+                "a step failed while a decode step launched ahead was unread (async_scheduling): the rows in flight "
+                "lost a step's tokens; call abort() (or add_requests) before stepping again"
+            )
+        try:
+            yield
+        except BaseException:
+            self.failed = self.unread > 0
+            raise
+
+    def drop(self) -> None:
+        """Drop the step in flight, if any: its results are not read (what it wrote to the caches is garbage past the
+        rows' lengths), but it is waited for, so that none of the generator's work is left running on the device when
+        a call returns (a trainer may change the weights next, on another stream)."""
+        if self.in_flight is not None:
+            self.in_flight.read.wait()
+            self.unread -= self.in_flight.advanced
+            self.in_flight = None
+
+    def reset(self) -> None:
+        """Nothing in flight and nothing lost (the rows were dropped)."""
+        self.drop()
+        self.unread, self.failed = 0, False

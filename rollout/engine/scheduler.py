@@ -143,9 +143,11 @@ class Scheduler:
             return []
         cache = self.runner.cache
         lens = self.slots.cache_len[:num_rows].numpy()
-        latest_first = sorted(range(num_rows), key=lambda row: self.slots.sequences[row].admitted_at, reverse=True)
         growth = cache.max_blocks - cache.manager.num_blocks  # blocks the pool may still grow by
-        for count in range(num_rows - 1):
+        if cache.manager.needed(np.arange(num_rows), lens + self.max_width, lens) <= cache.manager.num_free + growth:
+            return []  # the common case: every row fits
+        latest_first = sorted(range(num_rows), key=lambda row: self.slots.sequences[row].admitted_at, reverse=True)
+        for count in range(1, num_rows - 1):
             released = np.array(latest_first[:count], dtype=np.int64)
             kept = np.setdiff1d(np.arange(num_rows), released)
             need, free = cache.manager.needed_after_release(released, kept, lens[kept] + self.max_width, lens[kept])
