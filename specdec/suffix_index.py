@@ -51,7 +51,8 @@ class SuffixIndex:
         # (parent << 21 | token) of every later child, at load <= 1/4 (grown to 1/8), 2^17 slots (1.5 MiB) at first
         self._keys = np.full(1 << (table_capacity - 1).bit_length(), -1, dtype=np.int64)
         self._values = np.zeros(len(self._keys), dtype=np.int32)
-        self._state = np.zeros(2, dtype=np.int64)  # [num_nodes, num_keys], kept by the kernels
+        self._state = np.zeros(3, dtype=np.int64)  # [num_nodes, num_keys, runs counted], kept by the kernels
+        self._seen, self._work = self.kernels.scratch(1)  # the counting's scratch, grown to the largest batch
 
     @property
     def num_nodes(self) -> int:
@@ -101,7 +102,7 @@ class SuffixIndex:
         """Append `tokens[i, :lengths[i]]` (`[N, T]`) to each sequence, in lockstep. Returns the new frontiers."""
         frontier = np.array(frontier, dtype=np.int32, order="C")  # a copy: the kernel moves it in place
         tokens, lengths = _int64(tokens), _int64(lengths)
-        self._update(self.kernels.insert, frontier, tokens, lengths, delta)
+        self.run(self.kernels.insert, *self.scratch(frontier.size), frontier, tokens, lengths, delta)
         return frontier
 
     def add_sequences(self, roots: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, delta: int = 1) -> None:
@@ -109,7 +110,7 @@ class SuffixIndex:
         at a time: the n-gram ending at position p is the child of the (n-1)-gram ending at p - 1, so D passes do what
         position by position takes max(lengths) passes."""
         roots, tokens, lengths = _int64(roots), _int64(tokens), _int64(lengths)
-        self._update(self.kernels.add_sequences, roots, tokens, lengths, self.max_depth, delta)
+        self.run(self.kernels.add_sequences, roots, tokens, lengths, self.max_depth, delta)
 
     def child(self, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """The child of each of `parents [N]` (valid nodes) by its token, -1 where there is none. Reads only."""
@@ -132,9 +133,18 @@ class SuffixIndex:
         num_open = np.broadcast_to(_int64(num_open), start.shape).copy()
         return self.kernels.walk(self.nodes, start, max_len, float(min_prob), int(width), num_open)
 
-    def _update(self, kernel, *args) -> None:
+    def scratch(self, num_updates: int) -> tuple[np.ndarray, np.ndarray]:
+        """The counting kernels' scratch for batches of up to `num_updates` updates (kept; grown when too small)."""
+        if len(self._work) < 9 * num_updates:
+            self._seen, self._work = self.kernels.scratch(max(num_updates, len(self._work) // 9 * 2))
+        return self._seen, self._work
+
+    def run(self, kernel, *args) -> tuple:
+        """Call a kernel of `specdec/proposers/suffix_kernels.py` that may grow the store: it takes the store's arrays
+        and state first and returns the arrays first, then its other results (returned)."""
         stored = (self.nodes, self.branching, self._keys, self._values)
-        self.nodes, self.branching, self._keys, self._values = kernel(*stored, self._state, *args)
+        self.nodes, self.branching, self._keys, self._values, *results = kernel(*stored, self._state, *args)
+        return tuple(results)
 
 
 def _int64(values) -> np.ndarray:

@@ -10,7 +10,8 @@ highest score, the sum of the path probabilities (the expected accepted length i
 stops short of K goes on, in a second round, from the context it ends in; with `num_candidates > 1` a row's best
 distinct drafts become a token tree. Drafts depend only on tokens already emitted, never on the target's random
 draws, so verification stays lossless. Chains are drafted by one compiled loop over the rows
-(`specdec/proposers/suffix_kernels.py`); `specdec/proposers/suffix_ref.py` is its numpy reference, draft for draft.
+(`specdec/proposers/suffix_draft_kernels.py`); `specdec/proposers/suffix_ref.py` is its numpy reference, draft for
+draft.
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ class SuffixProposer(SuffixTries):
         self.num_candidates = num_candidates
         self.sources = (0, 1)  # tries drafted from: 0 the row's prompt trie, 1 the global one (a knob for ablations)
         self.continue_short = True  # a second round for drafts that stop short (a knob for ablations)
+        from specdec.proposers import suffix_draft_kernels  # numba: imported with the first suffix proposer
+
+        self._kernels = suffix_draft_kernels
 
     def propose(self, batch: ProposalBatch) -> Drafts:
         """Take in the tokens each row gained, then draft: a chain per asked row, or with `num_candidates > 1` a
         token tree of at most K nodes."""
         num_rows = len(batch.num_tokens)
-        rows = np.arange(num_rows)
-        self._sync(rows, batch.token_ids.numpy(), np.asarray(batch.num_tokens, dtype=np.int64))
+        self._sync(self._all_rows[:num_rows], batch.token_ids.numpy(), np.asarray(batch.num_tokens, dtype=np.int64))
         asked = np.asarray(batch.num_asked, dtype=np.int64)
         if self.num_candidates == 1:
             drafts, counts, scores = self._chains(asked)
@@ -110,7 +113,7 @@ class SuffixProposer(SuffixTries):
     def _draft(self, asked: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The compiled drafting: one round, and a second from up to `context` tokens of the row (-1: none)."""
         index = self.index
-        return index.kernels.draft_chains(
+        return self._kernels.draft_chains(
             index.nodes,
             index.branching,
             index._keys,

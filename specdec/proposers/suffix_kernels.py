@@ -1,30 +1,54 @@
-"""The suffix proposer's compiled loops (numba): the node store's counting and lookups, and drafting.
+"""The suffix proposer's compiled loops (numba): the node store's counting and lookups, and taking in the rows' tokens.
 
-`SuffixIndex` (`specdec/suffix_index.py`) and `SuffixProposer` (`specdec/proposers/suffix.py`) call these; they
+`SuffixIndex` (`specdec/suffix_index.py`) and `SuffixTries` (`specdec/proposers/suffix_tries.py`) call these; they
 import this module with their first object, so a run that drafts otherwise never imports numba. Every function is
-compiled once and cached on disk (`cache=True`).
+compiled once and cached on disk (`cache=True`); drafting is `specdec/proposers/suffix_draft_kernels.py`.
 
 The store's arrays: `nodes [capacity, 4]` int32 rows `[count, best, token, first child]`, `branching [capacity]` (the
 node has children in the hash table), `keys [slots]` int64 (`parent << 21 | token`, -1 empty) and `values [slots]`
-int32 (the child), `state [2]` int64 `[num_nodes, num_keys]`. Functions that may add nodes or keys return the four
-arrays, reallocated when they grew.
+int32 (the child), `state [3]` int64 `[num_nodes, num_keys, runs counted]`. Functions that may add nodes or keys
+return the four arrays, reallocated when they grew.
 
 A batch of (parent, token) updates counts the way a vectorised update of the whole batch would: a parent's first
 child and the "fresh" shortcut are decided on the records as they were before the batch, and a parent's best child
 is raised in rounds (every update compares against the best as it was at the round's start, the last writer wins), so
 that ties between children counted in one batch resolve the same way they always have (the numpy reference,
-`specdec/proposers/suffix_ref.py`, is the specification).
+`specdec/proposers/suffix_ref.py`, is the specification). Only the order of a parent's own updates matters to that,
+so a batch of sequences is counted column by column (every sequence's m-gram node, then the (m+1)-grams): the nodes
+of one column were made together, and a column's parents fit a small table of who was named twice.
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.extending import intrinsic
 
 _EMPTY = -1
 _TOKEN_BITS = 21  # as in specdec/suffix_index.py
 _HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
 _BEST_ROUNDS = 8  # rounds of raising a parent's best child within one batch
+_AHEAD = 16  # updates between asking for a parent's record and using it
+
+
+@intrinsic
+def _prefetch(typingctx, array, index):
+    """Hint the CPU to fetch `array.flat[index]` (a C-contiguous array) into the cache; no effect on results."""
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        hint = builder.module.declare_intrinsic(
+            "llvm.prefetch", fnty=ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32])
+        )
+        address = builder.bitcast(builder.gep(data, [args[1]]), byte)
+        # a read, kept in every cache level, of data
+        builder.call(hint, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return numba.types.void(array, index), codegen
 
 
 @numba.njit(cache=True, inline="always")
@@ -91,6 +115,9 @@ def _child(nodes, branching, keys, values, parent, token):
     if first >= 0 and nodes[first, 2] == token:
         return np.int64(first)
     if branching[parent]:
+        best = nodes[parent, 1]  # the child a sequence most often takes, before hashing
+        if best >= 0 and nodes[best, 2] == token:
+            return np.int64(best)
         slot = _lookup(keys, (np.int64(parent) << _TOKEN_BITS) | token)
         if slot >= 0:
             return np.int64(values[slot])
@@ -107,41 +134,71 @@ def children(nodes, branching, keys, values, parents, tokens):
 
 
 @numba.njit(cache=True)
-def count(nodes, branching, keys, values, state, parents, tokens, delta, out):
+def scratch(num_updates):
+    """Scratch for batches of up to `num_updates` updates, kept from call to call: `seen` (`count`'s table of a
+    batch's parents, 4 int64 per slot, at load <= 1/2) and `work` (9 int64 per update: 4 for `count`, 5 for its
+    callers)."""
+    seen = np.empty(4 << _bits(2 * num_updates + 2), dtype=np.int64)
+    seen[3::4] = -1  # no batch's stamp: free
+    return seen, np.empty(9 * num_updates, dtype=np.int64)
+
+
+@numba.njit(cache=True)
+def count(nodes, branching, keys, values, state, parents, tokens, owners, shared, runs, delta, out, seen, work):
     """Count one batch: the child of each of `parents [N]` by `tokens [N]` (created when `delta > 0`; else it must
-    exist) gets `delta` added to its count; its id goes to `out [N]`. Returns the store's arrays.
+    exist) gets `delta` added to its count; its id goes to `out [N]`. `runs [R + 1]`: offsets of runs of updates
+    whose parents have one depth (each parent is named in one run only). `owners [N]`, `shared [S]`: with runs of
+    one column each (the sequences' nodes for their last m tokens, in a fixed order of the S sequences), the
+    sequence of each update and whether it may share its parent with another sequence (True for all at the start;
+    updated run by run); both empty: any parent may be shared. `seen`, `work`: `scratch(N)` or larger, kept from
+    batch to batch. Returns the store's arrays.
 
     One pass, update by update. That equals updating the whole batch at once (the reference) for every parent named
     once in the batch; a parent named several times then gets its best child again from its best before the batch,
     in the reference's rounds."""
     n = len(parents)
+    assert len(seen) >= 4 * (2 * n + 2) and len(work) >= 4 * n, "expected scratch(N) or larger"
     nodes, branching = reserve(nodes, branching, state[0] + n)
-    # the batch's parents, each with its first update and its best before the batch; `next_same` chains the updates of
-    # one parent (a small open-addressing table: it stays in cache where the nodes do not)
-    seen_bits = _bits(2 * n + 2)
-    seen_parent = np.full(1 << seen_bits, -1, dtype=np.int64)
-    seen_first = np.empty(1 << seen_bits, dtype=np.int64)
-    seen_last = np.empty(1 << seen_bits, dtype=np.int64)
-    next_same = np.full(n, -1, dtype=np.int64)
-    fresh = np.zeros(n, dtype=np.bool_)
-    old_best = np.empty(n, dtype=np.int64)
-    repeated = np.empty(n, dtype=np.int64)  # the slots of parents named more than once
+    # per update: the next update of its parent and the parent's best before the batch (kept for a chain's first),
+    # its `seen` slot (-1: not chained); and the first update of each parent whose best is decided in rounds. `seen`
+    # holds (parent, first update, last update, stamp) per slot, for the parents of one run (a table of the run's
+    # size, so that it stays in cache); a slot of another stamp is free, so the table is never cleared
+    next_same = work[:n]
+    old_best = work[n : 2 * n]
+    repeated = work[2 * n : 3 * n]
+    slot_of = work[3 * n : 4 * n]
+    filtered = len(owners) > 0
     num_repeated = 0
-    bits, seen_mask = _bits(len(keys)), (1 << seen_bits) - 1
+    bits = _bits(len(keys))
+    run, run_start, run_end = 0, 0, 0
+    seen_bits, seen_mask, stamp = 0, 0, 0
     for i in range(n):
+        if i == run_end:  # a new run: a new stamp
+            if filtered:
+                # a parent shared at column m is shared at column m - 1: a sequence whose parent was named once in
+                # this run names a parent of its own in the next
+                for e in range(run_start, i):
+                    at = slot_of[e]
+                    shared[owners[e]] = at >= 0 and seen[at + 1] != seen[at + 2]
+            while runs[run + 1] == i:
+                run += 1
+            run_start, run_end = i, runs[run + 1]
+            seen_bits = _bits(2 * (run_end - i) + 2)
+            seen_mask = (1 << seen_bits) - 1
+            state[2] += 1
+            stamp = state[2]
+            run += 1
+        # the records this loop reads, asked for ahead: a parent's 16 updates ahead, its first and best child's 8
+        if i + _AHEAD < n:
+            _prefetch(nodes, 4 * parents[i + _AHEAD])
+        if i + _AHEAD // 2 < n:
+            q = parents[i + _AHEAD // 2]
+            if nodes[q, 3] >= 0:
+                _prefetch(nodes, 4 * nodes[q, 3])
+            if nodes[q, 1] >= 0 and nodes[q, 1] != nodes[q, 3]:
+                _prefetch(nodes, 4 * nodes[q, 1])
         p, token = parents[i], tokens[i]
-        slot = _slot(p, seen_bits)
-        while seen_parent[slot] >= 0 and seen_parent[slot] != p:
-            slot = (slot + 1) & seen_mask
-        if seen_parent[slot] < 0:
-            seen_parent[slot], seen_first[slot], seen_last[slot] = p, i, i
-        else:
-            if seen_first[slot] == seen_last[slot]:
-                repeated[num_repeated] = slot
-                num_repeated += 1
-            next_same[seen_last[slot]] = i
-            seen_last[slot] = i
-        old_best[i] = nodes[p, 1]
+        slot_of[i] = -1
         if delta > 0 and nodes[p, 0] == 1 and nodes[p, 3] < 0:
             # a parent seen once (a sequence's end) that never had a child: its child is new, and no other update
             # of this batch names the parent (it would have been counted twice)
@@ -150,9 +207,25 @@ def count(nodes, branching, keys, values, state, parents, tokens, delta, out):
             nodes[c, 0], nodes[c, 1], nodes[c, 2], nodes[c, 3] = 1, -1, token, -1
             nodes[p, 1] = c
             nodes[p, 3] = c
-            fresh[i] = True
             out[i] = c
             continue
+        chained = -1
+        if delta > 0 and nodes[p, 0] >= 2 and (not filtered or shared[owners[i]]):
+            # only a parent seen twice can be named twice (each naming is an occurrence, and counts only grow here):
+            # chain its updates
+            slot = _slot(p, seen_bits)
+            while seen[4 * slot + 3] == stamp and seen[4 * slot] != p:
+                slot = (slot + 1) & seen_mask
+            at = 4 * slot
+            slot_of[i] = at
+            next_same[i] = -1
+            if seen[at + 3] != stamp:
+                seen[at], seen[at + 1], seen[at + 2], seen[at + 3] = p, i, i, stamp
+                old_best[i] = nodes[p, 1]
+            else:
+                next_same[seen[at + 2]] = i
+                seen[at + 2] = i
+                chained = at
         c = _child(nodes, branching, keys, values, p, token)
         if c < 0:
             assert delta > 0, "expected every node of a removed sequence to exist"
@@ -175,6 +248,12 @@ def count(nodes, branching, keys, values, state, parents, tokens, delta, out):
                 state[1] += 1
                 branching[p] = True
         out[i] = c
+        if chained >= 0 and seen[chained + 1] >= 0 and out[seen[chained + 1]] != c:
+            # a second child of the parent in this batch: its best is decided after the batch, in rounds (while all
+            # the updates of a parent name one child, update by update decides as the rounds would)
+            repeated[num_repeated] = seen[chained + 1]
+            num_repeated += 1
+            seen[chained + 1] = -1 - seen[chained + 1]
         nodes[c, 0] += delta
         best = nodes[p, 1]
         if delta > 0:
@@ -184,13 +263,13 @@ def count(nodes, branching, keys, values, state, parents, tokens, delta, out):
             nodes[p, 1] = -1
     if delta > 0:
         for k in range(num_repeated):
-            first = seen_first[repeated[k]]
-            nodes[parents[first], 1] = _raise_best(nodes, first, old_best[first], out, fresh, next_same)
+            first = repeated[k]
+            nodes[parents[first], 1] = _raise_best(nodes, first, old_best[first], out, next_same)
     return nodes, branching, keys, values
 
 
 @numba.njit(cache=True)
-def _raise_best(nodes, first, old_best, out, fresh, next_same):
+def _raise_best(nodes, first, old_best, out, next_same):
     """The best child, after the batch, of the parent of updates `first`, `next_same[first]`, ... from `old_best`
     (its best before the batch) as a vectorised update of the batch sets it: in rounds, every update compares against
     the best as the round found it, and of several that beat it the last one writes."""
@@ -200,7 +279,7 @@ def _raise_best(nodes, first, old_best, out, fresh, next_same):
         i = first
         while i >= 0:
             # a child that was its parent's best before the batch stays out (it is the best, or was beaten)
-            if not fresh[i] and out[i] != old_best and (p_best < 0 or nodes[out[i], 0] > nodes[p_best, 0]):
+            if out[i] != old_best and (p_best < 0 or nodes[out[i], 0] > nodes[p_best, 0]):
                 winner = out[i]
             i = next_same[i]
         if winner < 0:
@@ -210,38 +289,156 @@ def _raise_best(nodes, first, old_best, out, fresh, next_same):
 
 
 @numba.njit(cache=True)
-def insert(nodes, branching, keys, values, state, frontier, tokens, lengths, delta):
+def insert(nodes, branching, keys, values, state, seen, work, frontier, tokens, lengths, delta):
     """Append `tokens[r, :lengths[r]]` (`[M, T]`) to the sequences with frontiers `[M, D]` (in place), one batch per
-    position: every (row, column) of the rows still going on, in row order. Returns the store's arrays."""
+    position: every (row, column) of the rows still going on, column by column and in row order within a column (a
+    parent's updates come in row order, which is all that the order of a batch decides). `seen`, `work`:
+    `scratch(M * D)` or larger. Returns the store's arrays."""
     num_rows, depth = frontier.shape
+    size = num_rows * depth
+    assert len(work) >= 9 * size, "expected scratch(M * D) or larger"
     longest = 0
     for r in range(num_rows):
         longest = max(longest, lengths[r])
-    parents = np.empty(num_rows * depth, dtype=np.int64)
-    batch_tokens = np.empty(num_rows * depth, dtype=np.int64)
-    owners = np.empty(num_rows * depth, dtype=np.int64)
-    columns = np.empty(num_rows * depth, dtype=np.int64)
-    out = np.empty(num_rows * depth, dtype=np.int64)
+    # the batch (parent, token, owner row, child) in 4 of the last 5 scratch ints per update, and each column's first
+    # update
+    parents = work[4 * size : 5 * size]
+    batch_tokens = work[5 * size : 6 * size]
+    owners = work[6 * size : 7 * size]
+    out = work[7 * size : 8 * size]
+    runs = np.empty(depth + 1, dtype=np.int64)
+    shared = np.empty(num_rows, dtype=np.bool_)
     for j in range(longest):
         n = 0
-        for r in range(num_rows):
-            if lengths[r] > j:
-                for m in range(depth):
-                    if frontier[r, m] >= 0:
-                        parents[n], batch_tokens[n], owners[n], columns[n] = frontier[r, m], tokens[r, j], r, m
-                        n += 1
+        for m in range(depth):
+            runs[m] = n
+            for r in range(num_rows):
+                if lengths[r] > j and frontier[r, m] >= 0:
+                    parents[n], batch_tokens[n], owners[n] = frontier[r, m], tokens[r, j], r
+                    n += 1
+        runs[depth] = n
+        shared[:] = True
         nodes, branching, keys, values = count(
-            nodes, branching, keys, values, state, parents[:n], batch_tokens[:n], delta, out[:n]
+            nodes,
+            branching,
+            keys,
+            values,
+            state,
+            parents[:n],
+            batch_tokens[:n],
+            owners[:n],
+            shared,
+            runs,
+            delta,
+            out[:n],
+            seen,
+            work,
         )
         # the child of column m goes to column m + 1 (column 0, the root, stays); a depth-D node (the last column's
         # child) is counted, never extended
-        for e in range(n):
-            r, m = owners[e], columns[e]
-            if e == 0 or owners[e - 1] != r:
+        for r in range(num_rows):
+            if lengths[r] > j:
                 frontier[r, 1:] = -1
-            if m + 1 < depth:
-                frontier[r, m + 1] = out[e]
+        for m in range(depth - 1):
+            for e in range(runs[m], runs[m + 1]):
+                frontier[owners[e], m + 1] = out[e]
     return nodes, branching, keys, values
+
+
+@numba.njit(cache=True)
+def sync_rows(
+    nodes,
+    branching,
+    keys,
+    values,
+    state,
+    seen,
+    work,
+    frontiers,
+    num_inserted,
+    prompt_len,
+    responses,
+    rows,
+    token_ids,
+    num_tokens,
+    pending_frontiers,
+    pending_tokens,
+    pending_lengths,
+    status,
+    defer,
+):
+    """Take in the tokens each of `rows [N]` gained: `token_ids[rows[i], num_inserted[rows[i]]:num_tokens[i]]`
+    (`token_ids [*, T]`) go to the row's response (`responses [slots, P]`, after `prompt_len [slots]`) and, behind the
+    pending sequences, into the tries: the growing rows' prompt-trie then global-trie frontiers (`frontiers [2, slots,
+    D]`) with their new tokens are appended to the pending ones (`pending_frontiers [S, D]`, `pending_tokens [S, W]`,
+    `pending_lengths [S]`; `status[0]` of them are in use) and, unless `defer`, all are inserted together, the rows'
+    frontiers moved on and the pending ones dropped. Nothing is done, and `status[1]` is set, if a row holds fewer
+    tokens than it has inserted (it was rewound). Returns the store's arrays and the pending ones (grown as needed);
+    `seen` and `work` must be `scratch(S' * D)` or larger for the S' pending sequences there will be."""
+    depth = frontiers.shape[2]
+    status[1] = 0
+    num_growing, longest = 0, 0
+    for i in range(len(rows)):
+        gained = num_tokens[i] - num_inserted[rows[i]]
+        if gained < 0:
+            status[1] = 1
+            return nodes, branching, keys, values, pending_frontiers, pending_tokens, pending_lengths
+        if gained > 0:
+            num_growing += 1
+            longest = max(longest, gained)
+    first = status[0]
+    total = first + 2 * num_growing
+    if total > len(pending_frontiers) or longest > pending_tokens.shape[1]:
+        capacity = max(total, 2 * len(pending_frontiers))
+        grown_frontiers = np.empty((capacity, depth), dtype=pending_frontiers.dtype)
+        grown_frontiers[:first] = pending_frontiers[:first]
+        grown_tokens = np.zeros((capacity, max(longest, pending_tokens.shape[1])), dtype=np.int64)
+        grown_tokens[:first, : pending_tokens.shape[1]] = pending_tokens[:first]
+        grown_lengths = np.zeros(capacity, dtype=np.int64)
+        grown_lengths[:first] = pending_lengths[:first]
+        pending_frontiers, pending_tokens, pending_lengths = grown_frontiers, grown_tokens, grown_lengths
+    growing = np.empty(num_growing, dtype=np.int64)
+    at = first
+    for i in range(len(rows)):
+        row = rows[i]
+        start = num_inserted[row]
+        gained = num_tokens[i] - start
+        if gained <= 0:
+            continue
+        growing[at - first] = row
+        for k in range(gained):
+            token = token_ids[row, start + k]
+            responses[row, start - prompt_len[row] + k] = token
+            pending_tokens[at, k] = token
+            pending_tokens[at + num_growing, k] = token
+        for m in range(depth):
+            pending_frontiers[at, m] = frontiers[0, row, m]
+            pending_frontiers[at + num_growing, m] = frontiers[1, row, m]
+        pending_lengths[at] = pending_lengths[at + num_growing] = gained
+        num_inserted[row] = num_tokens[i]
+        at += 1
+    status[0] = total
+    if defer or total == 0:
+        return nodes, branching, keys, values, pending_frontiers, pending_tokens, pending_lengths
+    nodes, branching, keys, values = insert(
+        nodes,
+        branching,
+        keys,
+        values,
+        state,
+        seen,
+        work,
+        pending_frontiers[:total],
+        pending_tokens[:total],
+        pending_lengths[:total],
+        1,
+    )
+    for g in range(num_growing):
+        for m in range(depth):
+            frontiers[0, growing[g], m] = pending_frontiers[first + g, m]
+            frontiers[1, growing[g], m] = pending_frontiers[first + num_growing + g, m]
+    status[0] = 0
+    return nodes, branching, keys, values, pending_frontiers, pending_tokens, pending_lengths
 
 
 @numba.njit(cache=True)
@@ -253,10 +450,14 @@ def add_sequences(nodes, branching, keys, values, state, roots, tokens, lengths,
     parents = np.full((num, width), -1, dtype=np.int64)
     for r in range(num):
         parents[r, : lengths[r]] = roots[r]
-    flat_parents = np.empty(num * width, dtype=np.int64)
-    flat_tokens = np.empty(num * width, dtype=np.int64)
-    positions = np.empty(num * width, dtype=np.int64)
-    out = np.empty(num * width, dtype=np.int64)
+    size = num * width
+    seen, work = scratch(size)
+    flat_parents = work[4 * size : 5 * size]
+    flat_tokens = work[5 * size : 6 * size]
+    positions = work[6 * size : 7 * size]
+    out = work[7 * size : 8 * size]
+    runs = np.zeros(2, dtype=np.int64)  # a batch is one run: its parents have the batch's depth
+    none, none_shared = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.bool_)  # any parent may be shared
     for _ in range(depth):
         n = 0
         for r in range(num):
@@ -266,8 +467,22 @@ def add_sequences(nodes, branching, keys, values, state, roots, tokens, lengths,
                     n += 1
         if n == 0:
             break
+        runs[1] = n
         nodes, branching, keys, values = count(
-            nodes, branching, keys, values, state, flat_parents[:n], flat_tokens[:n], delta, out[:n]
+            nodes,
+            branching,
+            keys,
+            values,
+            state,
+            flat_parents[:n],
+            flat_tokens[:n],
+            none,
+            none_shared,
+            runs,
+            delta,
+            out[:n],
+            seen,
+            work,
         )
         parents[:] = -1
         for e in range(n):
@@ -314,130 +529,3 @@ def walk(nodes, start, max_len, min_prob, width, num_open):
         lengths[i], scores[i], probs[i] = _walk(nodes, start[i], min(max_len[i], width), min_prob, num_open[i], row, 0)
         tokens[i, : lengths[i]] = row[: lengths[i]]
     return tokens, lengths, scores, probs
-
-
-@numba.njit(cache=True)
-def draft_chains(nodes, branching, keys, values, frontiers, asked, sources, max_spec_factor, min_prob, context):
-    """Each row's chain draft, as `SuffixProposer` documents it: the best-scoring first-round walk over every
-    (source trie, match length), then, where `context >= 0` and the draft stops short, the best second-round walk from
-    the context it ends in (the draft's last m tokens, or the whole draft plus up to `context` tokens of the row).
-
-    Args: `frontiers [tries, slots, D]` (rows first), `asked [rows]`, `sources [S]` (trie indices). Returns tokens
-    `[rows, K]` (-1 padded), counts `[rows]`, scores `[rows]` and the first round's last path probabilities `[rows]`.
-    """
-    num_rows, depth = len(asked), frontiers.shape[2]
-    width = 0
-    for r in range(num_rows):
-        width = max(width, asked[r])
-    drafts = np.full((num_rows, width), -1, dtype=np.int64)
-    counts = np.zeros(num_rows, dtype=np.int64)
-    scores = np.zeros(num_rows)
-    ends = np.ones(num_rows)
-    walked = np.empty(max(width, 1), dtype=np.int64)
-    node_counts = np.empty(depth, dtype=np.int64)
-    limits = np.empty(depth, dtype=np.int64)
-    for r in range(num_rows):
-        if asked[r] <= 0:
-            continue
-        best = -1.0
-        for s in sources:
-            for m in range(1, depth):
-                node = frontiers[s, r, m]
-                node_counts[m] = nodes[node, 0] if node >= 0 else 0
-                limits[m] = min(asked[r], np.int64(np.floor(m * max_spec_factor)), depth - m)
-            for m in range(1, depth):
-                # a node seen once is the row's own occurrence: nothing followed it yet
-                if node_counts[m] < 2 or limits[m] < 1:
-                    continue
-                # an m-gram as frequent as the (m+1)-gram that ends with it occurs only there: both walk alike up to
-                # the shorter limit, so only the one of larger limit walks (the longer on a tie)
-                if m + 1 < depth and node_counts[m] == node_counts[m + 1] and limits[m] <= limits[m + 1]:
-                    continue
-                if m > 1 and node_counts[m - 1] == node_counts[m] and limits[m] < limits[m - 1]:
-                    continue
-                length, score, prob = _walk(nodes, frontiers[s, r, m], limits[m], min_prob, 1, walked, 0)
-                if length > 0 and score >= best:  # ties: the later walk (the global trie, the longer match)
-                    best = score
-                    drafts[r, :length] = walked[:length]
-                    drafts[r, length:] = -1
-                    counts[r], scores[r], ends[r] = length, score, prob
-        if context >= 0 and 0 < counts[r] < asked[r]:
-            _continue(
-                nodes,
-                branching,
-                keys,
-                values,
-                frontiers,
-                r,
-                asked[r],
-                sources,
-                max_spec_factor,
-                min_prob,
-                context,
-                drafts,
-                counts,
-                scores,
-                ends,
-                walked,
-            )
-    return drafts, counts, scores, ends
-
-
-@numba.njit(cache=True)
-def _continue(
-    nodes,
-    branching,
-    keys,
-    values,
-    frontiers,
-    r,
-    asked,
-    sources,
-    max_spec_factor,
-    min_prob,
-    context,
-    drafts,
-    counts,
-    scores,
-    ends,
-    walked,
-):
-    """Row r's short draft goes on with the best walk from the context it ends in; in place."""
-    depth = frontiers.shape[2]
-    num_drafted = counts[r]
-    remaining = asked - num_drafted
-    best_more, best_match, best_length = -1.0, -1, 0
-    kept = np.empty(remaining, dtype=np.int64)
-    # walkers: the row's last c tokens then the whole draft (c = 0: from the root), then the draft's last m tokens;
-    # each from every source trie, in that order (ties: the later walker)
-    num_first = len(sources) * (context + 1)
-    for w in range(num_first + len(sources) * max(num_drafted - 1, 0)):
-        if w < num_first:
-            s, c = sources[w // (context + 1)], w % (context + 1)
-            skip, match = 0, num_drafted + c
-            if match >= depth:
-                continue
-            node = np.int64(frontiers[s, r, c])
-        else:
-            s, m = sources[(w - num_first) // (num_drafted - 1)], (w - num_first) % (num_drafted - 1) + 1
-            skip, match = num_drafted - m, m
-            if match >= depth:
-                continue
-            node = np.int64(frontiers[s, r, 0])
-        j = skip
-        while node >= 0 and j < num_drafted:
-            node = _child(nodes, branching, keys, values, node, drafts[r, j])
-            j += 1
-        if node < 0:
-            continue
-        # the row's own text ends in this context (no continuation yet) only where it is the row's own suffix node
-        num_open = 1 if node == frontiers[s, r, match] else 0
-        limit = min(remaining, np.int64(np.floor(match * max_spec_factor)), depth - match)
-        length, more, _ = _walk(nodes, node, limit, min_prob, num_open, walked, 0)
-        if length > 0 and (more > best_more or (more == best_more and match >= best_match)):
-            best_more, best_match, best_length = more, match, length
-            kept[:length] = walked[:length]
-    if best_length > 0:
-        drafts[r, num_drafted : num_drafted + best_length] = kept[:best_length]
-        counts[r] += best_length
-        scores[r] += ends[r] * best_more

@@ -1,6 +1,7 @@
-"""The suffix proposer's numpy reference: its node store and drafting as they were before the compiled kernels
-(`specdec/suffix_index.py`, `specdec/proposers/suffix_kernels.py`), kept as the specification those are held to draft
-for draft (`tests/specdec/test_suffix_kernels.py`) and as the "before" of `scripts/bench_suffix.py --kernels`.
+"""The suffix proposer's numpy reference: its node store, the taking in of the rows' tokens and drafting as they were
+before the compiled kernels (`specdec/suffix_index.py`, `specdec/proposers/suffix_kernels.py`,
+`specdec/proposers/suffix_draft_kernels.py`), kept as the specification those are held to draft for draft
+(`tests/specdec/test_suffix_kernels.py`) and as the "before" of `scripts/bench_suffix.py --kernels`.
 
 Same drafts, same trie counts and best children; nothing in the library runs it. `Lockstep` runs both side by side.
 """
@@ -345,6 +346,68 @@ class SuffixProposerRef(SuffixProposer):
     """`SuffixProposer` on the numpy reference: `SuffixIndexRef` and the drafting below, vectorised over rows."""
 
     index_class = SuffixIndexRef
+
+    # ---- keeping the tries in step with the rows: vectorised numpy, finished rows' tokens deferred in a list ------
+
+    def clear(self) -> None:
+        super().clear()
+        # finished rows' last tokens, inserted with the next step's (frontiers [2N, D], tokens [2N, L], lengths [2N])
+        self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def _sync(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, defer: bool = False) -> None:
+        """Insert the tokens each of `rows` gained since the last call (`token_ids[rows[i], :num_tokens[i]]`), with the
+        deferred ones. `defer` (finishing rows): keep the tokens for the next insertion instead."""
+        rewound = (num_tokens < self._num_inserted[rows]).nonzero()[0]
+        if rewound.size:  # a row rolled back (the warm-up's probes): start its response over
+            slots = rows[rewound]
+            roots = np.array([self.prompts[self._slot_prompt[s]].root for s in slots.tolist()])
+            self._frontiers[:, slots] = self._start_responses(roots)
+            self._num_inserted[slots] = self._prompt_len[slots]
+        start = self._num_inserted[rows]
+        lengths = num_tokens - start
+        grow = (lengths > 0).nonzero()[0]
+        if grow.size == 0:
+            if not defer:
+                self.flush()
+            return
+        rows, start, lengths = rows[grow], start[grow], lengths[grow]
+        offsets = np.arange(int(lengths.max()))
+        cols = np.minimum(start[:, None] + offsets, token_ids.shape[1] - 1)
+        new = token_ids[rows[:, None], cols]  # [G, max new]
+        valid = offsets[None, :] < lengths[:, None]
+        columns = (start - self._prompt_len[rows])[:, None] + offsets[None, :]
+        self._responses[np.repeat(rows, lengths), columns[valid]] = new[valid]
+        self._num_inserted[rows] = num_tokens[grow]
+        frontiers = self._frontiers[:, rows].reshape(2 * len(rows), -1)  # both tries
+        both = (frontiers, np.concatenate([new, new]), np.concatenate([lengths, lengths]))
+        if defer:
+            self._deferred.append(both)
+            return
+        self._frontiers[:, rows] = self._insert(*both).reshape(2, len(rows), -1)
+
+    def _insert(self, frontiers: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Insert `tokens [N, L]` (`lengths [N]`) after `frontiers [N, D]` together with the deferred rows' tokens
+        (one call per position for both); returns the N new frontiers."""
+        parts = [*self._deferred, (frontiers, tokens, lengths)]
+        self._deferred, self._deferred_responses = [], 0
+        if len(parts) > 1:
+            all_tokens = np.zeros((sum(len(t) for _, t, _ in parts), max(t.shape[1] for _, t, _ in parts)), np.int64)
+            first = 0
+            for _, part, _ in parts:  # each part's tokens in its rows' first columns (the rest is past the lengths)
+                all_tokens[first : first + len(part), : part.shape[1]] = part
+                first += len(part)
+            frontiers, tokens = np.concatenate([f for f, _, _ in parts]), all_tokens
+            lengths = np.concatenate([n for _, _, n in parts])
+        inserted = self.index.insert(frontiers, tokens, lengths)
+        return inserted[len(inserted) - len(parts[-1][0]) :]
+
+    def flush(self) -> None:
+        if self._deferred:
+            depth = self.max_tree_depth
+            self._insert(np.zeros((0, depth), np.int32), np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
+        self._deferred_responses = 0
+
+    # ---- drafting ------------------------------------------------------------------------------------------------
 
     def _candidates(self, asked: np.ndarray):
         """Every (row, trie, match length) walk worth trying: rows [C], tokens [C, K], lengths [C], scores [C] and the

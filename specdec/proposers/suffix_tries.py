@@ -82,8 +82,11 @@ class SuffixTries(Proposer):
         self._slot_prompt: list[bytes | None] = [None] * slots
         self._responses = np.zeros((slots, self._num_positions), dtype=np.int32)
         self._dead_tokens = 0  # tokens removed since the store was built: a rebuild frees their nodes
-        # finished rows' last tokens, inserted with the next step's (frontiers [2N, D], tokens [2N, L], lengths [2N])
-        self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # sequences waiting for the next insertion, finished rows' last tokens (prompt-trie then global-trie frontiers
+        # [S, D], tokens [S, L], lengths [S]); [number of them in use, a row was rewound], kept by the kernel
+        self._pending = (np.zeros((0, depth), np.int32), np.zeros((0, 1), np.int64), np.zeros(0, np.int64))
+        self._pending_status = np.zeros(2, dtype=np.int64)
+        self._all_rows = np.arange(slots, dtype=np.int64)
         self._deferred_responses = 0  # the newest cached responses (none added after) whose last tokens are deferred
 
     def stats(self) -> dict:
@@ -187,16 +190,18 @@ class SuffixTries(Proposer):
         for array in (self._num_inserted, self._prompt_len, self._in_flight):
             array[dst] = array[src]
         self._responses[dst, :num_positions] = self._responses[src, :num_positions]
-        for s, d in zip(src.tolist(), dst.tolist()):
+        src_rows, dst_rows = src.tolist(), dst.tolist()  # a few rows a step: Python sets beat numpy's set routines
+        for s, d in zip(src_rows, dst_rows):
             self._slot_prompt[d] = self._slot_prompt[s]
-        moved_away = np.setdiff1d(src, dst)  # the rows live at dst now
-        self._in_flight[moved_away] = False
+        moved_away = set(src_rows).difference(dst_rows)  # the rows live at dst now
+        if moved_away:
+            self._in_flight[list(moved_away)] = False
 
     def finish(self, rows: list[int], token_ids: Tensor, num_tokens: list[int]) -> None:
         """Rows finished: keep their responses as history. Their last tokens go into the tries with the next step's
         (one insertion per step instead of two; before anything drafts, counts or evicts)."""
         rows_np = np.asarray(rows, dtype=np.int64)
-        self._sync(rows_np, token_ids[rows].numpy(), np.asarray(num_tokens, dtype=np.int64), defer=True)
+        self._sync(rows_np, token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64), defer=True)
         finished = []
         for row in rows:
             key = self._slot_prompt[row]
@@ -210,8 +215,7 @@ class SuffixTries(Proposer):
         self._evict()
 
     def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
-        rows = np.arange(len(num_tokens))
-        self._sync(rows, token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64))
+        self._sync(self._all_rows[: len(num_tokens)], token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64))
 
     # ---- keeping the tries in step with the rows -------------------------------------------------------------------
 
@@ -222,58 +226,29 @@ class SuffixTries(Proposer):
         return self.index.extend(self.index.start(starts), separators).reshape(2, len(roots), -1)
 
     def _sync(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, defer: bool = False) -> None:
-        """Insert the tokens each row gained since the last call (`token_ids [len(rows), T]`), with the deferred
-        ones. `defer` (finishing rows): keep the tokens for the next insertion instead."""
-        rewound = (num_tokens < self._num_inserted[rows]).nonzero()[0]
-        if rewound.size:  # a row rolled back (the warm-up's probes): start its response over
-            slots = rows[rewound]
+        """Insert the tokens each of `rows` gained since the last call (`token_ids[rows[i], :num_tokens[i]]`), with the
+        deferred ones, in one compiled call. `defer` (finishing rows): keep them for the next insertion instead."""
+        index = self.index
+        for _ in range(2):
+            size = (int(self._pending_status[0]) + 2 * len(rows)) * self.max_tree_depth
+            args = (self._frontiers, self._num_inserted, self._prompt_len, self._responses, rows, token_ids, num_tokens)
+            self._pending = index.run(
+                index.kernels.sync_rows, *index.scratch(size), *args, *self._pending, self._pending_status, defer
+            )
+            if not self._pending_status[1]:
+                return
+            # a row rolled back (the warm-up's probes): start its response over, then take in its tokens
+            slots = rows[num_tokens < self._num_inserted[rows]]
             roots = np.array([self.prompts[self._slot_prompt[s]].root for s in slots.tolist()])
             self._frontiers[:, slots] = self._start_responses(roots)
             self._num_inserted[slots] = self._prompt_len[slots]
-        start = self._num_inserted[rows]
-        lengths = num_tokens - start
-        grow = (lengths > 0).nonzero()[0]
-        if grow.size == 0:
-            if not defer:
-                self.flush()
-            return
-        rows, start, lengths = rows[grow], start[grow], lengths[grow]
-        offsets = np.arange(int(lengths.max()))
-        cols = np.minimum(start[:, None] + offsets, token_ids.shape[1] - 1)
-        new = token_ids[grow[:, None], cols]  # [G, max new]
-        valid = offsets[None, :] < lengths[:, None]
-        columns = (start - self._prompt_len[rows])[:, None] + offsets[None, :]
-        self._responses[np.repeat(rows, lengths), columns[valid]] = new[valid]
-        self._num_inserted[rows] = num_tokens[grow]
-        frontiers = self._frontiers[:, rows].reshape(2 * len(rows), -1)  # both tries
-        both = (frontiers, np.concatenate([new, new]), np.concatenate([lengths, lengths]))
-        if defer:
-            self._deferred.append(both)
-            return
-        self._frontiers[:, rows] = self._insert(*both).reshape(2, len(rows), -1)
-
-    def _insert(self, frontiers: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Insert `tokens [N, L]` (`lengths [N]`) after `frontiers [N, D]` together with the deferred rows' tokens
-        (one call per position for both); returns the N new frontiers."""
-        parts = [*self._deferred, (frontiers, tokens, lengths)]
-        self._deferred, self._deferred_responses = [], 0
-        if len(parts) > 1:
-            all_tokens = np.zeros((sum(len(t) for _, t, _ in parts), max(t.shape[1] for _, t, _ in parts)), np.int64)
-            first = 0
-            for _, part, _ in parts:  # each part's tokens in its rows' first columns (the rest is past the lengths)
-                all_tokens[first : first + len(part), : part.shape[1]] = part
-                first += len(part)
-            frontiers, tokens = np.concatenate([f for f, _, _ in parts]), all_tokens
-            lengths = np.concatenate([n for _, _, n in parts])
-        inserted = self.index.insert(frontiers, tokens, lengths)
-        return inserted[len(inserted) - len(parts[-1][0]) :]
+        raise AssertionError("expected no rewound row after restarting them")
 
     def flush(self) -> None:
         """Insert the finished rows' last tokens now (`finish` defers them to the next step's insertion): the tries
         then hold exactly the cached responses and the rows in flight."""
-        if self._deferred:
-            depth = self.max_tree_depth
-            self._insert(np.zeros((0, depth), np.int32), np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
+        if self._pending_status[0]:
+            self._sync(self._all_rows[:0], np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
         self._deferred_responses = 0
 
     def _prompt_tries(self, prompts: list[np.ndarray]) -> list[_PromptTrie]:

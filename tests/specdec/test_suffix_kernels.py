@@ -11,6 +11,7 @@ from rollout.tasks import arithmetic_dataset
 from specdec.config import SpecConfig
 from specdec.proposers.suffix import SuffixProposer
 from specdec.proposers.suffix_ref import Lockstep, SuffixIndexRef, SuffixProposerRef
+from specdec.suffix_index import SuffixIndex
 
 
 def lockstep_generator(model, spec: SpecConfig, num_slots: int, max_seq_len: int) -> tuple[Generator, Lockstep]:
@@ -71,3 +72,38 @@ def test_compiled_drafts_equal_the_reference_step_by_step(task, num_candidates, 
         drafted.append(lockstep.num_drafted)
     assert lockstep.num_steps > 100 and drafted[0] > 1000 and drafted[1] - drafted[0] > 1000  # not vacuous
     assert lockstep.new.stats() == {**lockstep.ref.stats(), "bytes": lockstep.new.stats()["bytes"]}
+
+
+def trie_paths(index, root: int, depth: int, vocab: int) -> dict[tuple[int, ...], tuple[int, int]]:
+    """Every n-gram under `root` with a nonzero count: its count and the token of its best child (-1 if none)."""
+    paths, stack = {}, [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        best = int(index.best[node])
+        paths[path] = (int(index.count[node]) if path else 0, int(index.token[best]) if best >= 0 else -1)
+        if len(path) < depth:
+            children = index.child(np.full(vocab, node), np.arange(vocab))
+            stack += [(int(c), (*path, t)) for t, c in enumerate(children.tolist()) if c >= 0 and index.count[c] > 0]
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_store_counts_like_the_reference_when_sequences_share_nodes(seed):
+    """Many short sequences over 2-3 tokens in two tries, appended in ragged batches: most parents of a batch are named
+    by several sequences with different next tokens, where best children tie. Every n-gram's count and best child
+    equal the reference's after every batch."""
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        depth, vocab, num = int(rng.integers(2, 6)), int(rng.integers(2, 4)), int(rng.integers(1, 9))
+        new, ref = SuffixIndex(depth), SuffixIndexRef(depth)
+        roots = [(new.new_root(), ref.new_root()) for _ in range(2)]
+        owner = rng.integers(0, 2, num)
+        frontier_new = new.start(np.array([roots[o][0] for o in owner]))
+        frontier_ref = ref.start(np.array([roots[o][1] for o in owner]))
+        for _ in range(int(rng.integers(1, 10))):
+            width = int(rng.integers(1, 4))
+            tokens, lengths = rng.integers(0, vocab, (num, width)), rng.integers(0, width + 1, num)
+            frontier_new = new.insert(frontier_new, tokens, lengths)
+            frontier_ref = ref.insert(frontier_ref, tokens, lengths)
+            for root_new, root_ref in roots:
+                assert trie_paths(new, root_new, depth, vocab) == trie_paths(ref, root_ref, depth, vocab)
