@@ -71,8 +71,25 @@ def test_the_padded_forward_generates_what_the_paged_forward_generates(spec):
         expected = teacher_forced_logprobs(model, prompts[out.prompt_index], out.token_ids, params)
         torch.testing.assert_close(torch.tensor(out.logprobs, dtype=torch.float64), expected, atol=1e-9, rtol=0)
     assert gen.runner.cache.manager.num_used == 0  # padding rows held no blocks
+    assert all(g.head_in_graph for g in gen.graph_runners), "expected the LM head in the graph (a plain linear head)"
     if spec is not None:
         assert any(r.num_drafted for r in gen.last_trace), "expected drafted steps"
+
+
+def test_an_lm_head_the_graph_cannot_compute_as_eager_runs_after_it():
+    """A head with a bias (or under another autocast dtype, `tests/test_policy_state.py`) runs eagerly over the
+    hidden states, and the padded forward still generates what the plain one does."""
+    model = make_model("llama")
+    head = model.get_output_embeddings()
+    noise = torch.Generator().manual_seed(0)
+    head.bias = torch.nn.Parameter(torch.randn(head.out_features, dtype=head.weight.dtype, generator=noise))
+    prompts = random_prompts(5, max_len=10, seed=6)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7)
+    plain = padded_generator(model, False, max_batch_size=4, max_seq_len=48).generate(prompts, params)
+    gen = padded_generator(model, True, max_batch_size=4, max_seq_len=48)
+    assert gen.runner.graphs.logits is None
+    assert [o.token_ids for o in gen.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert not gen.runner.graphs.head_in_graph
 
 
 def test_padding_rows_write_no_kv():

@@ -10,9 +10,10 @@ most) changes every step with the batch, so a graph is captured per width and pe
 - a row narrower than the width (fewer drafts) is padded the same way inside the row: its extra columns are
   neither stored nor attended, and their logits are never read;
 - the graph reads persistent device buffers (token ids, positions, slot mapping, block tables, lengths) that each
-  step fills with a few asynchronous copies from pinned memory, and writes the final hidden states into one
-  persistent buffer; the LM head then runs eagerly over the real rows only, so no graph keeps a `[rows, width,
-  vocab]` output of its own.
+  step fills with a few asynchronous copies from pinned memory; it ends with the LM head (a plain bias-free linear
+  layer in the hidden states' dtype) writing every position's logits into one persistent `[cells, vocab]` buffer,
+  which a step reads before the next replay (stream order); no graph keeps an output of its own. An LM head of
+  another kind runs eagerly after the replay, over the real rows, from a persistent buffer of hidden states.
 
 Graphs are captured largest first into one memory pool shared by all of them, in eval mode and inference mode, and
 under the autocast the policy's forward computes in (a trainer's bf16 over float32 weights), so that a replayed step
@@ -92,6 +93,12 @@ class GraphRunner:
             self._staging = [torch.zeros(sum(self._sizes), dtype=torch.long, pin_memory=pinned) for _ in range(2)]
             hidden_size = model.config.get_text_config().hidden_size
             self.hidden = torch.zeros(cells, hidden_size, dtype=next(model.parameters()).dtype, device=self.device)
+            head = self.lm_head
+            plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
+            self.logits = torch.zeros(cells, head.out_features, dtype=head.weight.dtype, device=self.device) if (
+                plain_head
+            ) else None  # fmt: skip
+        self.head_in_graph = False  # the last forward ran the LM head into `self.logits`
         self._copied: list[torch.cuda.Event | None] = [None, None]  # the last copy out of each staging buffer
         self._turn = 0  # the staging buffer the next step fills
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -104,7 +111,9 @@ class GraphRunner:
         with eval_mode(model, self._modules):  # the state the graphs are captured from (eval mode, as steps run)
             self.key = self._key(epoch=0)
         self.recaptures: list[str] = []  # what changed, each time `refresh` dropped the graphs
-        self.memory_bytes = 0
+        # the persistent buffers, then what the captures hold
+        buffers = (self.ids, self.meta, self.hidden, self.logits)
+        self.memory_bytes = sum(t.numel() * t.element_size() for t in buffers if t is not None)
         self.capture_seconds = 0.0
         self.error: str | None = None  # a failed capture: the reason, and the graphs are off
         config = model.config.get_text_config()
@@ -171,6 +180,8 @@ class GraphRunner:
             self._body(padded, width)
         else:
             graph.replay()
+        if self.head_in_graph:  # read before the next replay writes it (stream order)
+            return self.logits[: num_rows * width].view(num_rows, width, -1)
         with self._autocast():
             return self.lm_head(self.hidden[: num_rows * width]).view(num_rows, width, -1)
 
@@ -208,14 +219,22 @@ class GraphRunner:
             self._copied[turn].record()
 
     def _body(self, rows: int, width: int) -> None:
-        """The forward over the buffers' `rows` x `width` views, final hidden states into `self.hidden`."""
+        """The forward over the buffers' `rows` x `width` views: every position's logits into `self.logits` (the LM
+        head in the graph), or the final hidden states into `self.hidden`."""
         positions, slot_mapping, tables, lens, starts, counts = self._views(rows, width)
         step = PagedStep(self.cache, slot_mapping, tables, lens, starts, counts)
         ids = self.ids[: rows * width].view(rows, width)
         with paged_attention_for(self.model), self._autocast():
             decoder = self.compiled if self.compiled is not None else self.decoder
             out = decoder(input_ids=ids, position_ids=positions, use_cache=False, rollout_step=step)
-        self.hidden[: rows * width].copy_(out.last_hidden_state.reshape(rows * width, -1))
+        hidden = out.last_hidden_state.reshape(rows * width, -1)
+        # in the graph only where it computes what the eager head would: in the weights' dtype, under no other autocast
+        same_dtype = self.logits is not None and hidden.dtype == self.logits.dtype
+        self.head_in_graph = same_dtype and self.key.autocast in (None, self.logits.dtype)
+        if self.head_in_graph:
+            torch.mm(hidden, self.lm_head.weight.t(), out=self.logits[: rows * width])
+        else:
+            self.hidden[: rows * width].copy_(hidden)
 
     def _graph(self, rows: int, width: int) -> torch.cuda.CUDAGraph | None:
         """The graph of this shape, captured now if it is missing; None where graphs are not captured."""
