@@ -48,9 +48,9 @@ class SuffixIndex:
         # rows past `num_nodes` are unset (a node's fields are all written when it is made)
         self.nodes = np.empty((capacity, 4), dtype=np.int32)
         self.branching = np.zeros(capacity, dtype=bool)  # the node has more children, in the hash table
-        # (parent << 21 | token) of every later child, at load <= 1/4 (grown to 1/8), 2^17 slots (1.5 MiB) at first
-        self._keys = np.full(1 << (table_capacity - 1).bit_length(), -1, dtype=np.int64)
-        self._values = np.zeros(len(self._keys), dtype=np.int32)
+        # [parent, token, child] of every later child (parent -1: empty), hashed by (parent << 21 | token), at load
+        # <= 1/4 (grown to 1/8), 2^17 slots (1.5 MiB) at first
+        self._table = np.full((1 << (table_capacity - 1).bit_length(), 3), -1, dtype=np.int32)
         self._state = np.zeros(3, dtype=np.int64)  # [num_nodes, num_keys, runs counted], kept by the kernels
         self._seen, self._work = self.kernels.scratch(1)  # the counting's scratch, grown to the largest batch
 
@@ -76,7 +76,7 @@ class SuffixIndex:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.nodes, self.branching, self._keys, self._values))
+        return sum(a.nbytes for a in (self.nodes, self.branching, self._table))
 
     def new_root(self) -> int:
         """A new empty trie; returns its root node."""
@@ -114,9 +114,7 @@ class SuffixIndex:
 
     def child(self, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """The child of each of `parents [N]` (valid nodes) by its token, -1 where there is none. Reads only."""
-        return self.kernels.children(
-            self.nodes, self.branching, self._keys, self._values, _int64(parents), _int64(tokens)
-        )
+        return self.kernels.children(self.nodes, self.branching, self._table, _int64(parents), _int64(tokens))
 
     def walk(self, start: np.ndarray, max_len: np.ndarray, min_prob: float, width: int, num_open=0):
         """Follow the most frequent child from each `start [N]` node for up to `max_len [N]` tokens, while the
@@ -142,8 +140,8 @@ class SuffixIndex:
     def run(self, kernel, *args) -> tuple:
         """Call a kernel of `specdec/proposers/suffix_kernels.py` that may grow the store: it takes the store's arrays
         and state first and returns the arrays first, then its other results (returned)."""
-        stored = (self.nodes, self.branching, self._keys, self._values)
-        self.nodes, self.branching, self._keys, self._values, *results = kernel(*stored, self._state, *args)
+        stored = (self.nodes, self.branching, self._table)
+        self.nodes, self.branching, self._table, *results = kernel(*stored, self._state, *args)
         return tuple(results)
 
 

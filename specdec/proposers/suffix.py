@@ -116,8 +116,7 @@ class SuffixProposer(SuffixTries):
         return self._kernels.draft_chains(
             index.nodes,
             index.branching,
-            index._keys,
-            index._values,
+            index._table,
             self._frontiers,
             np.ascontiguousarray(asked, dtype=np.int64),
             np.array(self.sources, dtype=np.int64),

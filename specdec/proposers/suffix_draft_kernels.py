@@ -13,7 +13,7 @@ from specdec.proposers.suffix_kernels import _child, _walk
 
 
 @numba.njit(cache=True)
-def draft_chains(nodes, branching, keys, values, frontiers, asked, sources, max_spec_factor, min_prob, context):
+def draft_chains(nodes, branching, table, frontiers, asked, sources, max_spec_factor, min_prob, context):
     """Each row's chain draft, as `SuffixProposer` documents it: the best-scoring first-round walk over every
     (source trie, match length), then, where `context >= 0` and the draft stops short, the best second-round walk from
     the context it ends in (the draft's last m tokens, or the whole draft plus up to `context` tokens of the row).
@@ -61,8 +61,7 @@ def draft_chains(nodes, branching, keys, values, frontiers, asked, sources, max_
             _continue(
                 nodes,
                 branching,
-                keys,
-                values,
+                table,
                 frontiers,
                 r,
                 asked[r],
@@ -83,8 +82,7 @@ def draft_chains(nodes, branching, keys, values, frontiers, asked, sources, max_
 def _continue(
     nodes,
     branching,
-    keys,
-    values,
+    table,
     frontiers,
     r,
     asked,
@@ -122,7 +120,7 @@ def _continue(
             node = np.int64(frontiers[s, r, 0])
         j = skip
         while node >= 0 and j < num_drafted:
-            node = _child(nodes, branching, keys, values, node, drafts[r, j])
+            node = _child(nodes, branching, table, node, drafts[r, j])
             j += 1
         if node < 0:
             continue

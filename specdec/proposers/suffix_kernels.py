@@ -5,9 +5,9 @@ import this module with their first object, so a run that drafts otherwise never
 compiled once and cached on disk (`cache=True`); drafting is `specdec/proposers/suffix_draft_kernels.py`.
 
 The store's arrays: `nodes [capacity, 4]` int32 rows `[count, best, token, first child]`, `branching [capacity]` (the
-node has children in the hash table), `keys [slots]` int64 (`parent << 21 | token`, -1 empty) and `values [slots]`
-int32 (the child), `state [3]` int64 `[num_nodes, num_keys, runs counted]`. Functions that may add nodes or keys
-return the four arrays, reallocated when they grew.
+node has children in the hash table), `table [slots, 3]` int32 rows `[parent, token, child]` (parent -1: empty; a
+lookup reads one row, not a key and then a value) and `state [3]` int64 `[num_nodes, num_keys, runs counted]`.
+Functions that may add nodes or keys return the three arrays, reallocated when they grew.
 
 A batch of (parent, token) updates counts the way a vectorised update of the whole batch would: a parent's first
 child and the "fresh" shortcut are decided on the records as they were before the batch, and a parent's best child
@@ -64,34 +64,47 @@ def _bits(size):
     return bits
 
 
+@numba.njit(cache=True, inline="always")
+def _log2(size):
+    """log2 of a power of two, in 6 steps."""
+    bits = 0
+    for step in (32, 16, 8, 4, 2, 1):
+        if size >= np.int64(1) << step:
+            size >>= step
+            bits += step
+    return bits
+
+
 @numba.njit(cache=True)
-def _lookup(keys, key):
-    """The value slot of `key`, or -1."""
-    mask = len(keys) - 1
-    slot = _slot(key, _bits(len(keys)))
-    while keys[slot] != _EMPTY:
-        if keys[slot] == key:
+def _lookup(table, parent, token):
+    """The row of `table` holding the child of `parent` by `token`, or -1."""
+    mask = len(table) - 1
+    slot = _slot((np.int64(parent) << _TOKEN_BITS) | token, _log2(len(table)))
+    while table[slot, 0] != _EMPTY:
+        if table[slot, 0] == parent and table[slot, 1] == token:
             return slot
         slot = (slot + 1) & mask
     return -1
 
 
 @numba.njit(cache=True)
-def rehash(keys, values, size):
+def _store(table, parent, token, child):
+    """Put a (parent, token) that is not in `table` there, with its child."""
+    mask = len(table) - 1
+    slot = _slot((np.int64(parent) << _TOKEN_BITS) | token, _log2(len(table)))
+    while table[slot, 0] != _EMPTY:
+        slot = (slot + 1) & mask
+    table[slot, 0], table[slot, 1], table[slot, 2] = parent, token, child
+
+
+@numba.njit(cache=True)
+def rehash(table, size):
     """The table's entries in a new one of the next power of two >= `size` slots."""
-    capacity = 1 << _bits(size)
-    new_keys = np.full(capacity, _EMPTY, dtype=np.int64)
-    new_values = np.zeros(capacity, dtype=np.int32)
-    bits, mask = _bits(capacity), capacity - 1
-    for s in range(len(keys)):
-        key = keys[s]
-        if key != _EMPTY:
-            slot = _slot(key, bits)
-            while new_keys[slot] != _EMPTY:
-                slot = (slot + 1) & mask
-            new_keys[slot] = key
-            new_values[slot] = values[s]
-    return new_keys, new_values
+    grown = np.full((1 << _bits(size), 3), _EMPTY, dtype=np.int32)
+    for s in range(len(table)):
+        if table[s, 0] != _EMPTY:
+            _store(grown, table[s, 0], table[s, 1], table[s, 2])
+    return grown
 
 
 @numba.njit(cache=True)
@@ -109,7 +122,7 @@ def reserve(nodes, branching, needed):
 
 
 @numba.njit(cache=True, inline="always")
-def _child(nodes, branching, keys, values, parent, token):
+def _child(nodes, branching, table, parent, token):
     """The child of `parent` by `token`, -1 if none. Reads only."""
     first = nodes[parent, 3]
     if first >= 0 and nodes[first, 2] == token:
@@ -118,18 +131,18 @@ def _child(nodes, branching, keys, values, parent, token):
         best = nodes[parent, 1]  # the child a sequence most often takes, before hashing
         if best >= 0 and nodes[best, 2] == token:
             return np.int64(best)
-        slot = _lookup(keys, (np.int64(parent) << _TOKEN_BITS) | token)
+        slot = _lookup(table, parent, token)
         if slot >= 0:
-            return np.int64(values[slot])
+            return np.int64(table[slot, 2])
     return np.int64(-1)
 
 
 @numba.njit(cache=True)
-def children(nodes, branching, keys, values, parents, tokens):
+def children(nodes, branching, table, parents, tokens):
     """`_child` of each of `parents [N]` (valid nodes) by `tokens [N]`."""
     found = np.empty(len(parents), dtype=np.int64)
     for i in range(len(parents)):
-        found[i] = _child(nodes, branching, keys, values, parents[i], tokens[i])
+        found[i] = _child(nodes, branching, table, parents[i], tokens[i])
     return found
 
 
@@ -144,7 +157,7 @@ def scratch(num_updates):
 
 
 @numba.njit(cache=True)
-def count(nodes, branching, keys, values, state, parents, tokens, owners, shared, runs, delta, out, seen, work):
+def count(nodes, branching, table, state, parents, tokens, owners, shared, runs, delta, out, seen, work):
     """Count one batch: the child of each of `parents [N]` by `tokens [N]` (created when `delta > 0`; else it must
     exist) gets `delta` added to its count; its id goes to `out [N]`. `runs [R + 1]`: offsets of runs of updates
     whose parents have one depth (each parent is named in one run only). `owners [N]`, `shared [S]`: with runs of
@@ -169,7 +182,6 @@ def count(nodes, branching, keys, values, state, parents, tokens, owners, shared
     slot_of = work[3 * n : 4 * n]
     filtered = len(owners) > 0
     num_repeated = 0
-    bits = _bits(len(keys))
     run, run_start, run_end = 0, 0, 0
     seen_bits, seen_mask, stamp = 0, 0, 0
     for i in range(n):
@@ -226,7 +238,7 @@ def count(nodes, branching, keys, values, state, parents, tokens, owners, shared
                 next_same[seen[at + 2]] = i
                 seen[at + 2] = i
                 chained = at
-        c = _child(nodes, branching, keys, values, p, token)
+        c = _child(nodes, branching, table, p, token)
         if c < 0:
             assert delta > 0, "expected every node of a removed sequence to exist"
             c = state[0]
@@ -235,16 +247,9 @@ def count(nodes, branching, keys, values, state, parents, tokens, owners, shared
             if nodes[p, 3] < 0:
                 nodes[p, 3] = c
             else:  # a later child: into the hash table, kept at load <= 1/4
-                if 4 * (state[1] + 1) > len(keys):
-                    keys, values = rehash(keys, values, 8 * (state[1] + 1))
-                    bits = _bits(len(keys))
-                key = (np.int64(p) << _TOKEN_BITS) | token
-                mask = len(keys) - 1
-                slot = _slot(key, bits)
-                while keys[slot] != _EMPTY:
-                    slot = (slot + 1) & mask
-                keys[slot] = key
-                values[slot] = c
+                if 4 * (state[1] + 1) > len(table):
+                    table = rehash(table, 8 * (state[1] + 1))
+                _store(table, p, token, c)
                 state[1] += 1
                 branching[p] = True
         out[i] = c
@@ -265,7 +270,7 @@ def count(nodes, branching, keys, values, state, parents, tokens, owners, shared
         for k in range(num_repeated):
             first = repeated[k]
             nodes[parents[first], 1] = _raise_best(nodes, first, old_best[first], out, next_same)
-    return nodes, branching, keys, values
+    return nodes, branching, table
 
 
 @numba.njit(cache=True)
@@ -289,7 +294,7 @@ def _raise_best(nodes, first, old_best, out, next_same):
 
 
 @numba.njit(cache=True)
-def insert(nodes, branching, keys, values, state, seen, work, frontier, tokens, lengths, delta):
+def insert(nodes, branching, table, state, seen, work, frontier, tokens, lengths, delta):
     """Append `tokens[r, :lengths[r]]` (`[M, T]`) to the sequences with frontiers `[M, D]` (in place), one batch per
     position: every (row, column) of the rows still going on, column by column and in row order within a column (a
     parent's updates come in row order, which is all that the order of a batch decides). `seen`, `work`:
@@ -318,11 +323,10 @@ def insert(nodes, branching, keys, values, state, seen, work, frontier, tokens, 
                     n += 1
         runs[depth] = n
         shared[:] = True
-        nodes, branching, keys, values = count(
+        nodes, branching, table = count(
             nodes,
             branching,
-            keys,
-            values,
+            table,
             state,
             parents[:n],
             batch_tokens[:n],
@@ -342,15 +346,14 @@ def insert(nodes, branching, keys, values, state, seen, work, frontier, tokens, 
         for m in range(depth - 1):
             for e in range(runs[m], runs[m + 1]):
                 frontier[owners[e], m + 1] = out[e]
-    return nodes, branching, keys, values
+    return nodes, branching, table
 
 
 @numba.njit(cache=True)
 def sync_rows(
     nodes,
     branching,
-    keys,
-    values,
+    table,
     state,
     seen,
     work,
@@ -382,7 +385,7 @@ def sync_rows(
         gained = num_tokens[i] - num_inserted[rows[i]]
         if gained < 0:
             status[1] = 1
-            return nodes, branching, keys, values, pending_frontiers, pending_tokens, pending_lengths
+            return nodes, branching, table, pending_frontiers, pending_tokens, pending_lengths
         if gained > 0:
             num_growing += 1
             longest = max(longest, gained)
@@ -419,12 +422,11 @@ def sync_rows(
         at += 1
     status[0] = total
     if defer or total == 0:
-        return nodes, branching, keys, values, pending_frontiers, pending_tokens, pending_lengths
-    nodes, branching, keys, values = insert(
+        return nodes, branching, table, pending_frontiers, pending_tokens, pending_lengths
+    nodes, branching, table = insert(
         nodes,
         branching,
-        keys,
-        values,
+        table,
         state,
         seen,
         work,
@@ -438,11 +440,11 @@ def sync_rows(
             frontiers[0, growing[g], m] = pending_frontiers[first + g, m]
             frontiers[1, growing[g], m] = pending_frontiers[first + num_growing + g, m]
     status[0] = 0
-    return nodes, branching, keys, values, pending_frontiers, pending_tokens, pending_lengths
+    return nodes, branching, table, pending_frontiers, pending_tokens, pending_lengths
 
 
 @numba.njit(cache=True)
-def add_sequences(nodes, branching, keys, values, state, roots, tokens, lengths, depth, delta):
+def add_sequences(nodes, branching, table, state, roots, tokens, lengths, depth, delta):
     """Insert (+1) or remove (-1) whole sequences `tokens[r, :lengths[r]]` (`[N, T]`) under `roots [N]`, one batch
     per depth: the n-gram ending at position p is the child of the (n-1)-gram ending at p - 1; a batch holds every
     position of every sequence, in row order. Returns the store's arrays."""
@@ -468,11 +470,10 @@ def add_sequences(nodes, branching, keys, values, state, roots, tokens, lengths,
         if n == 0:
             break
         runs[1] = n
-        nodes, branching, keys, values = count(
+        nodes, branching, table = count(
             nodes,
             branching,
-            keys,
-            values,
+            table,
             state,
             flat_parents[:n],
             flat_tokens[:n],
@@ -489,7 +490,7 @@ def add_sequences(nodes, branching, keys, values, state, roots, tokens, lengths,
             r, c = positions[e] // width, positions[e] % width
             if c + 1 < lengths[r]:
                 parents[r, c + 1] = out[e]
-    return nodes, branching, keys, values
+    return nodes, branching, table
 
 
 @numba.njit(cache=True, inline="always")

@@ -38,11 +38,10 @@ def padded(sequences: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 def trie_counts(index: SuffixIndex, root: int) -> collections.Counter:
     """Every n-gram of the trie under `root` with a nonzero count, by walking first children and the hash table."""
-    keys = index._keys[index._keys >= 0]
-    values = index._values[index._keys >= 0]
+    table = index._table[index._table[:, 0] >= 0]  # [parent, token, child] of the later children
     children = collections.defaultdict(list)
-    for key, node in zip(keys.tolist(), values.tolist()):
-        children[key >> 21].append(node)
+    for parent, node in zip(table[:, 0].tolist(), table[:, 2].tolist()):
+        children[parent].append(node)
     for node, child in enumerate(index.first[: index.num_nodes].tolist()):
         if child >= 0:
             children[node].append(child)
@@ -106,7 +105,7 @@ def test_many_sequences_through_one_node_store_count_exactly():
     index = SuffixIndex(max_depth=7, capacity=64, table_capacity=64)
     root = index.new_root()
     index.insert(index.start(np.full(len(sequences), root)).astype(np.int32), tokens, lengths)
-    assert index.num_nodes > 4096 and len(index._keys) > 64
+    assert index.num_nodes > 4096 and len(index._table) > 64
     assert trie_counts(index, root) == ngram_counts(sequences, 7)
     by_depth = SuffixIndex(max_depth=7, capacity=64, table_capacity=64)  # a call's keys by the thousand
     root = by_depth.new_root()
