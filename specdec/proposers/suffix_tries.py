@@ -64,6 +64,9 @@ class SuffixTries(Proposer):
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self._num_slots, self._num_positions = num_slots, num_positions
+        from specdec.proposers import suffix_sync_kernels  # numba: imported with the first suffix proposer
+
+        self._sync_kernels = suffix_sync_kernels
         self.clear()
 
     # ---- history: what a user keeps, inspects, saves and loads ---------------------------------------------------
@@ -233,7 +236,7 @@ class SuffixTries(Proposer):
             size = (int(self._pending_status[0]) + 2 * len(rows)) * self.max_tree_depth
             args = (self._frontiers, self._num_inserted, self._prompt_len, self._responses, rows, token_ids, num_tokens)
             self._pending = index.run(
-                index.kernels.sync_rows, *index.scratch(size), *args, *self._pending, self._pending_status, defer
+                self._sync_kernels.sync_rows, *index.scratch(size), *args, *self._pending, self._pending_status, defer
             )
             if not self._pending_status[1]:
                 return
