@@ -51,6 +51,28 @@ def _prefetch(typingctx, array, index):
     return numba.types.void(array, index), codegen
 
 
+@numba.njit(cache=True)
+def _prefetch_probe(array):
+    _prefetch(array, 0)
+
+
+def _prefetch_compiles() -> bool:
+    """Whether this numba's LLVM takes the prefetch hint as written (its name and pointer type moved across LLVM
+    versions); where it does not, the hint is left out, which changes nothing but speed (cached on disk)."""
+    try:
+        _prefetch_probe(np.zeros(1, dtype=np.int32))
+    except Exception:  # noqa: BLE001 - any failure to lower the hint: go without it
+        return False
+    return True
+
+
+if not _prefetch_compiles():
+
+    @numba.njit(inline="always")
+    def _prefetch(array, index):  # noqa: F811 - the hint left out
+        pass
+
+
 @numba.njit(cache=True, inline="always")
 def _slot(key, bits):
     return np.int64((np.uint64(key) * _HASH) >> np.uint64(64 - bits))
