@@ -51,6 +51,8 @@ _INV_LN2 = 1.4426950408889634
 _LN2_HIGH = 6.93147180369123816490e-01  # ln 2 in two parts (fdlibm's): k * _LN2_HIGH is exact for |k| < 2^20
 _LN2_LOW = 1.90821492927058770002e-10
 _SERIES = tuple(_f32(1.0 / math.factorial(i)) for i in range(7, -1, -1))  # e^r = sum r^i / i!, |r| <= ln 2 / 2
+# the kernel reads globals only as constexprs (Triton refuses a plain tuple there)
+_S0, _S1, _S2, _S3, _S4, _S5, _S6, _S7 = (tl.constexpr(c) for c in _SERIES)
 
 
 def fixed_point_bits(vocab_size: int) -> int:
@@ -78,14 +80,14 @@ def _weights(
     k_float = k.to(tl.float64)
     r = z + k_float * tl.full((), 6.93147180369123816490e-01, tl.float64)  # _LN2_HIGH
     r = (r + k_float * tl.full((), 1.90821492927058770002e-10, tl.float64)).to(tl.float32)  # _LN2_LOW
-    series = tl.full((), _SERIES[0], tl.float32)
-    series = series * r + tl.full((), _SERIES[1], tl.float32)
-    series = series * r + tl.full((), _SERIES[2], tl.float32)
-    series = series * r + tl.full((), _SERIES[3], tl.float32)
-    series = series * r + tl.full((), _SERIES[4], tl.float32)
-    series = series * r + tl.full((), _SERIES[5], tl.float32)
-    series = series * r + tl.full((), _SERIES[6], tl.float32)
-    series = series * r + tl.full((), _SERIES[7], tl.float32)
+    series = tl.full((), _S0, tl.float32)
+    series = series * r + tl.full((), _S1, tl.float32)
+    series = series * r + tl.full((), _S2, tl.float32)
+    series = series * r + tl.full((), _S3, tl.float32)
+    series = series * r + tl.full((), _S4, tl.float32)
+    series = series * r + tl.full((), _S5, tl.float32)
+    series = series * r + tl.full((), _S6, tl.float32)
+    series = series * r + tl.full((), _S7, tl.float32)
     power = ((scale_exponent - k + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2^(S - k), exact
     q = (series.to(tl.float64) * power + 0.5).to(tl.int64).to(tl.float64)
     return tl.where(live, q, 0.0)
@@ -235,9 +237,10 @@ def _keep_threshold_kernel(
                     row_ptr, vocab_size, key_min, key_max + 1, target, row_max, temperature, scale_exponent, True,
                     KEY64, BLOCK_SIZE, NUM_PIVOTS,
                 )  # fmt: skip
-                cut_weight = _weights(_value(cut, KEY64), row_max, temperature, scale_exponent).to(tl.int64)
+                # an integer of its own: Triton keeps a variable's type across an if
+                cut_units = _weights(_value(cut, KEY64), row_max, temperature, scale_exponent).to(tl.int64)
                 missing = target.to(tl.int64) - mass_above.to(tl.int64)  # > 0, taken from tokens equal to the cut
-                num_cut = count_above + (missing + cut_weight - 1) // cut_weight
+                num_cut = count_above + (missing + cut_units - 1) // cut_units
             num_cut = tl.minimum(num_cut, num_kept)
         # the n-th token: the (n - count above)-th of the tokens whose key is the cut, by id
         rank = num_cut - count_above

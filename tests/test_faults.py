@@ -32,6 +32,7 @@ SETTINGS = [
     "logging.progress=false",
 ]
 TRIALS = int(os.environ.get("FAULT_TRIALS", "1"))
+NUM_SAMPLES = 10 * 2 * 2  # prompts x samples x rollouts, as SETTINGS say
 
 
 def read_lines(path: pathlib.Path) -> list[dict]:
@@ -59,12 +60,15 @@ def interrupt(out: pathlib.Path, sig: int, rng: random.Random) -> tuple[int, str
     """Start a run, send `sig` at a random point after its first finished group, return (exit code, stderr)."""
     proc = start_run(out)
     rollouts = out / "rollouts.jsonl"
+    # a random point in the first half of the run, counted in samples written (a delay in seconds landed after the
+    # end whenever the run got faster): the groups still to come take steps, so the signal lands mid-run
+    wanted = rng.randint(1, NUM_SAMPLES // 2)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if rollouts.is_file() and rollouts.stat().st_size > 0:
+        if rollouts.is_file() and rollouts.read_bytes().count(b"\n") >= wanted:
             break
-        time.sleep(0.02)
-    time.sleep(rng.uniform(0.0, 0.6))
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 0.05))
     if proc.poll() is None:
         proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
