@@ -277,7 +277,8 @@ def keep_threshold(
 
     Returns:
         `([num_rows] float64 keep_min, [num_rows] int64 keep_last)`: token t is kept iff `x_t > keep_min` or
-        (`x_t == keep_min` and `t <= keep_last`); `(-inf, vocab_size)` for a row that keeps everything.
+        (`x_t == keep_min` and `t <= keep_last`); `(-inf, vocab_size)` for a row that keeps everything. A row
+        holding NaN logits has no defined kept set (the kernel and the reference may disagree on it).
     """
     num_rows, vocab_size = _check_inputs(logits, logit_rows, temperatures, top_k, top_p)
     check_kernel_device(_keep_threshold_kernel, logits.device, "keep_threshold")

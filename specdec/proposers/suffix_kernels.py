@@ -30,6 +30,7 @@ _TOKEN_BITS = 21  # as in specdec/suffix_index.py
 _HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
 _BEST_ROUNDS = 8  # rounds of raising a parent's best child within one batch
 _AHEAD = 16  # updates between asking for a parent's record and using it
+_MAX_NODES = 2**31 - 1  # node ids are int32
 
 
 @intrinsic
@@ -135,7 +136,12 @@ def reserve(nodes, branching, needed):
     a node's four fields are all written when it is made (so growing touches only the pages it copies)."""
     if needed <= len(nodes):
         return nodes, branching
-    capacity = max(needed, 2 * len(nodes))
+    if needed > _MAX_NODES:  # node ids are int32: past this they would wrap, silently
+        raise ValueError(
+            "the suffix history holds 2^31 - 1 nodes, its most: lower suffix_decoding_max_cached_requests or "
+            "suffix_decoding_max_tree_depth, or clear the history"
+        )
+    capacity = min(max(needed, 2 * len(nodes)), _MAX_NODES)
     new_nodes = np.empty((capacity, 4), dtype=np.int32)
     new_nodes[: len(nodes)] = nodes
     new_branching = np.zeros(capacity, dtype=np.bool_)

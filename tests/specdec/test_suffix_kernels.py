@@ -107,3 +107,53 @@ def test_compiled_store_counts_like_the_reference_when_sequences_share_nodes(see
             frontier_ref = ref.insert(frontier_ref, tokens, lengths)
             for root_new, root_ref in roots:
                 assert trie_paths(new, root_new, depth, vocab) == trie_paths(ref, root_ref, depth, vocab)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rows_rolled_back_between_steps_draft_like_the_reference(seed):
+    """A row whose token count falls between two proposals (a restored snapshot: the rewind path, which the auto
+    policy's warm-up does not reach today) and rows finishing among them: the compiled proposer drafts what the
+    reference drafts at every step (`Lockstep` compares them)."""
+    import torch
+
+    from specdec.processing import RowSampling
+    from specdec.proposers.base import ProposalBatch
+
+    rng = np.random.default_rng(seed)
+    slots, vocab, positions = 6, 5, 60
+    new = SuffixProposer(4, vocab, slots, positions, max_tree_depth=6)
+    both = Lockstep(new, SuffixProposerRef(4, vocab, slots, positions, max_tree_depth=6))
+    both.begin()
+    prompts = [list(rng.integers(0, vocab, rng.integers(1, 5))) for _ in range(2)]
+    both.prefill(0, prompts, torch.tensor([row % 2 for row in range(slots)]), [{} for _ in range(slots)])
+    tokens = np.zeros((slots, positions), dtype=np.int64)
+    num_tokens = np.array([len(prompts[row % 2]) for row in range(slots)])
+    for row in range(slots):
+        tokens[row, : num_tokens[row]] = prompts[row % 2]
+    live, saved, rewound = np.ones(slots, dtype=bool), None, 0
+    no_filter = (torch.ones(slots), torch.zeros(slots, dtype=torch.long), torch.ones(slots))
+    sampling = RowSampling(*no_filter, False, False, False)
+    for step in range(40):
+        if not live.any():
+            break
+        for row in np.nonzero(live & (num_tokens + 4 < positions))[0]:  # each live row gains 1-3 tokens
+            gained = int(rng.integers(1, 4))
+            tokens[row, num_tokens[row] : num_tokens[row] + gained] = rng.integers(0, vocab, gained)
+            num_tokens[row] += gained
+        if step == 3:
+            saved = num_tokens.copy()
+        if step in (6, 9, 14):  # some rows back to the step-3 snapshot
+            back = live & (rng.random(slots) < 0.6) & (saved < num_tokens)
+            rewound += int(back.sum())
+            num_tokens = np.where(back, saved, num_tokens)
+        asked = [4 if live[row] else 0 for row in range(slots)]
+        batch = ProposalBatch(
+            torch.as_tensor(tokens), num_tokens.tolist(), asked, sampling, torch.zeros(slots, 4, dtype=torch.float64)
+        )
+        both.propose(batch)
+        if step % 7 == 5:  # a row finishes
+            row = int(np.nonzero(live)[0][0])
+            live[row] = False
+            both.finish([row], torch.as_tensor(tokens), [int(num_tokens[row])])
+    assert rewound > 0, "no row was rolled back: the rewind path was not tested"
+    assert both.num_steps > 10 and both.num_drafted > 0
