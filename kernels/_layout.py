@@ -68,6 +68,20 @@ def check_tensor(
         raise ValueError(f"{name} is on {tensor.device}, expected {device} like {device_of}")
 
 
+def check_logits(logits: object) -> None:
+    """Raise ValueError/TypeError unless `logits` is a 2-D tensor of a logit dtype whose vocabulary (dim 1) is
+    contiguous; its rows may be strided (the verifier reads a view of the model's output)."""
+    if not isinstance(logits, Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 2:
+        raise ValueError(f"logits must have 2 dimension(s), got shape {tuple(logits.shape)}")
+    if logits.dtype not in LOGIT_DTYPES:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in LOGIT_DTYPES)
+        raise ValueError(f"logits has dtype {logits.dtype}, expected one of: {allowed}")
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
+        raise ValueError(f"logits (shape {tuple(logits.shape)}) must have a contiguous vocabulary: stride(1) == 1")
+
+
 def check_python_int(value: object, name: str) -> None:
     """A host int >= 0 (sizes outputs without a device sync)."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from rollout_kernels._layout import LOGIT_DTYPES, check_kernel_device, check_tensor
+from rollout_kernels._layout import check_kernel_device, check_logits, check_tensor
 
 _NUM_PIVOTS = 16  # keys tried per pass of the kernel's search (a power of two: the step is a shift)
 _BLOCK_SIZE = 512  # vocabulary entries per block of the kernel's loops (x 16 pivots per search step)
@@ -419,15 +419,7 @@ def _check_inputs(
     logits: Tensor, logit_rows: Tensor, temperatures: Tensor, top_k: Tensor, top_p: Tensor
 ) -> tuple[int, int]:
     """Host-side checks (no device sync); return (num_rows, vocab_size)."""
-    if not isinstance(logits, Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must have 2 dimension(s), got shape {tuple(logits.shape)}")
-    if logits.dtype not in LOGIT_DTYPES:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in LOGIT_DTYPES)
-        raise ValueError(f"logits has dtype {logits.dtype}, expected one of: {allowed}")
-    if logits.shape[1] > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits (shape {tuple(logits.shape)}) must have a contiguous vocabulary: stride(1) == 1")
+    check_logits(logits)
     if logits.shape[1] == 0 or logits.shape[1] >= 2**52:
         raise ValueError(f"logits has vocab_size {logits.shape[1]}, expected 1 to 2^52 - 1")
     num_rows = logit_rows.shape[0] if isinstance(logit_rows, Tensor) else 0

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from rollout_kernels._layout import LOGIT_DTYPES, block_size_for, check_kernel_device, check_tensor
+from rollout_kernels._layout import block_size_for, check_kernel_device, check_logits, check_tensor
 from rollout_kernels.race_sample import (
     _ARGMAX_BLOCK,
     _GOLDEN,
@@ -390,15 +390,7 @@ def _check_inputs(
     keep_last: Tensor | None,
 ) -> tuple[int, int]:
     """Host-side checks (no device sync); return (num_races, vocab_size)."""
-    if not isinstance(logits, Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must have 2 dimension(s), got shape {tuple(logits.shape)}")
-    if logits.dtype not in LOGIT_DTYPES:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in LOGIT_DTYPES)
-        raise ValueError(f"logits has dtype {logits.dtype}, expected one of: {allowed}")
-    if logits.shape[1] > 1 and logits.stride(1) != 1:
-        raise ValueError(f"logits (shape {tuple(logits.shape)}) must have a contiguous vocabulary: stride(1) == 1")
+    check_logits(logits)
     num_races = logit_rows.shape[0] if isinstance(logit_rows, Tensor) else 0
     if (keep_min is None) != (keep_last is None):
         raise ValueError("keep_min and keep_last come together: give both or neither")
