@@ -53,7 +53,12 @@ def reference(tmp_path_factory) -> dict:
 
 def start_run(out: pathlib.Path, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "rollout.cli", "run", RECIPE, *SETTINGS, f"output_dir={out}", *extra]
-    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal's Ctrl-C delivers it: a shell starts background jobs with SIGINT ignored, and a Python
+    # started so never raises KeyboardInterrupt (a run under `nohup ... &` ignores it, as it should)
+    return subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
 
 
 def interrupt(out: pathlib.Path, sig: int, rng: random.Random) -> tuple[int, str]:
