@@ -359,3 +359,17 @@ def signals_ignored():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def signal_behind(err: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (Ctrl-C, or SIGTERM's Terminated) that `err` is or that its chain of causes holds.
+    A signal's handler runs between any two bytecodes, and where that is inside a callback of compiled code (numba's
+    `_numba_unpickle` inside the suffix proposer's kernels, for one), the extension reports the interrupt as a
+    SystemError caused by it: still a signal, not a failure of the run."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None

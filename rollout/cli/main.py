@@ -18,7 +18,7 @@ import signal
 import sys
 
 from rollout.cli.library_log import capture_library_warnings, route_transformers
-from rollout.distributed import VANISHED, Ranks, RankStopped, signals_ignored, start_ranks
+from rollout.distributed import VANISHED, Ranks, RankStopped, signal_behind, signals_ignored, start_ranks
 
 
 def _setup(args: argparse.Namespace):
@@ -243,18 +243,14 @@ def _main(args: argparse.Namespace) -> int:
     except RankStopped:
         return 1  # another rank failed and said so
     except (ValueError, TypeError, OSError) as err:  # OSError: missing files, unreachable hub ids
+        if signal_behind(err) is not None:  # a signal that compiled code reported as its own error
+            return _interrupted(args, signal_behind(err))
         return _fail(args, err, 2, with_type=False)
     except KeyboardInterrupt as err:
-        terminated = isinstance(err, Terminated)
-        if _stopped_by_another(args):
-            return 1
-        if args.ranks.is_main:  # a signal reaches every rank: one of them speaks
-            what = "terminated (SIGTERM)" if terminated else "interrupted"
-            kept = ": what finished is in the output folder; resume=true continues the run"
-            kept = kept if args.command == "run" else ""
-            print(f"rollout {args.command}: {what}{kept}", file=sys.stderr)
-        return 143 if terminated else 130
+        return _interrupted(args, err)
     except Exception as err:  # a rank's unexpected failure: one line naming the rank (one process: the traceback)
+        if signal_behind(err) is not None:  # a signal that compiled code reported as its own error
+            return _interrupted(args, signal_behind(err))
         if not args.ranks.distributed:
             raise
         if _stopped_by_another(args):  # e.g. gloo's "connection closed" when a peer died
@@ -266,6 +262,19 @@ def _main(args: argparse.Namespace) -> int:
         if succeeded:  # not after a failure: a peer may be gone, and the barrier would wait for it
             args.ranks.exit_process()
     return 0
+
+
+def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
+    """Ctrl-C (130) or SIGTERM (143): one line saying what stopped the run and that what finished was kept."""
+    terminated = isinstance(err, Terminated)
+    if _stopped_by_another(args):
+        return 1
+    if args.ranks.is_main:  # a signal reaches every rank: one of them speaks
+        what = "terminated (SIGTERM)" if terminated else "interrupted"
+        kept = ": what finished is in the output folder; resume=true continues the run"
+        kept = kept if args.command == "run" else ""
+        print(f"rollout {args.command}: {what}{kept}", file=sys.stderr)
+    return 143 if terminated else 130
 
 
 def _fail(args: argparse.Namespace, err: BaseException, status: int, with_type: bool) -> int:

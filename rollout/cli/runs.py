@@ -11,7 +11,7 @@ from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe, recipe_dict, spec_config
 from rollout.cli.sources import draft_model_spec, load_dataset, load_model
 from rollout.cli.tracking import RunTracker
-from rollout.distributed import Ranks
+from rollout.distributed import Ranks, signal_behind
 from rollout.engine.memory_plan import fitting_batch_size
 from rollout.engine.requests import length_cap_note
 from rollout.loop import Rollout
@@ -214,6 +214,7 @@ def make_tracker(recipe: Recipe) -> RunTracker:
 
 def stop_reason(err: BaseException) -> str:
     """What stopped a run, for its incomplete summary."""
-    if isinstance(err, KeyboardInterrupt):
-        return "terminated (SIGTERM)" if type(err).__name__ == "Terminated" else "interrupted (SIGINT)"
+    interrupt = signal_behind(err)
+    if interrupt is not None:
+        return "terminated (SIGTERM)" if type(interrupt).__name__ == "Terminated" else "interrupted (SIGINT)"
     return f"{type(err).__name__}: {' '.join(str(err).split())}"
