@@ -10,11 +10,13 @@ whole K = 8 step at once (such climb steps, and exploration steps, are marked `m
 predicted gain may be below 1). K is one number per batch: the forward is padded to the widest row, so a row given
 fewer drafts saves no compute (per-request caps still apply). K = 0 unless some K beats plain decoding, and a new K
 must beat the current one by `hysteresis` to replace it. Acceptance evidence fades every step, also at K = 0, so a
-K of 0 chosen on early evidence is tested again later. Every `explore_every` steps one step drafts one token more
-than the chosen K, and as often (halfway between) one token fewer: up, the acceptance of the position just beyond K
-stays measured (positions further out inherit its rate, and if that predicts a gain the policy moves up and measures
-them); both ways, the live correction of the step-time table measures the widths next to the chosen one at the
-run's own batch size and context. Why each of these exists, with the measurements: docs/design/dynamic-k.md.
+K of 0 chosen on early evidence is tested again later; a step in which no row had a draft (the proposer had nothing
+to offer) is no evidence either way. Every `explore_every` steps one step drafts one token more than the chosen K,
+and as often (halfway between) one token fewer: up, the acceptance of the position just beyond K stays measured
+(positions further out inherit its rate, and if that predicts a gain the policy moves up and measures them); both
+ways, the live correction of the step-time table measures the widths next to the chosen one at the run's own batch
+size and context. At K = 0 the step up is taken only where one draft accepted at the prior's rate would pay. Why each
+of these exists, with the measurements: docs/design/dynamic-k.md.
 """
 
 from __future__ import annotations
@@ -153,22 +155,36 @@ class AutoPolicy:
     ) -> Decision:
         """K for a step of `batch_size` rows after `context` cached tokens (the longest row's); `caps[i]` is row i's
         largest K, `routes[i]` its route (default: the first one)."""
-        ks = np.arange(self.num_speculative_tokens + 1)
-        caps = np.full(batch_size, self.num_speculative_tokens) if caps is None else np.maximum(np.asarray(caps), 0)
-        routes = [next(iter(self.stats))] * batch_size if routes is None else routes
+        max_k = self.num_speculative_tokens
+        ks = np.arange(max_k + 1)
+        names = {next(iter(self.stats))} if routes is None else set(routes)
+        if caps is None or (caps and len(names) == 1 and caps.count(caps[0]) == len(caps)):  # every row the same cap (usual)
+            cap = max_k if caps is None else min(max(caps[0], 0), max_k)
+            groups = {next(iter(names)): np.bincount([cap], weights=[batch_size], minlength=max_k + 1)}
+            usable = cap if batch_size else 0
+        else:
+            caps = np.clip(np.asarray(caps, dtype=np.int64), 0, max_k)
+            route_of_row = np.asarray(routes) if len(names) > 1 else None
+            groups = {
+                route: np.bincount(caps if route_of_row is None else caps[route_of_row == route], minlength=max_k + 1)
+                for route in names
+            }
+            usable = int(caps.max(initial=0))
         emitted = np.zeros(len(ks))
         passes = np.zeros(len(ks))
         share = 0.0  # the chance that the step runs the draft passes
-        for route in set(routes):
-            rows = np.asarray([r == route for r in routes])
+        for route, rows_per_cap in groups.items():
+            # sum over rows of E[emitted | min(K, cap)]: [K, cap] @ rows per cap
             table = self.stats[route].expected_emitted()
-            emitted += table[np.minimum(ks[:, None], caps[rows][None, :])].sum(axis=1)
-            if self.draft_passes[route] and (caps[rows] > 0).any():
-                passes = np.maximum(passes, np.minimum(ks, caps[rows].max()))
+            emitted += table[np.minimum(ks[:, None], ks[None, :])] @ rows_per_cap
+            largest = int(np.flatnonzero(rows_per_cap)[-1]) if rows_per_cap.any() else 0
+            if self.draft_passes[route] and largest > 0:
+                passes = np.maximum(passes, np.minimum(ks, largest))
                 share = max(share, self.pass_share[route])
-        usable = int(caps.max(initial=0))
+        if share == 0.0:  # no route runs draft passes (or an optional route has not run them for thousands of steps)
+            passes[:] = 0
         seconds = self.step_times.predict(batch_size, ks + 1, passes, context)
-        if share < 1.0:
+        if 0.0 < share < 1.0:
             seconds = share * seconds + (1.0 - share) * self.step_times.predict(
                 batch_size, ks + 1, np.zeros_like(passes), context
             )
@@ -181,18 +197,28 @@ class AutoPolicy:
         # early tokens of a completion accept differently from later ones), and a wide step is expensive where the
         # batch is large. A climb step may itself predict a loss (the first draft costs more than the next ones): it
         # is how the positions of a better K get measured.
-        climb_to = 1 + max(self.stats[route].measured_depth() for route in set(routes))
+        climb_to = 1 + max(self.stats[route].measured_depth() for route in names)
         measuring = best > climb_to
         best = min(best, climb_to)
         self.current = best
         self.num_steps += 1
-        if self.explore_every and best > 0:  # exploration, while drafting pays at all
-            phase = self.num_steps % self.explore_every
+        phase = self.num_steps % self.explore_every if self.explore_every else None
+        if best > 0:  # exploration, while drafting pays
             if phase == 0 and best < usable:  # the next position's acceptance, and a width more
                 best, measuring = best + 1, True
             elif phase == self.explore_every // 2:  # a width less
                 best, measuring = best - 1, True
+        elif phase == 0 and usable > 0 and self._one_draft_could_pay(batch_size, seconds, rate[0]):
+            # K = 0 on evidence that may be stale (acceptance is only measured while drafting): one draft a row, where
+            # it would pay at the prior's acceptance. A rollout's first drafting steps accept little (the suffix
+            # proposer has little to draft from yet), and their acceptance rises within 20 steps: without this, K
+            # stayed 0 until that evidence faded, 30 steps of a 64-row bulk
+            best, measuring = 1, True
         return Decision(best, float(rate[best] / rate[0]), measuring)
+
+    def _one_draft_could_pay(self, batch_size: int, seconds: np.ndarray, plain_rate: float) -> bool:
+        prior = min(stats.prior_rate for stats in self.stats.values())
+        return batch_size * (1.0 + prior) / max(seconds[1], 1e-9) > plain_rate
 
     def calibrate(self, timer: StepTimerProtocol, short_context: int = 32) -> None:
         """Fill the step-time table with timed steps: B over powers of four up to the slot count, K over 0, 1, K/2 and
@@ -241,10 +267,13 @@ class AutoPolicy:
             return
         for route, stats in self.stats.items():
             asked, accepted = observation.num_asked.get(route, ([], []))
-            if asked:
+            if asked and o.width > 1:
                 stats.update(asked, accepted)
+            else:  # asked for nothing; or asked, and no proposer had a draft for any row, so the step fed one
+                # token a row and cost what a plain step costs: no evidence either way (a suffix proposer's first step
+                # of a rollout, with nothing yet to draft from, once measured acceptance 0 and held K at 0 for 30 steps)
+                stats.age()
+            if asked:
                 if route in self.optional_passes:
                     ran = float(o.num_draft_passes > 0)
                     self.pass_share[route] = stats.decay * self.pass_share[route] + (1.0 - stats.decay) * ran
-            else:
-                stats.age()

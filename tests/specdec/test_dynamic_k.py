@@ -171,9 +171,9 @@ def test_the_warm_up_times_contexts_up_to_a_cap_not_the_length_cap():
     # a longer context is priced along the two longest timed, never below the longest's time
     from specdec.step_time import _Table
 
-    assert _Table._at_context({32: 1.0, 600: 2.0}, 1168) == pytest.approx(3.0)
-    assert _Table._at_context({32: 1.0, 600: 2.0}, 10) == 1.0  # held below the shortest
-    assert _Table._at_context({32: 2.0, 600: 1.5}, 1200) == 1.5  # a noisy pair does not predict faster steps
+    assert _Table._at_context(([32, 600], [1.0, 2.0]), 1168) == pytest.approx(3.0)
+    assert _Table._at_context(([32, 600], [1.0, 2.0]), 10) == 1.0  # held below the shortest
+    assert _Table._at_context(([32, 600], [2.0, 1.5]), 1200) == 1.5  # a noisy pair does not predict faster steps
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])

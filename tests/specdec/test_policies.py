@@ -311,3 +311,61 @@ def test_acceptance_estimate_follows_a_rate_that_drifts_within_the_rollout():
     assert estimate_after_drift(AcceptanceStats(1)) == pytest.approx(0.5, abs=0.04)
     # the old defaults (slow decay, a prior worth a whole step) lagged: they overestimated every draft's worth
     assert estimate_after_drift(AcceptanceStats(1, prior_weight=1.0, decay=0.95)) > 0.6
+
+
+def test_the_live_correction_follows_a_level_shift_and_costs_the_same_after_many_steps():
+    """The correction is decayed sums per batch-size bin: a prediction after 20,000 measured steps costs what one after
+    200 does (recomputing every kept step's weight cost 0.6 ms a step at 4,000 steps), and a lasting change of the
+    machine's speed is followed within a few half-lives."""
+    import time
+
+    model = profiled(overhead_then_compute)
+    truth = overhead_then_compute(64, 3, 2)
+    rng = np.random.default_rng(0)
+
+    def predict_seconds() -> float:  # the fastest of 5 timings of 200 predictions
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(200):
+                model.predict(64, np.arange(1, 6), np.arange(5))
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    for _ in range(200):
+        model.add(64, 3, 2, truth * rng.uniform(0.95, 1.05))
+    early = predict_seconds()
+    for _ in range(20_000):
+        model.add(64, 3, 2, truth * rng.uniform(0.95, 1.05))
+    assert predict_seconds() < 2 * early
+    assert model.predict(64, [3], [2])[0] == pytest.approx(truth, rel=0.03)
+    for _ in range(600):  # three half-lives of steps 1.5x slower
+        model.add(64, 3, 2, 1.5 * truth * rng.uniform(0.95, 1.05))
+    assert model.predict(64, [3], [2])[0] == pytest.approx(1.5 * truth, rel=0.06)
+    assert model.predict(64, [5], [4])[0] > 1.3 * overhead_then_compute(64, 5, 4)  # other widths follow the level
+
+
+def test_a_step_in_which_no_row_had_a_draft_is_no_evidence_against_drafting():
+    """Rows asked for drafts that no proposer had (a suffix proposer's first step of a rollout): the step fed one token
+    a row and cost a plain step's time, so it does not count as drafts rejected, as a step whose drafts were."""
+    rates = {}
+    for name, width in (("before", None), ("nothing drafted", 1), ("drafted, all rejected", 4)):
+        policy = policy_with(overhead_then_compute, acceptance=0.8)
+        if width is not None:
+            policy.observe(StepObservation(64, width, 0, 3e-3, {"draft_model": ([3] * 64, [0] * 64)}))
+        rates[name] = policy.stats["draft_model"].rates()[0]
+    # no evidence: the estimate only fades a little toward the prior; rejected drafts: it falls
+    assert rates["before"] <= rates["nothing drafted"] < rates["before"] + 0.02, rates
+    assert rates["drafted, all rejected"] < rates["before"] - 0.1, rates
+
+
+def test_k_zero_is_tried_again_every_explore_every_steps_where_one_draft_could_pay():
+    """At K = 0 acceptance is not measured, so evidence against drafting can go stale (a rollout's first drafts accept
+    little, later ones more): every `explore_every` steps one step drafts one token, where a draft accepted at the
+    prior's rate would pay; never where it could not (`test_exploration_...` checks that side)."""
+    policy = policy_with(overhead_then_compute, acceptance=0.0)
+    policy.explore_every = 5
+    decisions = [policy.choose(64) for _ in range(10)]
+    assert [d.num_draft_tokens for d in decisions] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]
+    assert all(d.measuring for d in decisions if d.num_draft_tokens)
+    assert policy.current == 0  # the trial step does not become the choice
