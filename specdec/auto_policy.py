@@ -158,7 +158,8 @@ class AutoPolicy:
         max_k = self.num_speculative_tokens
         ks = np.arange(max_k + 1)
         names = {next(iter(self.stats))} if routes is None else set(routes)
-        if caps is None or (caps and len(names) == 1 and caps.count(caps[0]) == len(caps)):  # every row the same cap (usual)
+        # every row the same cap (the usual case): no per-row arrays
+        if caps is None or (caps and len(names) == 1 and caps.count(caps[0]) == len(caps)):
             cap = max_k if caps is None else min(max(caps[0], 0), max_k)
             groups = {next(iter(names)): np.bincount([cap], weights=[batch_size], minlength=max_k + 1)}
             usable = cap if batch_size else 0

@@ -178,7 +178,7 @@ def verify_exact(
     decoding draws. Each draw is `race_logits` (its Triton kernel on a GPU, its reference elsewhere): it reads the
     nodes' rows of `target_logits` where they are, in the model's dtype, and returns the drawn tokens with their
     log-probabilities. On a GPU every node of every row is raced in one launch (`race_every_node`), and the walk only
-    compares tokens. Elsewhere a large step races only the nodes on the path, one batched draw per depth; a small one
+    compares tokens (chains: in a few whole-tensor ops, `_walk_chain`). Elsewhere a large step races only the nodes on the path, one batched draw per depth; a small one
     (`race_every_node`; None: on a GPU, or when all nodes x vocabulary fit in `_SMALL_STEP_ELEMENTS`) every node in
     one draw, where the per-depth calls would cost more than the extra nodes. Both draw the same tokens."""
     device = target_logits.device
@@ -217,6 +217,8 @@ def verify_exact(
         node_depths = upload(depths.expand(rows, width)[fed], device)
         every = torch.arange(len(node_token_ids), device=device)
         all_drawn, all_drawn_logprobs = draw(every, upload(node_rows, device), node_depths)
+    if race_every_node and layout.is_chain:  # every draw made: a chain's walk is a first mismatch, found at once
+        return _walk_chain(all_drawn, all_drawn_logprobs, fed_cells, tokens)
     out = torch.full((rows, max_depth + 1), -1, dtype=torch.long, device=device)
     logprobs = torch.zeros(rows, max_depth + 1, dtype=torch.float64, device=device)
     accepted = torch.full((rows, max_depth), -1, dtype=torch.long, device=device)
@@ -227,6 +229,29 @@ def verify_exact(
     all_drawn = (all_drawn, all_drawn_logprobs) if race_every_node else None
     walk(draw, all_drawn, starts, parents, tokens, out, logprobs, accepted, current, max_depth)
     num_accepted = (accepted >= 0).sum(dim=1)
+    return VerifyResult(out, num_accepted + 1, logprobs, accepted)
+
+
+def _walk_chain(drawn: Tensor, drawn_logprobs: Tensor, fed_cells: Tensor, tokens: Tensor) -> VerifyResult:
+    """The walk of chains whose every node was raced, as a few whole-tensor ops instead of a loop over depths: the
+    draft at depth d + 1 is accepted when it is the token raced at depth d and every draft before it was; a row emits
+    the tokens raced at depths 0..accepted. The same tokens and log-probs as the walks (the draws are the same), in a
+    number of launches that does not grow with K (a GPU's host time) and no shape that depends on the device's
+    values (a graph may hold it)."""
+    rows, width = tokens.shape
+    cells = torch.full((rows * width,), -1, dtype=torch.long, device=tokens.device)
+    cells[fed_cells] = drawn
+    out = cells.view(rows, width)
+    cell_logprobs = torch.zeros(rows * width, dtype=torch.float64, device=tokens.device)
+    cell_logprobs[fed_cells] = drawn_logprobs.to(torch.float64)
+    # a padded cell holds token -1 and never matches a draw (draws are >= 0): a row stops at its last node
+    match = tokens[:, 1:] == out[:, :-1]  # [rows, width - 1]
+    num_accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
+    depth = torch.arange(width, device=tokens.device)[None, :]
+    emitted = depth <= num_accepted[:, None]
+    out = torch.where(emitted, out, -1)
+    logprobs = torch.where(emitted, cell_logprobs.view(rows, width), 0.0)
+    accepted = torch.where(depth[:, 1:] <= num_accepted[:, None], depth[:, 1:], -1)
     return VerifyResult(out, num_accepted + 1, logprobs, accepted)
 
 

@@ -1,8 +1,8 @@
 """The host one step ahead (`Generator(async_scheduling=True)`, `rollout.engine.run_ahead`): a one-token decode step
 is launched from the previous step's samples before the host reads them. The completions are those of the engine
-in lockstep, token for token, log-probs to float64 rounding, finish reason for finish reason: on slots and paged caches, the
-padded graph forward, a pool short enough to preempt, rows finishing on stop ids and length caps while a step is in
-flight, requests added mid-flight. A decode step still reads the device once."""
+in lockstep, token for token, log-probs to float64 rounding, finish reason for finish reason: on slots and paged
+caches, the padded graph forward, a pool short enough to preempt, rows finishing on stop ids and length caps while a
+step is in flight, requests added mid-flight. A decode step still reads the device once."""
 
 from __future__ import annotations
 

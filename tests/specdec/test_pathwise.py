@@ -132,7 +132,8 @@ def test_racing_every_node_at_once_draws_what_racing_depth_by_depth_draws(tree, 
     """Exact verification races a small step's nodes in one draw and a large step's path depth by depth; both must
     emit the same tokens, log-probs and accepted nodes (greedy, plain and top-k/top-p rows in one step), whether the
     nodes' logits come back to back or are read in place from the model's padded output, walked as a GPU walks
-    (every row at every depth) or not, and with the Triton kernel drawing (under the interpreter) as on a GPU."""
+    (every row at every depth) or not (a chain whose every node was raced: by its first mismatch, `_walk_chain`), and
+    with the Triton kernel drawing (under the interpreter) as on a GPU."""
     generator = torch.Generator().manual_seed(0)
     num_drafted = [4, 0, 3, 4, 1, 4]
     rows, vocab = len(num_drafted), 37
