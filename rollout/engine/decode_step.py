@@ -42,9 +42,9 @@ class DecodeStep:
         observed = self.policy is not None and after is None  # a policy learns from the step
         routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]] if observed else []
         if after is None:
-            decision, asked = self._schedule(num_rows, context, routes)
+            decision, asked, policy_seconds = self._schedule(num_rows, context, routes)
         else:
-            decision, asked = Decision(0), torch.zeros(num_rows, dtype=torch.long)
+            decision, asked, policy_seconds = Decision(0), torch.zeros(num_rows, dtype=torch.long), 0.0
         uniforms = self._uniforms(rows, asked)
         sampling = self.slots.row_sampling(rows, self.device)  # shared by the proposers and the verifier
         race = self._race_keys(rows, ahead=after is not None)  # shared by the draft model and the verifier
@@ -69,7 +69,7 @@ class DecodeStep:
             self._ahead.unread += 1
         return LaunchedStep(
             start, num_rows, context, decision, asked, routes, served or [None] * num_rows, drafts is not None,
-            layout, propose_seconds, result, read, base_positions, advanced,
+            layout, propose_seconds, result, read, base_positions, advanced, policy_seconds=policy_seconds,
         )  # fmt: skip
 
     def _finish_decode(self, step: LaunchedStep) -> tuple[StepRecord, StepObservation | None]:
@@ -103,7 +103,9 @@ class DecodeStep:
             observation = self._observation(
                 asked_list, drafting, step.routes, step.served, accepted, layout, seconds, step.context
             )
+            observe_start = time.perf_counter()
             self.policy.observe(observation)
+            step.policy_seconds += time.perf_counter() - observe_start
         depths = layout.node_counts - 1 if layout.is_chain else torch.tensor(layout.row_depths)
         position = torch.arange(layout.max_depth)
         decision = step.decision
@@ -116,6 +118,7 @@ class DecodeStep:
             num_emitted,
             seconds,
             step.propose_seconds,
+            step.policy_seconds,
             drafted_per_position=(depths[:, None] > position).sum(0).tolist(),
             accepted_per_position=(accepted_per_row[:, None] > position).sum(0).tolist(),
             predicted_gain=decision.predicted_gain,
@@ -124,14 +127,16 @@ class DecodeStep:
         )
         return record, observation
 
-    def _schedule(self, num_rows: int, context: int, routes: list[str]) -> tuple[Decision, Tensor]:
-        """The step's K (the policy's, given each row's route) and `[rows]` the drafts asked of each row under its
-        caps."""
+    def _schedule(self, num_rows: int, context: int, routes: list[str]) -> tuple[Decision, Tensor, float]:
+        """The step's K (the policy's, given each row's route), `[rows]` the drafts asked of each row under its
+        caps, and the seconds the policy took to choose."""
         caps = self.slots.draft_caps(num_rows)
-        decision = Decision(0)
+        decision, seconds = Decision(0), 0.0
         if self.policy is not None:
+            start = time.perf_counter()
             decision = self.policy.choose(num_rows, caps.tolist(), routes, context)
-        return decision, caps.clamp(0, decision.num_draft_tokens)
+            seconds = time.perf_counter() - start
+        return decision, caps.clamp(0, decision.num_draft_tokens), seconds
 
     def _propose(
         self,

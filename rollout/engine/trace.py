@@ -18,6 +18,7 @@ class StepRecord:
     num_emitted: int  # tokens appended to completions (accepted + one recovered/bonus per row, after stops)
     seconds: float
     propose_seconds: float = 0.0  # decode: host time the proposers took (inside `seconds`)
+    policy_seconds: float = 0.0  # decode: host time the K policy took, choosing (inside `seconds`) and learning (after)
     drafted_per_position: list[int] = field(default_factory=list)  # rows that had a draft at position j
     accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft j was accepted
     predicted_gain: float | None = None  # auto policy: predicted tokens/s with this K over K = 0
