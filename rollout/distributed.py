@@ -362,14 +362,15 @@ def signals_ignored():
 
 
 def signal_behind(err: BaseException) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt (Ctrl-C, or SIGTERM's Terminated) that `err` is or that its chain of causes holds.
-    A signal's handler runs between any two bytecodes, and where that is inside a callback of compiled code (numba's
-    `_numba_unpickle` inside the suffix proposer's kernels, for one), the extension reports the interrupt as a
-    SystemError caused by it: still a signal, not a failure of the run."""
+    """The KeyboardInterrupt (Ctrl-C, or SIGTERM's Terminated) that `err` is or that caused it (`raise ... from`). A
+    signal's handler runs between any two bytecodes, and where that is inside a callback of compiled code (numba's
+    `_numba_unpickle` inside the suffix proposer's kernels, for one), the extension raises a SystemError from the
+    interrupt: still a signal, not a failure of the run. An error raised while a signal was being handled (its
+    `__context__` only) is that error."""
     seen = set()
     while err is not None and id(err) not in seen:
         if isinstance(err, KeyboardInterrupt):
             return err
         seen.add(id(err))
-        err = err.__cause__ or err.__context__
+        err = err.__cause__
     return None

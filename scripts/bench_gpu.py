@@ -403,6 +403,7 @@ def step_metrics(steps: list[dict], ctx) -> dict:
         "acceptance_rate": summary["total"]["acceptance_rate"],
         "roofline_share": floor / bulk_seconds if bulk_seconds else None,
         "proposer_share": sum(s["propose_seconds"] for s in decode) / decode_seconds if decode_seconds else None,
+        # the K policy's time over the decode steps' (its choosing is inside a step's seconds, its learning after)
         "policy_share": sum(s["policy_seconds"] for s in decode) / decode_seconds if decode_seconds else None,
         "num_steps": len(steps),
     }

@@ -33,14 +33,15 @@ class AcceptanceStats:
     """Per-position acceptance of one proposer: `rate[j]` = P(draft j+1 accepted | drafts 1..j accepted).
 
     Counts are of rows *asked* for a draft at that position, so a proposer that often has nothing to offer (an n-gram
-    lookup without a match) shows it as a lower rate. The unit of evidence is a step, not a row: a step's rate at a
-    position weighs 1 once `rows_per_step` rows reached it (less with fewer), and weights decay by `decay` per step so
-    the estimate follows the run (rows of one step are not independent draws: a rollout starts every completion at
-    once; and the rows left in flight change as the fast ones finish, so the rate drifts within a rollout). A step in
-    which the proposer drafted nothing fades the evidence by `idle_decay` instead. A position never reached yet inherits
-    the rate of the position before it (the first inherits `prior_rate`, optimistic on purpose: a policy that believes
-    drafts pay tries them and learns the real rate); the inherited rate also stands behind every measured one with
-    `prior_weight` steps' worth of evidence.
+    lookup without a match) shows it as a lower rate, in the steps where some row had a draft (a step in which none had
+    one fed one token a row, cost a plain step, and is not counted: `AutoPolicy.observe`). The unit of evidence is a
+    step, not a row: a step's rate at a position weighs 1 once `rows_per_step` rows reached it (less with fewer), and
+    weights decay by `decay` per step so the estimate follows the run (rows of one step are not independent draws: a
+    rollout starts every completion at once; and the rows left in flight change as the fast ones finish, so the rate
+    drifts within a rollout). A step in which the proposer drafted nothing fades the evidence by `idle_decay` instead. A
+    position never reached yet inherits the rate of the position before it (the first inherits `prior_rate`, optimistic
+    on purpose: a policy that believes drafts pay tries them and learns the real rate); the inherited rate also stands
+    behind every measured one with `prior_weight` steps' worth of evidence.
     """
 
     def __init__(
@@ -158,11 +159,12 @@ class AutoPolicy:
         max_k = self.num_speculative_tokens
         ks = np.arange(max_k + 1)
         names = {next(iter(self.stats))} if routes is None else set(routes)
-        # every row the same cap (the usual case): no per-row arrays
-        if caps is None or (caps and len(names) == 1 and caps.count(caps[0]) == len(caps)):
-            cap = max_k if caps is None else min(max(caps[0], 0), max_k)
+        caps = [max_k] * batch_size if caps is None else list(caps)
+        # one route, every row the same cap (the usual case): no per-row arrays
+        if caps and len(names) == 1 and caps.count(caps[0]) == len(caps):
+            cap = min(max(int(caps[0]), 0), max_k)
             groups = {next(iter(names)): np.bincount([cap], weights=[batch_size], minlength=max_k + 1)}
-            usable = cap if batch_size else 0
+            usable = cap
         else:
             caps = np.clip(np.asarray(caps, dtype=np.int64), 0, max_k)
             route_of_row = np.asarray(routes) if len(names) > 1 else None
@@ -209,17 +211,16 @@ class AutoPolicy:
                 best, measuring = best + 1, True
             elif phase == self.explore_every // 2:  # a width less
                 best, measuring = best - 1, True
-        elif phase == 0 and usable > 0 and self._one_draft_could_pay(batch_size, seconds, rate[0]):
-            # K = 0 on evidence that may be stale (acceptance is only measured while drafting): one draft a row, where
-            # it would pay at the prior's acceptance. A rollout's first drafting steps accept little (the suffix
-            # proposer has little to draft from yet), and their acceptance rises within 20 steps: without this, K
-            # stayed 0 until that evidence faded, 30 steps of a 64-row bulk
+        elif phase == 0 and usable > 0 and self._one_draft_could_pay(groups, seconds, rate[0]):
+            # K = 0 rests on acceptance measured while drafting, which may be stale (docs/design/dynamic-k.md)
             best, measuring = 1, True
         return Decision(best, float(rate[best] / rate[0]), measuring)
 
-    def _one_draft_could_pay(self, batch_size: int, seconds: np.ndarray, plain_rate: float) -> bool:
-        prior = min(stats.prior_rate for stats in self.stats.values())
-        return batch_size * (1.0 + prior) / max(seconds[1], 1e-9) > plain_rate
+    def _one_draft_could_pay(self, groups: dict[str, np.ndarray], seconds: np.ndarray, plain_rate: float) -> bool:
+        """Whether a step of one draft a row would beat a plain one if the drafts were accepted at the prior's rate
+        (`groups`: each route's rows per cap; rows capped at 0 draft nothing)."""
+        emitted = sum(rows.sum() + self.stats[route].prior_rate * rows[1:].sum() for route, rows in groups.items())
+        return emitted / max(seconds[1], 1e-9) > plain_rate
 
     def calibrate(self, timer: StepTimerProtocol, short_context: int = 32) -> None:
         """Fill the step-time table with timed steps: B over powers of four up to the slot count, K over 0, 1, K/2 and
@@ -271,8 +272,7 @@ class AutoPolicy:
             if asked and o.width > 1:
                 stats.update(asked, accepted)
             else:  # asked for nothing; or asked, and no proposer had a draft for any row, so the step fed one
-                # token a row and cost what a plain step costs: no evidence either way (a suffix proposer's first step
-                # of a rollout, with nothing yet to draft from, once measured acceptance 0 and held K at 0 for 30 steps)
+                # token a row and cost what a plain step costs: no evidence either way
                 stats.age()
             if asked:
                 if route in self.optional_passes:

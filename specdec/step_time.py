@@ -11,12 +11,11 @@ Repeated timings of one grid point keep the fastest.
 Steps measured during the run then correct the table: the prediction is `ratio(B, W) * table(B, W, L)`, where
 `ratio(B, W)` is the measured-over-tabled time of recent steps near B fed W tokens per row, shrunk toward the ratio of
 all recent steps near B where few were fed W. Other processes share the machine and the warm-up's random text is not
-the run's: the level follows the measured steps at once, and the price of a K as soon as steps at that K were
-measured. Without a warm-up, the recent measured steps are the table.
+the run's: the level follows the measured steps (half of a lasting change within about `half_life` steps), and the
+price of a K as soon as steps at that K were measured. Without a warm-up, the recent measured steps are the table.
 
 The correction is kept as decayed sums per (batch-size bin, width), a quarter octave per bin, so that a prediction
-costs the same after 100 steps as after 100,000: the policy runs between every two steps, and its time is the step's
-(recomputing the weights of every kept step cost 0.1 ms at 500 steps and 0.6 ms at 4,000).
+costs the same after 100 steps as after 100,000: the policy runs between every two steps, and its time is the step's.
 """
 
 from __future__ import annotations
@@ -54,11 +53,15 @@ class _Samples:
 class _Correction:
     """Measured and tabled seconds of the measured steps, summed with their weights per (batch-size bin, width): bins
     a quarter octave apart, every sum faded by `decay` per step. A step's weight is set when it is added: 1, divided by
-    1 + (log(r) / 0.35)^4 where r is its measured-over-tabled time over the ratio the sums already give near its batch
-    size (r = 1.4: half; r = 2: 1/20), so that one stall of the process does not reprice its width."""
+    1 + (log(r) / 0.35)^4 where r is its measured-over-tabled time over the recent level near its batch size (r = 1.4:
+    half; r = 2: 1/20), so that one stall of the process does not reprice its width. The recent level is the ratio of
+    the raw sums of the last ~16 steps (`REFERENCE_HALF_LIFE`), every step counted in full: a lasting change of speed
+    moves it within a few dozen steps, after which the new steps weigh in full; before any step near that batch size
+    it is 1, the warm-up's own timing, so that a first step that stalled is judged too."""
 
     BINS_PER_OCTAVE = 4
     NUM_BINS = 20 * BINS_PER_OCTAVE + 1  # batch sizes up to 2^20
+    REFERENCE_HALF_LIFE = 16.0  # steps
 
     def __init__(self, bandwidth: float, decay: float, shrinkage: float):
         self.bandwidth = bandwidth
@@ -66,8 +69,9 @@ class _Correction:
         self.shrinkage = shrinkage
         self.centres = np.arange(self.NUM_BINS) / self.BINS_PER_OCTAVE  # log2 of each bin's batch size
         self.sums = np.zeros((3, self.NUM_BINS, 0))  # weight, weight x measured, weight x tabled; per bin, width
+        self.recent = np.zeros((3, self.NUM_BINS))  # steps, measured, tabled: unweighted, fading fast, all widths
+        self.recent_decay = 0.5 ** (1.0 / self.REFERENCE_HALF_LIFE)
         self._kernels: dict[int, np.ndarray] = {}
-        self._level: tuple[int, float | None] | None = None  # (batch size, level) from the last `ratios`, until `add`
 
     def kernel(self, batch_size: int) -> np.ndarray:
         """Each bin's weight for a step of `batch_size` rows: a Gaussian in log2 of the batch size."""
@@ -81,33 +85,29 @@ class _Correction:
         if width >= self.sums.shape[2]:
             self.sums = np.concatenate([self.sums, np.zeros((3, self.NUM_BINS, width + 1 - self.sums.shape[2]))], 2)
         weight = 1.0
-        # the policy priced this step with `ratios` at its batch size, from these same sums: its level is at hand
-        level = self._level[1] if self._level is not None and self._level[0] == batch_size else self.level(batch_size)
-        self._level = None
-        if level is not None and tabled > 0:
-            ratio = seconds / max(tabled * level, 1e-12)
+        if tabled > 0:
+            ratio = seconds / (tabled * self.recent_level(batch_size))
             weight = 1.0 / (1.0 + (math.log(max(ratio, 1e-12)) / 0.35) ** 4)
-        self.sums *= self.decay
         row = min(max(round(math.log2(max(batch_size, 1)) * self.BINS_PER_OCTAVE), 0), self.NUM_BINS - 1)
+        self.sums *= self.decay
         self.sums[:, row, width] += (weight, weight * seconds, weight * tabled)
+        self.recent *= self.recent_decay
+        self.recent[:, row] += (1.0, seconds, tabled)
 
-    def level(self, batch_size: int) -> float | None:
-        """Measured over tabled time of the recent steps near `batch_size`, all widths; None before any."""
-        weight, measured, tabled = self.kernel(batch_size) @ self.sums.sum(axis=2).T
-        if weight < 1e-3 or tabled <= 0:
-            return None
-        return measured / tabled
+    def recent_level(self, batch_size: int) -> float:
+        """Measured over tabled time of the last ~16 steps near `batch_size`, all widths, every step in full; 1
+        before any (the warm-up's own timing)."""
+        steps, measured, tabled = self.recent @ self.kernel(batch_size)
+        return measured / tabled if steps >= 0.5 and tabled > 0 else 1.0
 
     def ratios(self, batch_size: int, widths: np.ndarray) -> np.ndarray:
-        """Per width: measured over tabled time near `batch_size`, shrunk toward `level` where few steps were fed
-        that width (1 before any step)."""
+        """Per width: measured over tabled time near `batch_size`, shrunk toward that of all widths where few steps
+        were fed that width (1 before any step)."""
         weight, measured, tabled = np.einsum("b,sbw->sw", self.kernel(batch_size), self.sums)
         total_weight, total_tabled = weight.sum(), tabled.sum()
         if total_weight < 1e-3 or total_tabled <= 0:
-            self._level = (batch_size, None)
             return np.ones(len(widths))
         overall = measured.sum() / total_tabled
-        self._level = (batch_size, overall)
         mean_tabled = total_tabled / total_weight
         widths = np.asarray(widths)
         seen = widths < len(weight)
@@ -200,11 +200,12 @@ class StepTimeTable:
         bandwidth: width of the batch-size kernel of the live correction, in log2 units (1.0: a batch twice as large
             weighs e^-0.5).
         half_life: measured steps after which a step weighs half as much.
-        capacity: measured steps kept as the table of a run without a warm-up (the latest of each grid point).
+        capacity: measured steps kept for a run without a warm-up, whose table is the latest 256 (the latest of each
+            grid point among them).
         shrinkage: pseudo-steps of the all-widths ratio behind each width's own ratio.
     """
 
-    def __init__(self, bandwidth: float = 0.75, half_life: float = 200.0, capacity: int = 256, shrinkage: float = 2.0):
+    def __init__(self, bandwidth: float = 0.75, half_life: float = 200.0, capacity: int = 512, shrinkage: float = 2.0):
         self.bandwidth = bandwidth
         self.decay = 0.5 ** (1.0 / half_life)
         self.shrinkage = shrinkage
@@ -256,7 +257,7 @@ class StepTimeTable:
         passes = np.broadcast_to(np.asarray(num_draft_passes), np.shape(widths))
         if not self.profile:  # no warm-up: the latest measured step of each (B, W, drafted, context) is the table
             times: dict[Key, dict[int, float]] = {}
-            for b, w, p, seconds, c in self.measured.view():
+            for b, w, p, seconds, c in self.measured.view()[-256:]:
                 times.setdefault((int(b), int(w), p > 0), {})[int(c)] = float(seconds)
             table = _Table(times)
             return np.array([table.seconds(batch_size, int(w), bool(p > 0), context) for w, p in zip(widths, passes)])

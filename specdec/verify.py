@@ -178,9 +178,10 @@ def verify_exact(
     decoding draws. Each draw is `race_logits` (its Triton kernel on a GPU, its reference elsewhere): it reads the
     nodes' rows of `target_logits` where they are, in the model's dtype, and returns the drawn tokens with their
     log-probabilities. On a GPU every node of every row is raced in one launch (`race_every_node`), and the walk only
-    compares tokens (chains: in a few whole-tensor ops, `_walk_chain`). Elsewhere a large step races only the nodes on the path, one batched draw per depth; a small one
-    (`race_every_node`; None: on a GPU, or when all nodes x vocabulary fit in `_SMALL_STEP_ELEMENTS`) every node in
-    one draw, where the per-depth calls would cost more than the extra nodes. Both draw the same tokens."""
+    compares tokens (chains: in a few whole-tensor ops, `_walk_chain`). Elsewhere a large step races only the nodes on
+    the path, one batched draw per depth; a small one (`race_every_node`; None: on a GPU, or when all nodes x vocabulary
+    fit in `_SMALL_STEP_ELEMENTS`) every node in one draw, where the per-depth calls would cost more than the extra
+    nodes. Both draw the same tokens."""
     device = target_logits.device
     num_nodes = layout.node_counts
     rows, width, max_depth = len(layout.num_nodes), layout.width, layout.max_depth
