@@ -212,7 +212,6 @@ class StepTimeTable:
         self.profile: dict[Key, dict[int, float]] = {}
         self.measured = _Samples(capacity)  # the table when there is no warm-up
         self.correction = _Correction(bandwidth, self.decay, shrinkage)
-        self.num_steps = 0
         self._table: _Table | None = None
         self._memo: dict[tuple[int, int, bool, int], float] = {}  # the table's answers, until the profile changes
 
@@ -236,7 +235,6 @@ class StepTimeTable:
             tabled = self._tabled(batch_size, [width], [num_draft_passes], context)[0]
             self.correction.add(int(batch_size), int(width), seconds, tabled)
         self.measured.add((batch_size, width, num_draft_passes, seconds, context))
-        self.num_steps += 1
 
     def profiled_seconds(self, batch_size: int, width: int, num_draft_passes: int, context: int) -> float | None:
         """The warm-up's own timing of this grid point, if it was timed."""
