@@ -14,9 +14,9 @@ summed in sorted order (the previous float32 sum drifts by a token in long prefi
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from bench_race import median_seconds  # this folder is on sys.path when a script runs
 
 from specdec.processing import RowSampling, keep_thresholds
 
@@ -54,20 +54,6 @@ def float64_kept_counts(logits: torch.Tensor, top_k: torch.Tensor, top_p: float)
     threshold = torch.tensor(top_p, dtype=torch.float32).double()  # top_p as the float32 settings hold it
     counts = (cumulative < threshold).sum(dim=1) + 1
     return torch.minimum(counts, torch.where(top_k > 0, top_k, logits.shape[1]))
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:

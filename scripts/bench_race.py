@@ -45,9 +45,13 @@ from specdec.verify import RaceKeys, verify_exact
 
 
 def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of `fn()` over `repeats` calls after one untimed call; on CUDA each call is timed from an
+    idle device to its work's end (also `bench_keep_threshold.py`'s timer)."""
     fn()
     times = []
     for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
         if torch.cuda.is_available():
