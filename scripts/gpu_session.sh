@@ -26,6 +26,13 @@
 # bench_gpu.json: at 64 x 8, `none` (the host one step ahead) beside `none_lockstep` with the GPU's idle share,
 # `standard` (the nano-vllm benchmark), `suffix`, and `none_compiled` (torch.compile; its compile seconds in the
 # graphs record) last.
+#
+#   COMMIT=<hash> bash scripts/gpu_session.sh spec "$OUT"    # there: issue 42's speculation rows, in one process
+#
+# `spec` writes test_gpu.log (graphs with speculation sample what the eager engine samples; one device read a step)
+# and bench.log / bench_gpu.json: at 64 x 8, first and second rollout, `none` with graphs beside `suffix` (auto K),
+# `draft`, `suffix+draft` and `suffix_k1`, each with its phases' tokens/s, `proposer_share` and `policy_share` (the K
+# policy's host time over the decode steps'); rows past the budget are skipped and say so.
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -36,7 +43,7 @@ wheels)
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $WHEELS
     ls .whl
     ;;
-run | policy | kernels | engine)
+run | policy | kernels | engine | spec)
     mode=$1 out=${2:?give the output folder}; shift 2
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -74,6 +81,20 @@ run | policy | kernels | engine)
         echo "bench: $(( $(date +%s) - start )) s"
         exit 0
     fi
+    if [ "$mode" = spec ]; then
+        commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        start=$(date +%s)
+        timeout 150 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider \
+            -k "graphs_sample_what_the_eager or reads_the_device_once" 2>&1 \
+            | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
+        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
+        timeout 420 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes 64x8 --budget-s 380 \
+            --row-cap-s 120 --rows none suffix draft suffix+draft suffix_k1 2>&1 | grep -v USDT > "$out/bench.log"
+        tail -16 "$out/bench.log"
+        echo "bench: $(( $(date +%s) - start )) s"
+        exit 0
+    fi
     if [ "$mode" = policy ]; then
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         start=$(date +%s)
@@ -104,7 +125,8 @@ run | policy | kernels | engine)
     echo "bench: $(( $(date +%s) - start )) s"
     ;;
 *)
-    echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT | kernels OUT | engine OUT" >&2
+    echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT | kernels OUT | engine OUT" \
+        "| spec OUT" >&2
     exit 2
     ;;
 esac
