@@ -32,7 +32,13 @@
 # `spec` writes test_gpu.log (graphs with speculation sample what the eager engine samples; one device read a step)
 # and bench.log / bench_gpu.json: at 64 x 8, first and second rollout, `none` with graphs beside `suffix` (auto K),
 # `draft`, `suffix+draft` and `suffix_k1`, each with its phases' tokens/s, `proposer_share` and `policy_share` (the K
-# policy's host time over the decode steps'); rows past the budget are skipped and say so.
+# policy's host time over the decode steps'); rows past the budget are skipped and say so.#
+#   COMMIT=<hash> bash scripts/gpu_session.sh open "$OUT"    # there: issues 41 and 42 together, for a 15-minute lease
+#
+# `open` writes test_gpu.log (every CUDA test of tests/test_gpu.py: graphs in eval mode, graphs with speculation
+# against the eager engine, one device read a step, the race kernels compiled against their references) and bench.log /
+# bench_gpu.json at $SIZES (64x8): `none` with graphs, `suffix` at auto K, `none_lockstep` with the GPU's idle share,
+# `suffix_k1` and `draft`, within a 300 s budget, 75 s a row.
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -43,7 +49,7 @@ wheels)
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $WHEELS
     ls .whl
     ;;
-run | policy | kernels | engine | spec)
+run | policy | kernels | engine | spec | open)
     mode=$1 out=${2:?give the output folder}; shift 2
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -78,6 +84,20 @@ run | policy | kernels | engine | spec)
         timeout 420 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes 64x8 --budget-s 380 \
             --rows standard none none_lockstep suffix none_compiled 2>&1 | grep -v USDT > "$out/bench.log"
         tail -16 "$out/bench.log"
+        echo "bench: $(( $(date +%s) - start )) s"
+        exit 0
+    fi
+    if [ "$mode" = open ]; then
+        commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+        python3 -c "import torch, triton, numba; print('torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__)"
+        start=$(date +%s)
+        timeout 130 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --durations=0 2>&1 \
+            | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed|skipped" | cut -c1-600 | tail -12
+        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
+        timeout 340 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes "${SIZES:-64x8}" --budget-s 300 \
+            --row-cap-s 75 --rows none suffix none_lockstep suffix_k1 draft 2>&1 | grep -v USDT > "$out/bench.log"
+        tail -18 "$out/bench.log"
         echo "bench: $(( $(date +%s) - start )) s"
         exit 0
     fi
@@ -126,7 +146,7 @@ run | policy | kernels | engine | spec)
     ;;
 *)
     echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT | kernels OUT | engine OUT" \
-        "| spec OUT" >&2
+        "| spec OUT | open OUT" >&2
     exit 2
     ;;
 esac
