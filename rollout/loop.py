@@ -59,8 +59,8 @@ class Rollout:
         kv_layout: the generator's KV layout: "auto" (paged on a GPU, slots on a CPU), "paged" or "slots" (see
             `Generator`).
         cuda_graphs: "auto" (on with the paged layout on a GPU), True or False: decode steps replay CUDA graphs.
-        async_scheduling: "auto" (on a GPU, without speculation), True or False: the host one step ahead of the
-            device (see `Generator`); the same samples either way.
+        async_scheduling: "auto" (on a GPU), True or False: the host one step ahead of the device where a step
+            drafts nothing (see `Generator`); the same samples either way.
         compile_forward: the CUDA graphs capture the decoder compiled by `torch.compile` (see `Generator`).
         threads: torch's CPU threads for this process (`torch.set_num_threads`), set before the generator is built;
             None leaves torch's setting. On a small CPU one thread is often the fastest: torch's default (one per

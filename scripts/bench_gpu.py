@@ -54,12 +54,12 @@ from rollout.tasks import format_prompt, generate_problems  # noqa: E402
 from specdec.config import SpecConfig  # noqa: E402
 
 ROWS = ("standard", "none", "none_lockstep", "none_eager", "hf_generate", "generate_batch")
-ROWS += ("suffix", "suffix_eager", "suffix+draft", "draft", "none_compiled")
+ROWS += ("suffix", "suffix_lockstep", "suffix_eager", "suffix+draft", "draft", "none_compiled")
 # the most wanted first: a run short of budget skips the last; *_eager: the same row without CUDA graphs; *_slots:
 # on the slot KV layout (the engine before the paged work); *_lockstep: without the host one step ahead
 # (async_scheduling=False); *_compiled: the graphs capture the decoder compiled by torch.compile (compile_forward)
 ROWS += ("ngram", "suffix_k4", "none_slots", "suffix_slots", "suffix_k2", "suffix_k1", "trl")
-QUICK_ROWS = ("standard", "none", "none_lockstep", "none_eager", "suffix", "suffix_eager")
+QUICK_ROWS = ("standard", "none", "none_lockstep", "none_eager", "suffix", "suffix_lockstep", "suffix_eager")
 QUICK_ROWS += ("generate_batch", "hf_generate", "draft", "none_compiled")  # compiling may take minutes: last
 DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
     "cuda": dict(model="tiny-target-1b", draft="tiny-draft-150m", dtype="bfloat16", sizes="64x8,256x8",

@@ -30,15 +30,16 @@
 #   COMMIT=<hash> bash scripts/gpu_session.sh spec "$OUT"    # there: issue 42's speculation rows, in one process
 #
 # `spec` writes test_gpu.log (graphs with speculation sample what the eager engine samples; one device read a step)
-# and bench.log / bench_gpu.json: at 64 x 8, first and second rollout, `none` with graphs beside `suffix` (auto K),
-# `draft`, `suffix+draft` and `suffix_k1`, each with its phases' tokens/s, `proposer_share` and `policy_share` (the K
+# and bench.log / bench_gpu.json: at 64 x 8, first and second rollout, `none` with graphs beside `suffix` (auto K;
+# `suffix_lockstep`: never ahead of the device), `draft`, `suffix+draft` and `suffix_k1`, each with its phases' tokens/s, `proposer_share` and `policy_share` (the K
 # policy's host time over the decode steps'); rows past the budget are skipped and say so.#
 #   COMMIT=<hash> bash scripts/gpu_session.sh open "$OUT"    # there: issues 41 and 42 together, for a 15-minute lease
 #
 # `open` writes test_gpu.log (every CUDA test of tests/test_gpu.py: graphs in eval mode, graphs with speculation
 # against the eager engine, one device read a step, the race kernels compiled against their references) and bench.log /
-# bench_gpu.json at $SIZES (64x8): `none` with graphs, `suffix` at auto K, `none_lockstep` with the GPU's idle share,
-# `suffix_k1` and `draft`, within a 300 s budget, 75 s a row.
+# bench_gpu.json at $SIZES (64x8): `none` with graphs, `suffix` at auto K (running ahead where it drafts nothing)
+# beside `suffix_lockstep`, `none_lockstep` with the GPU's idle share, `suffix_k1` and `draft`, within a 300 s
+# budget, 75 s a row.
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -96,7 +97,7 @@ run | policy | kernels | engine | spec | open)
             | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed|skipped" | cut -c1-600 | tail -12
         echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
         timeout 340 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes "${SIZES:-64x8}" --budget-s 300 \
-            --row-cap-s 75 --rows none suffix none_lockstep suffix_k1 draft 2>&1 | grep -v USDT > "$out/bench.log"
+            --row-cap-s 75 --rows none suffix suffix_lockstep none_lockstep suffix_k1 draft 2>&1 | grep -v USDT > "$out/bench.log"
         tail -18 "$out/bench.log"
         echo "bench: $(( $(date +%s) - start )) s"
         exit 0
@@ -110,7 +111,7 @@ run | policy | kernels | engine | spec | open)
             | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
         echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
         timeout 420 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes 64x8 --budget-s 380 \
-            --row-cap-s 120 --rows none suffix draft suffix+draft suffix_k1 2>&1 | grep -v USDT > "$out/bench.log"
+            --row-cap-s 120 --rows none suffix suffix_lockstep draft suffix+draft suffix_k1 2>&1 | grep -v USDT > "$out/bench.log"
         tail -16 "$out/bench.log"
         echo "bench: $(( $(date +%s) - start )) s"
         exit 0

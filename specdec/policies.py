@@ -125,6 +125,10 @@ class ForcedPolicy(StaticPolicy):
     """Every step at the K it is given (a calibration's timed steps, `rollout.engine.step_timer.forced_steps`): it
     learns nothing, and keeps the last step's observation for whoever forced the step."""
 
+    # each timed step is read before the next one is launched (the timer rolls the rows back between steps): a
+    # generator that runs ahead of the device (`rollout.engine.run_ahead`) does not, under this policy
+    lockstep = True
+
     def __init__(self, num_draft_tokens: int):
         super().__init__(num_draft_tokens)
         self.observation = None

@@ -64,7 +64,8 @@ def test_cpu_defaults_run_every_row_and_print_the_table_last(tmp_path):
         assert first["idle_share"] is None and first["syncs_per_step"] is None  # CUDA only
         assert 0 <= first["proposer_share"] < (0.01 if row_id == "none" else 1)  # none: no proposer to run
     assert {r["vs_none"] for r in by_id["none"]} == {1.0}
-    assert {r["async_scheduling"] for r in by_id["none_lockstep"]} == {False}  # the host in lockstep, beside `none`
+    for row_id in ("none_lockstep", "suffix_lockstep"):  # the host in lockstep, beside `none` and `suffix`
+        assert {r["async_scheduling"] for r in by_id[row_id]} == {False}
     assert by_id["hf_generate"][0]["vs_hf_generate"] == 1.0
     assert by_id["suffix_k4"][1]["mean_k"] == 4.0
 

@@ -18,15 +18,24 @@ from specdec.config import SpecConfig
 
 
 class Spy:
-    """Counts the steps launched behind another and the rows released while a step was in flight."""
+    """Counts the steps launched behind another and the rows released while a step was in flight; keeps, for each
+    step launched ahead, the most drafts its K policy's choice let a row ask for (its K, under the rows' caps), and
+    the width of every step launched."""
 
     def __init__(self, gen: Generator):
         self.ahead = self.moved = 0
+        self.ahead_asked: list[int] = []
+        self.widths: list[int] = []
         launch, moved = gen._launch_decode, LaunchedStep.rows_moved
 
-        def spy_launch(after=None):
+        def spy_launch(after=None, ahead=None):
             self.ahead += after is not None
-            return launch(after)
+            caps = gen.slots.draft_caps(gen.scheduler.num_active)
+            step = launch(after, ahead)
+            if after is not None:
+                self.ahead_asked.append(int(caps.clamp(max=step.decision.num_draft_tokens).max()))
+            self.widths.append(step.layout.width)
+            return step
 
         def spy_moved(step, num_active, leaving, movers, holes):
             self.moved += len(leaving)
@@ -170,9 +179,9 @@ def test_a_step_launched_ahead_still_reads_the_device_once():
     gen.add_requests(random_prompts(3, seed=2), SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=0))
     launch, launched = gen._launch_decode, []
 
-    def counting_launch(after=None):
+    def counting_launch(after=None, ahead=None):
         launched.append(after is not None)
-        return launch(after)
+        return launch(after, ahead)
 
     gen._launch_decode = counting_launch
     reads = 0
@@ -185,10 +194,52 @@ def test_a_step_launched_ahead_still_reads_the_device_once():
     assert reads == 1 + len(launched), f"{reads} reads for a prefill and {len(launched)} decode steps"
 
 
-def test_async_scheduling_refuses_speculation_and_bad_values():
+# K = 0 while 4 or more rows decode, K = 2 below: the bulk runs ahead, the tail drafts in lockstep
+TABLE = [[1, 3, 2], [4, 8, 0]]
+
+
+@pytest.mark.parametrize(
+    "method, table",
+    [("suffix", TABLE), ("ngram", TABLE), (["suffix", "draft_model"], TABLE), ("suffix", "auto")],
+    ids=["suffix-table", "ngram-table", "cascade-table", "suffix-auto"],
+)
+@pytest.mark.parametrize(
+    "kv_layout, graphs", [("slots", False), ("paged", False), ("paged", True)], ids=["slots", "paged", "padded-graph"]
+)
+def test_speculation_runs_ahead_where_its_policy_drafts_nothing(method, table, kv_layout, graphs):
     model = make_model("llama")
-    with pytest.raises(ValueError, match="async_scheduling"):
-        Generator(model, 4, 48, spec=SpecConfig(method="ngram", num_speculative_tokens=2), async_scheduling=True)
+    draft = make_model("llama", seed=1, num_hidden_layers=1)
+    prompts = random_prompts(5, min_len=3, max_len=12, seed=3)
+    use_frequent_token_as_eos(model, prompts, 24)  # rows stop at different steps, some while a step is in flight
+    params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=10 + 4 * i, seed=5) for i in range(len(prompts))]
+    plain = Generator(model, max_batch_size=8, max_seq_len=80).generate(prompts, params)
+    spec = SpecConfig(
+        method=method,
+        model=draft if "draft_model" in method else None,
+        num_speculative_tokens=2,
+        num_speculative_tokens_per_batch_size=table,
+    )
+    runs = generate_both(
+        model, prompts, params, graphs, max_batch_size=8, max_seq_len=80, kv_layout=kv_layout, spec=spec
+    )
+    assert_same(runs)
+    outs, gen, spy = runs[True]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]  # pathwise: speculation on or off
+    assert spy.ahead > 0, "no step was launched ahead: nothing was tested"
+    assert set(spy.ahead_asked) == {0}, "a step launched ahead where its policy drafted"
+    assert max(spy.widths) > 1, "no step drafted: the lockstep half was not tested"
+    assert runs[False][2].ahead == 0
+    # the proposers took in every token, those of the steps launched ahead too: a cached response is the completion
+    if method == "suffix":
+        responses = {tuple(r.tolist()) for _, r in gen.proposers.proposers["suffix"].history}
+        assert {tuple(o.token_ids) for o in outs} <= responses
+
+
+def test_async_scheduling_refuses_bad_values_and_is_off_on_a_cpu_by_default():
+    model = make_model("llama")
     with pytest.raises(ValueError, match="async_scheduling"):
         Generator(model, 4, 48, async_scheduling="yes")
     assert not Generator(model, 4, 48).config.async_scheduling  # "auto": on a GPU only
+    spec = SpecConfig(method="ngram", num_speculative_tokens=2)
+    assert not Generator(model, 4, 48, spec=spec).config.async_scheduling
+    assert Generator(model, 4, 48, spec=spec, async_scheduling=True).config.async_scheduling

@@ -107,7 +107,8 @@ class RolloutRecipe:
         kv_layout: the KV cache: auto = paged on a GPU, slots on a CPU; paged = blocks that follow the tokens in
             flight, read by the attention function registered with transformers; slots = a dense cache and 4D masks.
         cuda_graphs: auto = decode steps replay CUDA graphs with the paged layout on a GPU; true or false.
-        async_scheduling: auto = the host one step ahead of the device on a GPU, without speculation; true or false.
+        async_scheduling: auto = the host one step ahead of the device on a GPU, on the steps that draft nothing; true
+            or false.
         compile_forward: true = the CUDA graphs capture the decoder compiled by torch.compile (needs the graphs).
     """
 

@@ -26,25 +26,29 @@ from specdec.proposers.base import Drafts, ProposalBatch
 from specdec.tree import DraftLayout, layout_drafts
 from specdec.verify import RaceKeys, VerifyResult, verify
 
+Ahead = tuple[Decision, float, list[str]]  # a step launched ahead: its K policy's choice (K = 0), its seconds, routes
+
 
 class DecodeStep:
     """The decode step's stages (see the module docstring)."""
 
-    def _launch_decode(self, after: LaunchedStep | None = None) -> LaunchedStep:
+    def _launch_decode(self, after: LaunchedStep | None = None, ahead: Ahead | None = None) -> LaunchedStep:
         """Feed each row in flight its pending token plus its drafts (a tree rooted at the pending token; a chain is
         the one-child tree) and verify them all in the same forward, on the device; start the results' copy to the
         host. `after`: a step still in flight, whose sampled tokens (on the device) this one feeds, one token a row
-        (no drafts: the host has not seen the tokens they would follow)."""
+        (no drafts: the host has not seen the tokens they would follow), and `ahead` what let it run ahead
+        (`_decision_ahead`)."""
         start = time.perf_counter()
         num_rows = self.scheduler.num_active
         rows = slice(0, num_rows)
         context = int(self.slots.cache_len[:num_rows].max())  # rows attend over the longest row's cache (padded)
-        observed = self.policy is not None and after is None  # a policy learns from the step
-        routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]] if observed else []
         if after is None:
+            observed = self.policy is not None  # a policy learns from the step
+            routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]] if observed else []
             decision, asked, policy_seconds = self._schedule(num_rows, context, routes)
         else:
-            decision, asked, policy_seconds = Decision(0), torch.zeros(num_rows, dtype=torch.long), 0.0
+            decision, policy_seconds, routes = ahead
+            asked = torch.zeros(num_rows, dtype=torch.long)
         uniforms = self._uniforms(rows, asked)
         sampling = self.slots.row_sampling(rows, self.device)  # shared by the proposers and the verifier
         race = self._race_keys(rows, ahead=after is not None)  # shared by the draft model and the verifier
@@ -76,9 +80,9 @@ class DecodeStep:
         """Read a launched step's results (waiting for the device), commit them to the rows they belong to now, let
         the proposers and the K policy learn from them, and record the step."""
         layout = step.layout
-        # rows moved since the launch: only a one-token chain without a policy or drafts (the results are remapped,
-        # the launch's per-row records are not)
-        assert step.row_of is None or (layout.is_chain and not step.routes and not step.drafted), "a remapped step"
+        # rows moved since the launch: only a one-token chain without drafts (the results are remapped, the launch's
+        # per-row records are not: they say that no row drafted, whichever row it is now)
+        assert step.row_of is None or (layout.width == 1 and not step.drafted), "a remapped step"
         packed = step.read.wait()
         source = step.source_rows(self.scheduler.num_active)
         if source is not None:  # rows released since the launch: the others' results, in today's row order
@@ -88,6 +92,10 @@ class DecodeStep:
             0, packed, step.result.output_token_ids.shape[1], in_cache=not step.advanced, tree=not layout.is_chain
         )
         self._ahead.unread -= step.advanced
+        if self.proposers is not None and self._ahead.in_flight is not None:
+            # a step runs behind this one, without drafts: the proposers take in this step's tokens now, while the
+            # device computes it, rather than at the next launch
+            self.proposers.update(self.slots.token_ids[:num_rows], self.slots.num_tokens[:num_rows].tolist())
         if accepted_nodes is not None:  # move accepted paths next to their roots (a chain's path is in place already)
             self.runner.compact_paths(torch.arange(num_rows), step.base_positions, accepted_nodes)  # host: no read
         accepted = accepted_per_row.tolist()
@@ -132,11 +140,35 @@ class DecodeStep:
         caps, and the seconds the policy took to choose."""
         caps = self.slots.draft_caps(num_rows)
         decision, seconds = Decision(0), 0.0
-        if self.policy is not None:
+        if self._ahead.decision is not None:  # chosen when this step was not launched ahead (`_decision_ahead`)
+            (decision, seconds), self._ahead.decision = self._ahead.decision, None
+        elif self.policy is not None:
             start = time.perf_counter()
             decision = self.policy.choose(num_rows, caps.tolist(), routes, context)
             seconds = time.perf_counter() - start
         return decision, caps.clamp(0, decision.num_draft_tokens), seconds
+
+    def _decision_ahead(self) -> Ahead | None:
+        """Whether the next decode step may be launched behind the one in flight, before it is read: if so, the K
+        policy's choice of K = 0 for it, the seconds the choice took and the rows' routes (the policy learns from the
+        step), else None. Nothing may be admitted or preempted
+        first (`Scheduler.can_run_ahead`); with a K policy, it chooses the step's K from the rows as the host knows
+        them, a step behind: at K = 0 the step runs ahead, a K > 0 waits for the next launch (its drafts follow the
+        tokens in flight). A policy that times forced steps (`lockstep`) is never run ahead of."""
+        if not self.scheduler.can_run_ahead():
+            return None
+        if self.policy is None:
+            return Decision(0), 0.0, []
+        if getattr(self.policy, "lockstep", False):
+            return None
+        num_rows = self.scheduler.num_active
+        context = int(self.slots.cache_len[:num_rows].max())
+        routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]]
+        decision, asked, seconds = self._schedule(num_rows, context, routes)
+        if int(asked.max()) == 0:
+            return decision, seconds, routes
+        self._ahead.decision = (decision, seconds)
+        return None
 
     def _propose(
         self,

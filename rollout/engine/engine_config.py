@@ -24,7 +24,7 @@ class EngineConfig:
     kv_layout: str  # "paged" or "slots": the layout the model runs on (after "auto" and the model's checks)
     cuda_graphs: bool  # chain decode and verification steps replay CUDA graphs
     kv_cache_bytes: int  # planned for the KV caches, the target's and a draft model's
-    async_scheduling: bool  # one-token steps launched before the last one is read (`rollout.engine.run_ahead`)
+    async_scheduling: bool  # steps without drafts launched before the last one is read (`rollout.engine.run_ahead`)
     compile_forward: bool  # the graphs capture the decoder's forward compiled by torch.compile
 
 
@@ -65,8 +65,7 @@ def resolve_engine(
         runner.use_graphs(max_width, compile=compile_forward).capture_all(max_batch_size)
     # "auto": where the host and the device run side by side (on a CPU it gains nothing, and a finished row rides
     # one step further)
-    wanted = async_scheduling is True or (async_scheduling == "auto" and runner.device.type == "cuda")
-    run_ahead = spec is None and wanted
+    run_ahead = async_scheduling is True or (async_scheduling == "auto" and runner.device.type == "cuda")
     config = EngineConfig(
         max_batch_size, max_seq_len, max_prefill_tokens, max_width, num_positions, runner.kv_layout, use_graphs,
         kv_cache_bytes, run_ahead, compile_forward,

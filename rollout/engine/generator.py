@@ -58,10 +58,10 @@ class Generator(Admission, DecodeStep):
         cuda_graphs: "auto" (on with the paged layout on a GPU), True or False: chain decode and verification
             forwards replay CUDA graphs captured here, one per padded row count and width
             (`rollout.engine.graph_runner`); token trees, prefills and autocast run eagerly.
-        async_scheduling: "auto" (on a GPU, without speculation), True or False: the host one step ahead of the
-            device, a one-token decode step launched from the last step's samples before it reads them, so that its
-            bookkeeping overlaps the device's work (`rollout.engine.run_ahead`); the same samples either way. Needs
-            spec=None (drafts follow the tokens the host has read).
+        async_scheduling: "auto" (on a GPU), True or False: the host one step ahead of the device, a one-token
+            decode step launched from the last step's samples before it reads them, so that its bookkeeping overlaps
+            the device's work (`rollout.engine.run_ahead`); the same samples either way. With speculation, only the
+            steps its K policy drafts nothing for run ahead (drafts follow the tokens the host has read).
         compile_forward: the CUDA graphs capture the decoder's forward compiled by `torch.compile` (small kernels
             fused; `rollout.engine.compiled_forward`); needs graphs. A model it cannot compile runs as without.
     """
@@ -277,20 +277,23 @@ class Generator(Admission, DecodeStep):
         with self._ahead.guarded():
             ahead, self._ahead.in_flight = self._ahead.in_flight, None
             if ahead is not None:  # launched by the last call: launch the next behind it, then read it
-                if self.scheduler.can_run_ahead():
-                    self._ahead.in_flight = self._launch_decode(after=ahead)
+                choice = self._decision_ahead()
+                if choice is not None:
+                    self._ahead.in_flight = self._launch_decode(after=ahead, ahead=choice)
                 return self._postprocess(*self._finish_decode(ahead))
             return self._schedule_and_run()
 
     def _schedule_and_run(self) -> StepOutput:
         scheduled = self.scheduler.schedule()
         if scheduled.is_prefill:
+            self._ahead.decision = None  # a K chosen for a decode step that a prefill came before
             return self._postprocess(self._admit(scheduled.prefill_chunks), None)
         if scheduled.preempted:
             self._remove_rows(scheduled.preempted)
         launched = self._launch_decode()
-        if launched.advanced and self.scheduler.can_run_ahead():  # the host one step ahead
-            self._ahead.in_flight = self._launch_decode(after=launched)
+        choice = self._decision_ahead() if launched.advanced else None
+        if choice is not None:  # the host one step ahead
+            self._ahead.in_flight = self._launch_decode(after=launched, ahead=choice)
         record, observation = self._finish_decode(launched)
         record.num_preempted = len(scheduled.preempted)
         return self._postprocess(record, observation)

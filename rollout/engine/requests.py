@@ -165,11 +165,6 @@ def check_generator_args(
         raise ValueError(f"compile_forward ({compile_forward!r}) must be True or False")
     if async_scheduling not in (True, False, "auto"):
         raise ValueError(f"async_scheduling ({async_scheduling!r}) must be True, False or 'auto'")
-    if async_scheduling is True and isinstance(spec, SpecConfig) and spec.methods:
-        raise ValueError(
-            "async_scheduling=True runs the host one step ahead of the device, which drafting cannot (drafts follow "
-            "the tokens the host has read): pass spec=None, or async_scheduling='auto' or False"
-        )
     if spec is not None and not isinstance(spec, SpecConfig):
         raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
 

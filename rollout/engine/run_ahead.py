@@ -9,6 +9,12 @@ that step t finishes (a stop id, its length cap) is learned one step late: it ro
 it is dropped. Rows released while a step is in flight move (the last rows fill the holes); the step keeps where each
 of its rows went (`rows_moved`), so its results land on the rows they belong to. Samples are keyed by the sample's
 seed and the token's position: the tokens are the same, launched ahead or not.
+
+With speculation, a step runs ahead where the K policy drafts nothing for it: before launching, the generator asks
+the policy for the next step's K, with the rows as the host knows them (a step's tokens behind). At K = 0 the step is
+launched ahead, without drafts; a K > 0 is kept for the next step, which waits for the read (its drafts follow the
+tokens in flight). So the bulk's plain steps overlap their bookkeeping (the proposers take in each step's tokens after
+the next step is launched) and the tail's drafting steps run in lockstep. A calibration's forced steps never run ahead.
 """
 
 from __future__ import annotations
@@ -84,6 +90,9 @@ class RunAhead:
         self.unread = 0  # steps launched with the rows' cache lengths raised, not read yet
         self.failed = False
         self.last_finish = 0.0  # when the last decode step was read (a step launched ahead is timed from it)
+        # the K policy's choice for the next step, made when deciding whether to launch it ahead (it drafts: it waits
+        # for the read), with the seconds the choice took; taken by that step
+        self.decision: tuple[Decision, float] | None = None
 
     @contextlib.contextmanager
     def guarded(self):
@@ -111,4 +120,4 @@ class RunAhead:
     def reset(self) -> None:
         """Nothing in flight and nothing lost (the rows were dropped)."""
         self.drop()
-        self.unread, self.failed = 0, False
+        self.unread, self.failed, self.decision = 0, False, None
