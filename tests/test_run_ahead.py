@@ -13,6 +13,7 @@ from test_device_reads import CountingReads
 from test_generator import teacher_forced_logprobs, use_frequent_token_as_eos
 
 from rollout import Generator, SamplingParams
+from rollout.engine import decode_step
 from rollout.engine.run_ahead import LaunchedStep
 from specdec.config import SpecConfig
 
@@ -243,3 +244,41 @@ def test_async_scheduling_refuses_bad_values_and_is_off_on_a_cpu_by_default():
     spec = SpecConfig(method="ngram", num_speculative_tokens=2)
     assert not Generator(model, 4, 48, spec=spec).config.async_scheduling
     assert Generator(model, 4, 48, spec=spec, async_scheduling=True).config.async_scheduling
+
+
+class FrozenClock:
+    """`time` for the decode step's module: `perf_counter` stands still until the test moves it."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["lockstep", "ahead"])
+def test_with_the_host_ahead_a_decode_step_counts_from_the_last_read(monkeypatch, ahead):
+    # a step's seconds price it for the K policy: with the host ahead, a drafting step in lockstep must count the
+    # bookkeeping and the caller's time since the last read, as the steps run ahead do, or drafting looks cheaper
+    # than running ahead by that much; after a prefill a step counts from its own launch
+    clock = FrozenClock()
+    monkeypatch.setattr(decode_step, "time", clock)
+    model = make_model("llama")
+    spec = SpecConfig(method="suffix", num_speculative_tokens=2, num_speculative_tokens_per_batch_size=TABLE)
+    gen = Generator(model, max_batch_size=8, max_seq_len=80, spec=spec, async_scheduling=ahead)
+    prompts = random_prompts(5, min_len=3, max_len=12, seed=3)
+    use_frequent_token_as_eos(model, prompts, 24)
+    gen.add_requests(
+        prompts, [SamplingParams(n=2, temperature=1.0, max_new_tokens=10 + 4 * i, seed=5) for i in range(5)]
+    )
+    records = []
+    while gen.has_unfinished:
+        records.append(gen.step().record)
+        clock.now += 1.0  # the caller's work between two steps
+    follows = [(prev.kind, r) for prev, r in zip(records, records[1:]) if r.kind == "decode"]
+    assert any(kind == "prefill" for kind, _ in follows) and any(r.num_drafted for _, r in follows)
+    if not ahead:  # each step from its own launch: the clock stood still inside every step
+        assert all(r.seconds == 0.0 for _, r in follows)
+        return
+    for kind, r in follows:
+        assert r.seconds == (0.0 if kind == "prefill" else 1.0), (kind, r)

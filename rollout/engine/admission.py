@@ -30,6 +30,7 @@ class Admission:
         """Prefill the scheduled chunks of prompt groups into the free slots after the rows in flight, one forward a
         chunk, and sample each sample's first token."""
         start = time.perf_counter()
+        self._ahead.last_finish = 0.0  # the next decode step counts from its own launch, not the last one's read
         num_emitted = sum(self._prefill(chunk) for chunk in chunks)
         num_prompts = sum(len(chunk) for chunk in chunks)
         return StepRecord("prefill", num_prompts, 0, 0, 0, num_emitted, time.perf_counter() - start)

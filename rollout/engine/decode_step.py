@@ -100,7 +100,13 @@ class DecodeStep:
             self.runner.compact_paths(torch.arange(num_rows), step.base_positions, accepted_nodes)  # host: no read
         accepted = accepted_per_row.tolist()
         now = time.perf_counter()
-        seconds = now - max(step.start, self._ahead.last_finish)  # a step launched ahead counts from the last read
+        # a step launched ahead counts from the last read (it started before it). With the host ahead of the device
+        # (async_scheduling) a step in lockstep counts from it too, so that a drafting step is priced with the
+        # bookkeeping between two reads, as the steps run ahead are; unless a prefill came between (it resets it)
+        since = max(step.start, self._ahead.last_finish)
+        if self.config.async_scheduling and self._ahead.last_finish:
+            since = self._ahead.last_finish
+        seconds = now - since
         self._ahead.last_finish = now
         if step.drafted:  # a cascade learns which proposer earns what, at what cost
             self.proposers.observe(accepted, seconds, emitted_ids)

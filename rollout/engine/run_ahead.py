@@ -89,7 +89,7 @@ class RunAhead:
         self.in_flight: LaunchedStep | None = None  # launched ahead by the last call, not read yet
         self.unread = 0  # steps launched with the rows' cache lengths raised, not read yet
         self.failed = False
-        self.last_finish = 0.0  # when the last decode step was read (a step launched ahead is timed from it)
+        self.last_finish = 0.0  # when the last decode step was read, 0 after a prefill (steps are timed from it)
         # the K policy's choice for the next step, made when deciding whether to launch it ahead (it drafts: it waits
         # for the read), with the seconds the choice took; taken by that step
         self.decision: tuple[Decision, float] | None = None
@@ -120,4 +120,4 @@ class RunAhead:
     def reset(self) -> None:
         """Nothing in flight and nothing lost (the rows were dropped)."""
         self.drop()
-        self.unread, self.failed, self.decision = 0, False, None
+        self.unread, self.failed, self.decision, self.last_finish = 0, False, None, 0.0
