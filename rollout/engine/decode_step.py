@@ -94,8 +94,10 @@ class DecodeStep:
         self._ahead.unread -= step.advanced
         if self.proposers is not None and self._ahead.in_flight is not None:
             # a step runs behind this one, without drafts: the proposers take in this step's tokens now, while the
-            # device computes it, rather than at the next launch
+            # device computes it, rather than at the next launch (their time counts as this step's proposing)
+            update_start = time.perf_counter()
             self.proposers.update(self.slots.token_ids[:num_rows], self.slots.num_tokens[:num_rows].tolist())
+            step.propose_seconds += time.perf_counter() - update_start
         if accepted_nodes is not None:  # move accepted paths next to their roots (a chain's path is in place already)
             self.runner.compact_paths(torch.arange(num_rows), step.base_positions, accepted_nodes)  # host: no read
         accepted = accepted_per_row.tolist()
