@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 # Triton kernels run under the CPU interpreter when there is no GPU; set before anything imports triton.
@@ -81,34 +82,62 @@ def model_factory():
 
 # ---- on a CUDA machine the kernel launchers run compiled ------------------------------------------------------------
 # The kernel tests build their inputs on the CPU (seeded CPU generators, so the cases are the same everywhere). With
-# CUDA, the launchers are wrapped so that the kernel runs on the GPU: CPU tensor arguments are copied there (one copy
-# per distinct tensor, so arguments that alias still alias), the kernel runs compiled, in-place results are copied
-# back and outputs return to the CPU, where the tests compare them with the torch references. Without CUDA nothing is
-# wrapped and TRITON_INTERPRET=1 (above) runs the same kernels on the CPU.
+# CUDA, the launchers are wrapped so that the kernel runs on the GPU: CPU tensor arguments are copied there (each with
+# its storage, so strided rows stay strided and arguments that alias still alias), the kernel runs compiled, in-place
+# results are copied back and outputs return to the CPU, where the tests compare them with the torch references. A call
+# without CPU tensors (the engine's, on the device) goes to the launcher as it is. Without CUDA nothing is wrapped and
+# TRITON_INTERPRET=1 (above) runs the same kernels on the CPU.
 
-LAUNCHERS = ("greedy_verify", "rejection_sample", "tree_greedy_verify", "tree_rejection_sample", "compact_kv_")
-LAUNCHERS += ("paged_attention", "store_kv_")
-GPU_CALLS = [0]  # launcher calls that ran on the GPU (reported at the end of the session)
+LAUNCHERS = {  # module of rollout_kernels: the launchers in it that the kernel tests call (references stay unwrapped)
+    "greedy_verify": ("greedy_verify",),
+    "keep_threshold": ("keep_threshold",),
+    "kv_compact": ("compact_kv_",),
+    "paged_attention": ("paged_attention",),
+    "race_logits": ("race_logits", "race_log_noise"),
+    "race_sample": ("race_sample",),
+    "rejection_sample": ("rejection_sample",),
+    "store_kv": ("store_kv_",),
+    "tree_greedy_verify": ("tree_greedy_verify",),
+    "tree_rejection_sample": ("tree_rejection_sample",),
+}
+GPU_CALLS = [0]  # launcher calls that the wrappers moved to the GPU (reported at the end of the session)
+
+
+def has_cpu_tensor(values: tuple) -> bool:
+    for value in values:  # a loop, not a generator: torch.compile traces this inside the engine's forward
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            return True
+    return False
+
+
+def on_cuda(value, storages: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+    """A CPU tensor as a CUDA view, with its offset and strides, of a copy of its whole storage (one copy per storage
+    in `storages`: CPU bytes and their CUDA copy); anything else as it is."""
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
+        return value
+    storage = value.untyped_storage()
+    key = storage.data_ptr() or id(value)  # empty storages share address 0
+    if key not in storages:
+        host = torch.empty(0, dtype=torch.uint8).set_(storage)
+        storages[key] = (host, host.to("cuda"))
+    device_storage = storages[key][1].untyped_storage()
+    return torch.empty(0, dtype=value.dtype, device="cuda").set_(
+        device_storage, value.storage_offset(), value.shape, value.stride()
+    )
 
 
 def on_gpu(launcher):
-    """`launcher` with CPU tensors moved to CUDA for the call and results brought back."""
+    """`launcher` with CPU tensors moved to CUDA for the call and results brought back; CUDA calls pass through."""
 
     @functools.wraps(launcher)
     def wrapper(*args, **kwargs):
-        copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-        def to_gpu(value):
-            if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
-                return value
-            if id(value) not in copies:
-                copies[id(value)] = (value, value.to("cuda"))
-            return copies[id(value)][1]
-
-        out = launcher(*[to_gpu(a) for a in args], **{k: to_gpu(v) for k, v in kwargs.items()})
+        if not has_cpu_tensor((*args, *kwargs.values())):
+            return launcher(*args, **kwargs)
+        storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = launcher(*[on_cuda(a, storages) for a in args], **{k: on_cuda(v, storages) for k, v in kwargs.items()})
         GPU_CALLS[0] += 1
-        for cpu, gpu in copies.values():  # in-place launchers (their name ends in _) wrote into the GPU copy
-            cpu.copy_(gpu)
+        for host, device in storages.values():  # in-place launchers (their name ends in _) wrote into the CUDA copy
+            host.copy_(device)
         if isinstance(out, torch.Tensor):
             return out.cpu()
         if isinstance(out, tuple):
@@ -119,11 +148,16 @@ def on_gpu(launcher):
     return wrapper
 
 
-if torch.cuda.is_available():
+if torch.cuda.is_available():  # before any test module imports a launcher, from the package or from its module
     import rollout_kernels
 
-    for name in LAUNCHERS:
-        setattr(rollout_kernels, name, on_gpu(getattr(rollout_kernels, name)))
+    for module_name, names in LAUNCHERS.items():
+        module = importlib.import_module(f"rollout_kernels.{module_name}")
+        for name in names:
+            wrapped = on_gpu(getattr(module, name))
+            setattr(module, name, wrapped)
+            if hasattr(rollout_kernels, name):
+                setattr(rollout_kernels, name, wrapped)
 
 
 def pytest_terminal_summary(terminalreporter):

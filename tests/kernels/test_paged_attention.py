@@ -140,7 +140,9 @@ def test_paged_attention_is_attention_by_its_definition(case, dtype):
     for op in (paged_attention_ref, paged_attention):
         out = op(**inputs, scale=scale, sliding_window=window)
         assert out.shape == (rows, S, heads[0], head_dim) and out.dtype == dtype
-        assert torch.allclose(out.double(), expected, atol=TOLERANCE[dtype], rtol=0), (op.__name__, name)
+        error = (out.double() - expected).abs().max().item()
+        message = f"{op.__name__} {name}: largest absolute difference {error:.3g}"
+        assert torch.allclose(out.double(), expected, atol=TOLERANCE[dtype], rtol=0), message
 
 
 def test_paged_attention_in_bfloat16_and_with_large_query_blocks():
@@ -173,7 +175,9 @@ def test_every_split_count_is_attention_by_its_definition(case, num_splits):
     inputs = make_case(random.Random(name), rows, S, heads, head_dim, block_size, torch.float64, prefill, tree)
     expected = written_out(inputs, 0.3, window)
     out = paged_attention(**inputs, scale=0.3, sliding_window=window, block_m=16, block_n=16, num_splits=num_splits)
-    assert torch.allclose(out, expected, atol=TOLERANCE[torch.float64], rtol=0), (name, num_splits)
+    error = (out - expected).abs().max().item()
+    message = f"{name}, {num_splits} splits: largest absolute difference {error:.3g}"
+    assert torch.allclose(out, expected, atol=TOLERANCE[torch.float64], rtol=0), message
 
 
 def awkward_rows(dtype: torch.dtype) -> dict:
