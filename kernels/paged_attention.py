@@ -50,7 +50,8 @@ def _paged_attention_kernel(
     stride_qh,
     stride_qs,
     stride_bt,
-    scale,
+    scale,  # float32: the softmax scale rounded to float32 (Triton passes a Python float as one)
+    scale_rest,  # float32: what that rounding left out, added back where the scores are float64
     window,
     S,
     num_heads,
@@ -87,6 +88,8 @@ def _paged_attention_kernel(
     acc_dtype = tl.float64 if q.dtype == tl.float64 else tl.float32
     if UPCAST:
         q = q.to(acc_dtype)
+    if acc_dtype == tl.float64:  # the scale to about 48 bits, not float32's 24
+        scale = tl.cast(scale, tl.float64) + tl.cast(scale_rest, tl.float64)
     if HAS_TREE:
         q_depth = tl.load(depths_ptr + row * S + query, mask=q_valid, other=0)
     else:
@@ -251,7 +254,7 @@ def paged_attention(
         lse,
         *query.stride()[:3],
         block_tables.stride(0),
-        float(scale),
+        *_float32_parts(scale),
         sliding_window or 0,
         S,
         num_heads,
@@ -273,6 +276,13 @@ def paged_attention(
     if num_splits > 1:
         merge_splits(target, lse, query_start, num_queries, out)
     return out
+
+
+def _float32_parts(value: float) -> tuple[float, float]:
+    """`value` as float32 `(high, rest)`: high + rest is `value` to about 48 bits (a kernel's float arguments are
+    float32)."""
+    high = torch.tensor(value, dtype=torch.float32).item()
+    return high, torch.tensor(value - high, dtype=torch.float32).item()
 
 
 def paged_attention_ref(
