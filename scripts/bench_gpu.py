@@ -400,6 +400,13 @@ def step_metrics(steps: list[dict], ctx) -> dict:
     return {
         "tokens_per_s_per_phase": {p: summary["phases"][p]["tokens_per_s"] for p in PHASES},
         "mean_k": summary["total"]["mean_k"],
+        "mean_k_per_phase": {p: summary["phases"][p]["mean_k"] for p in PHASES},
+        # decode steps launched before the one before them was read (the host one step ahead), per phase
+        "ahead_share_per_phase": {
+            p: sum(s.get("ran_ahead", False) for s in steps if s["phase"] == p and s["kind"] == "decode")
+            / max(sum(s["phase"] == p and s["kind"] == "decode" for s in steps), 1)
+            for p in PHASES
+        },
         "acceptance_rate": summary["total"]["acceptance_rate"],
         "roofline_share": floor / bulk_seconds if bulk_seconds else None,
         "proposer_share": sum(s["propose_seconds"] for s in decode) / decode_seconds if decode_seconds else None,

@@ -229,6 +229,11 @@ def test_speculation_runs_ahead_where_its_policy_drafts_nothing(method, table, k
     assert spy.ahead > 0, "no step was launched ahead: nothing was tested"
     assert set(spy.ahead_asked) == {0}, "a step launched ahead where its policy drafted"
     assert max(spy.widths) > 1, "no step drafted: the lockstep half was not tested"
+    # the trace says which steps ran ahead (a step launched ahead whose rows had all finished is dropped unread); auto
+    # K drafts at nearly every step here (drafts pay on this model): it tests the calibration's lockstep and exactness
+    ran_ahead = sum(r.ran_ahead for r in gen.last_trace)
+    assert ran_ahead <= spy.ahead and (ran_ahead > 0 or table == "auto")
+    assert not any(r.ran_ahead and r.num_drafted for r in gen.last_trace)
     assert runs[False][2].ahead == 0
     # the proposers took in every token, those of the steps launched ahead too: a cached response is the completion
     if method == "suffix":

@@ -74,6 +74,7 @@ class DecodeStep:
         return LaunchedStep(
             start, num_rows, context, decision, asked, routes, served or [None] * num_rows, drafts is not None,
             layout, propose_seconds, result, read, base_positions, advanced, policy_seconds=policy_seconds,
+            behind=after is not None,
         )  # fmt: skip
 
     def _finish_decode(self, step: LaunchedStep) -> tuple[StepRecord, StepObservation | None]:
@@ -139,6 +140,7 @@ class DecodeStep:
             accepted_per_position=(accepted_per_row[:, None] > position).sum(0).tolist(),
             predicted_gain=decision.predicted_gain,
             measuring=decision.measuring,
+            ran_ahead=step.behind,
             rows_by_method=_count_by(step.served, drafting),
         )
         return record, observation

@@ -23,6 +23,7 @@ class StepRecord:
     accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft j was accepted
     predicted_gain: float | None = None  # auto policy: predicted tokens/s with this K over K = 0
     measuring: bool = False  # auto policy: a climb or exploration step, drafting one position past those measured
+    ran_ahead: bool = False  # decode: launched before the step before it was read (`rollout.engine.run_ahead`)
     rows_by_method: dict[str, int] = field(default_factory=dict)  # rows asked for drafts, by the proposer serving them
     num_preempted: int = 0  # paged KV: rows sent back to the queue before this step, short of blocks
     kv_blocks_used: int | None = None  # paged KV: blocks rows hold after the step (None: the slot layout)
