@@ -6,9 +6,11 @@
 `specdec.processing.keep_thresholds` (the torch reference on a CPU, the Triton kernel on a GPU) against the sort it
 replaced ("sort ms", `sorted_keep_thresholds` below: a stable sort of every row, softmax and cumsum of the sorted
 probabilities, then the threshold), for random float32 logits (N(0, 1) x --scale, temperature 1), top_k=50 with
-top_p=0.9, and top_p=0.9 alone. One torch thread; the median of --repeats runs; the ratio is old / new. Also prints how
-many rows' kept sets differ between the two, and of those, on how many the new count is that of float64 probabilities
-summed in sorted order (the previous float32 sum drifts by a token in long prefixes).
+top_p=0.9, and top_p=0.9 alone. One torch thread; the median of --repeats runs; the ratio is old / new. On a GPU also
+the torch reference run there ("reference ms": the same thresholds bit for bit, by torch.topk and cumulative sums)
+and its ratio. Also prints how many rows' kept sets differ between the two, and of those, on how many the new count
+is that of float64 probabilities summed in sorted order (the previous float32 sum drifts by a token in long
+prefixes).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import torch
 from bench_race import median_seconds  # this folder is on sys.path when a script runs
 
+from rollout_kernels.keep_threshold import keep_threshold_ref
 from specdec.processing import RowSampling, keep_thresholds
 
 
@@ -37,6 +40,13 @@ def sorted_keep_thresholds(logits: torch.Tensor, sampling: RowSampling) -> tuple
     num_kept = keep.sum(dim=1)
     last = order.gather(1, (num_kept - 1)[:, None])[:, 0]
     return logits.gather(1, last[:, None])[:, 0].double(), last
+
+
+def reference_thresholds(logits: torch.Tensor, sampling: RowSampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """`keep_thresholds` through the torch reference wherever the logits are (on a GPU it takes the Triton kernel)."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    args = (logits, rows, sampling.temperature, sampling.top_k, sampling.top_p)
+    return keep_threshold_ref(*args, elements_per_chunk=1 << 22)
 
 
 def kept(logits: torch.Tensor, keep_min: torch.Tensor, keep_last: torch.Tensor) -> torch.Tensor:
@@ -66,8 +76,11 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU, 1 thread"
     print(f"{name}, torch {torch.__version__}, float32 logits N(0, 1) x {args.scale}, median of {args.repeats}")
-    print("| rows x vocab | filter | sort ms | thresholds ms | ratio | mean kept | rows that differ (new = f64) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| rows x vocab | filter | sort ms | thresholds ms | ratio | reference ms | ratio | mean kept "
+        "| rows that differ (new = f64) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     generator = torch.Generator(device=device).manual_seed(0)
     for shape in args.shapes.split(","):
         rows, vocab_size = (int(part) for part in shape.split("x"))
@@ -83,6 +96,9 @@ def main() -> None:
             )
             old = median_seconds(lambda x=logits, s=sampling: sorted_keep_thresholds(x, s), args.repeats)
             new = median_seconds(lambda x=logits, s=sampling: keep_thresholds(x, s), args.repeats)
+            ref = new  # on a CPU the thresholds are the reference's
+            if device == "cuda":  # the torch reference on the GPU: the same thresholds bit for bit, through torch.topk
+                ref = median_seconds(lambda x=logits, s=sampling: reference_thresholds(x, s), args.repeats)
             old_kept = kept(logits, *sorted_keep_thresholds(logits, sampling))
             new_kept = kept(logits, *keep_thresholds(logits, sampling))
             differ = (old_kept != new_kept).any(dim=1)
@@ -91,7 +107,7 @@ def main() -> None:
             mean_kept = float(new_kept.sum(dim=1).double().mean())
             print(
                 f"| {rows} x {vocab_size} | {label} | {old * 1e3:.1f} | {new * 1e3:.1f} | {old / new:.2f}x "
-                f"| {mean_kept:.0f} | {int(differ.sum())} ({new_is_exact}) |"
+                f"| {ref * 1e3:.1f} | {old / ref:.2f}x | {mean_kept:.0f} | {int(differ.sum())} ({new_is_exact}) |"
             )
 
 
