@@ -61,7 +61,7 @@ run | policy | kernels | engine | spec | open)
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
         start=$(date +%s)
         timeout 240 python3 -m pytest tests/test_gpu.py::test_race_kernels_are_their_references_bit_for_bit_on_a_gpu \
-            tests/kernels/test_race_logits.py \
+            tests/kernels/test_race_logits.py tests/kernels/test_race_sample.py \
             tests/kernels/test_paged_attention.py -q -p no:cacheprovider 2>&1 | tee "$out/test_kernels.log" \
             | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
         echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
