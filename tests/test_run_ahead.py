@@ -15,6 +15,7 @@ from test_generator import teacher_forced_logprobs, use_frequent_token_as_eos
 from rollout import Generator, SamplingParams
 from rollout.engine import decode_step
 from rollout.engine.run_ahead import LaunchedStep
+from rollout.engine.step_timer import forced_steps
 from specdec.config import SpecConfig
 
 
@@ -287,3 +288,49 @@ def test_with_the_host_ahead_a_decode_step_counts_from_the_last_read(monkeypatch
         return
     for kind, r in follows:
         assert r.seconds == (0.0 if kind == "prefill" else 1.0), (kind, r)
+
+
+def test_rejection_sampling_does_not_run_ahead_of_drafting():
+    # a row's rejection uniforms are drawn by count (2K + 1 a step): a K chosen on rows a step behind would shift its
+    # stream (the table's K = 0 at 4 or more rows, with rows finishing in flight still counted), so its samples would
+    # differ from lockstep's
+    model = make_model("llama")
+    prompts = random_prompts(5, min_len=3, max_len=12, seed=3)
+    use_frequent_token_as_eos(model, prompts, 24)
+    params = [SamplingParams(n=2, temperature=1.0, max_new_tokens=10 + 4 * i, seed=5) for i in range(len(prompts))]
+    spec = SpecConfig(
+        method="suffix", num_speculative_tokens=2, num_speculative_tokens_per_batch_size=TABLE, verification="rejection"
+    )
+    runs = generate_both(model, prompts, params, max_batch_size=8, max_seq_len=80, spec=spec)
+    assert_same(runs)
+    assert runs[True][2].ahead == 0
+    assert max(runs[True][2].widths) > 1, "no step drafted: nothing was tested"
+
+
+def test_a_calibration_is_timed_in_lockstep_and_takes_no_k_chosen_before_it(monkeypatch):
+    # with the host ahead, a forced step (the warm-up's timing) counts from its own launch, not from the last step's
+    # read; and a K the policy chose for a step that could not run ahead is not taken by a forced step after it
+    clock = FrozenClock()
+    monkeypatch.setattr(decode_step, "time", clock)
+    model = make_model("llama")
+    prompts = random_prompts(5, min_len=3, max_len=12, seed=3)
+    use_frequent_token_as_eos(model, prompts, 24)
+    spec = SpecConfig(method="suffix", num_speculative_tokens=2, num_speculative_tokens_per_batch_size=TABLE)
+    gen = Generator(model, max_batch_size=8, max_seq_len=80, spec=spec, async_scheduling=True)
+    gen.add_requests(
+        prompts, [SamplingParams(n=2, temperature=1.0, max_new_tokens=10 + 4 * i, seed=5) for i in range(5)]
+    )
+    while gen._ahead.decision is None or gen._ahead.in_flight is not None:  # a K > 0 kept for the next launch
+        assert gen.has_unfinished, "no K was kept for a launch: nothing was tested"
+        gen.step()
+        clock.now += 1.0
+    with forced_steps(gen, 0):  # the kept K was the table's: the forced step takes the forced K
+        record = gen.step().record
+    assert (record.num_draft_tokens, record.num_drafted) == (0, 0), record
+    rows = gen.snapshot()
+    for _ in range(3):
+        gen.restore(rows)
+        with forced_steps(gen, 0):
+            record = gen.step().record
+        clock.now += 1.0  # what a calibration does between two timed steps
+        assert (record.num_draft_tokens, record.num_drafted, record.seconds) == (0, 0, 0.0), record

@@ -150,6 +150,7 @@ class Admission:
     def snapshot(self) -> list[RowSnapshot]:
         """The rows in flight, in row order, for `restore`."""
         self._check_no_step_in_flight()
+        self._ahead.decision = None  # a K chosen for rows that may be rolled back
         return self.slots.snapshot(self.num_active)
 
     def restore(self, rows: list[RowSnapshot]) -> None:
@@ -157,6 +158,7 @@ class Admission:
         in flight). The KV cache keeps what the rows had (a step only writes past their lengths), so rolling back
         is lowering lengths."""
         self._check_no_step_in_flight()
+        self._ahead.decision, self._ahead.last_finish = None, 0.0  # the rows are not those the last step read
         with torch.inference_mode():
             self.slots.restore(rows)
         self.scheduler.num_active = len(rows)

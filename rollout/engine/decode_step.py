@@ -107,8 +107,8 @@ class DecodeStep:
         # (async_scheduling) a step in lockstep counts from it too, so that a drafting step is priced with the
         # bookkeeping between two reads, as the steps run ahead are; unless a prefill came between (it resets it)
         since = max(step.start, self._ahead.last_finish)
-        if self.config.async_scheduling and self._ahead.last_finish:
-            since = self._ahead.last_finish
+        if self.config.async_scheduling and self._ahead.last_finish and not getattr(self.policy, "lockstep", False):
+            since = self._ahead.last_finish  # (a calibration's forced steps are timed from their own launch)
         seconds = now - since
         self._ahead.last_finish = now
         if step.drafted:  # a cascade learns which proposer earns what, at what cost
@@ -150,8 +150,9 @@ class DecodeStep:
         caps, and the seconds the policy took to choose."""
         caps = self.slots.draft_caps(num_rows)
         decision, seconds = Decision(0), 0.0
-        if self._ahead.decision is not None:  # chosen when this step was not launched ahead (`_decision_ahead`)
-            (decision, seconds), self._ahead.decision = self._ahead.decision, None
+        stashed, self._ahead.decision = self._ahead.decision, None
+        if stashed is not None and stashed[2] is self.policy:  # chosen when this step could not run ahead
+            decision, seconds = stashed[:2]
         elif self.policy is not None:
             start = time.perf_counter()
             decision = self.policy.choose(num_rows, caps.tolist(), routes, context)
@@ -164,12 +165,16 @@ class DecodeStep:
         step), else None. Nothing may be admitted or preempted
         first (`Scheduler.can_run_ahead`); with a K policy, it chooses the step's K from the rows as the host knows
         them, a step behind: at K = 0 the step runs ahead, a K > 0 waits for the next launch (its drafts follow the
-        tokens in flight). A policy that times forced steps (`lockstep`) is never run ahead of."""
+        tokens in flight). A policy that times forced steps (`lockstep`) is never run ahead of, nor is drafting under
+        rejection sampling."""
         if not self.scheduler.can_run_ahead():
             return None
         if self.policy is None:
             return Decision(0), 0.0, []
-        if getattr(self.policy, "lockstep", False):
+        # under rejection sampling a row's uniforms are drawn by count (2K + 1 a step): a K chosen on rows a step
+        # behind (rows finishing in flight counted) would shift its stream, and the samples would differ from
+        # lockstep's; exact verification keys its randomness by position, whatever K
+        if getattr(self.policy, "lockstep", False) or not self.exact:
             return None
         num_rows = self.scheduler.num_active
         context = int(self.slots.cache_len[:num_rows].max())
@@ -177,7 +182,7 @@ class DecodeStep:
         decision, asked, seconds = self._schedule(num_rows, context, routes)
         if int(asked.max()) == 0:
             return decision, seconds, routes
-        self._ahead.decision = (decision, seconds)
+        self._ahead.decision = (decision, seconds, self.policy)  # for the next launch, by this policy only
         return None
 
     def _propose(

@@ -61,7 +61,8 @@ class Generator(Admission, DecodeStep):
         async_scheduling: "auto" (on a GPU), True or False: the host one step ahead of the device, a one-token
             decode step launched from the last step's samples before it reads them, so that its bookkeeping overlaps
             the device's work (`rollout.engine.run_ahead`); the same samples either way. With speculation, only the
-            steps its K policy drafts nothing for run ahead (drafts follow the tokens the host has read).
+            steps its K policy drafts nothing for run ahead (drafts follow the tokens the host has read), and none
+            under rejection sampling (its uniforms are drawn by count).
         compile_forward: the CUDA graphs capture the decoder's forward compiled by `torch.compile` (small kernels
             fused; `rollout.engine.compiled_forward`); needs graphs. A model it cannot compile runs as without.
     """

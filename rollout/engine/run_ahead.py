@@ -14,7 +14,8 @@ With speculation, a step runs ahead where the K policy drafts nothing for it: be
 the policy for the next step's K, with the rows as the host knows them (a step's tokens behind). At K = 0 the step is
 launched ahead, without drafts; a K > 0 is kept for the next step, which waits for the read (its drafts follow the
 tokens in flight). So the bulk's plain steps overlap their bookkeeping (the proposers take in each step's tokens after
-the next step is launched) and the tail's drafting steps run in lockstep. A calibration's forced steps never run ahead.
+the next step is launched) and the tail's drafting steps run in lockstep. A calibration's forced steps never run ahead,
+nor does a generator that may draft under rejection sampling (its uniforms are drawn by count, 2K + 1 a step).
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ class RunAhead:
         self.failed = False
         self.last_finish = 0.0  # when the last decode step was read, 0 after a prefill (steps are timed from it)
         # the K policy's choice for the next step, made when deciding whether to launch it ahead (it drafts: it waits
-        # for the read), with the seconds the choice took; taken by that step
-        self.decision: tuple[Decision, float] | None = None
+        # for the read), with the seconds the choice took and the policy that made it; taken by that step if the
+        # generator still has that policy (a calibration swaps in its own)
+        self.decision: tuple[Decision, float, object] | None = None
 
     @contextlib.contextmanager
     def guarded(self):
