@@ -11,7 +11,8 @@ Rows (`--rows`; run in this order, each at every `--sizes` entry, 64x8 = 64 held
   EOS ignored; tokens/s counts the output tokens, as nano-vllm's does. Its seed and lengths are in the JSON.
 
 Generator rows run two rollouts on one generator (seeds 1, 2): the second drafts from the first's history (a repeat
-where the proposer keeps none). Per row: tokens/s in total and per phase, mean K, acceptance, ratios to hf_generate,
+where the proposer keeps none). Per row: tokens/s in total and per phase, mean K (overall and in the bulk), the bulk's
+share of decode steps run ahead of the device (`ahead`), acceptance, ratios to hf_generate,
 generate_batch and none of its size, the KV cache, the bulk's share of the memory roofline; on CUDA also the GPU's
 idle share of a decode step, syncs per decode step and the peak memory. A failing row records its error and the run
 goes on; `--out`/bench_gpu.json is rewritten after each row; the table comes last.
@@ -638,8 +639,8 @@ def format_table(rows: list[dict]) -> str:
     """The rows by size, then in the order of ROWS (a size's first and second rollouts together)."""
     sizes = list(dict.fromkeys(r["size"] for r in rows))
     rows = sorted(rows, key=lambda r: (sizes.index(r["size"]), ROWS.index(r["id"])))
-    head = f"{'row':34s}{'seconds':>8s}{'tok/s':>8s}{'prefill':>8s}{'bulk':>8s}{'tail':>8s}{'K':>5s}{'accept':>7s}"
-    head += f"{'prop.':>6s}"
+    head = f"{'row':34s}{'seconds':>8s}{'tok/s':>8s}{'prefill':>8s}{'bulk':>8s}{'tail':>8s}{'K':>5s}{'K bulk':>7s}"
+    head += f"{'ahead':>6s}{'accept':>7s}{'prop.':>6s}"
     lines = [head + f"{'x hf':>6s}{'x cb':>6s}{'x none':>7s}{'idle':>6s}{'syncs':>6s}{'KV GiB':>7s}{'peak GiB':>9s}"]
     lines[0] += f"{'roofl.':>7s}{'took':>6s}  note"
     for r in rows:
@@ -653,7 +654,9 @@ def format_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['name']:34s}{r['seconds']:8.2f}{fmt(r['tokens_per_s'], '.0f'):>8s}"
             + "".join(f"{fmt(phase.get(p), '.0f'):>8s}" for p in PHASES)
-            + f"{fmt(r.get('mean_k')):>5s}{fmt(r.get('acceptance_rate'), '.3f'):>7s}"
+            + f"{fmt(r.get('mean_k')):>5s}{fmt((r.get('mean_k_per_phase') or {}).get('bulk')):>7s}"
+            + f"{fmt((r.get('ahead_share_per_phase') or {}).get('bulk'), '.0%'):>6s}"
+            + f"{fmt(r.get('acceptance_rate'), '.3f'):>7s}"
             + f"{fmt(r.get('proposer_share'), '.0%'):>6s}{fmt(r['vs_hf_generate']):>6s}"
             + f"{fmt(r['vs_generate_batch']):>6s}{fmt(r['vs_none']):>7s}{fmt(r.get('idle_share'), '.0%'):>6s}"
             + f"{fmt(r.get('syncs_per_step'), '.1f'):>6s}{fmt(r.get('kv_cache_bytes'), '.2f', 2**-30):>7s}"

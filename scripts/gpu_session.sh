@@ -33,13 +33,14 @@
 # and bench.log / bench_gpu.json: at 64 x 8, first and second rollout, `none` with graphs beside `suffix` (auto K;
 # `suffix_lockstep`: never ahead of the device), `draft`, `suffix+draft` and `suffix_k1`, each with its phases' tokens/s, `proposer_share` and `policy_share` (the K
 # policy's host time over the decode steps'); rows past the budget are skipped and say so.#
-#   COMMIT=<hash> bash scripts/gpu_session.sh open "$OUT"    # there: issues 41 and 42 together, for a 15-minute lease
+#   COMMIT=<hash> bash scripts/gpu_session.sh open "$OUT"    # there: the open issues' GPU rows, for a 15-minute lease
 #
 # `open` writes test_gpu.log (every CUDA test of tests/test_gpu.py: graphs in eval mode, graphs with speculation
-# against the eager engine, one device read a step, the race kernels compiled against their references) and bench.log /
-# bench_gpu.json at $SIZES (64x8): `none` with graphs, `suffix` at auto K (running ahead where it drafts nothing)
-# beside `suffix_lockstep`, `none_lockstep` with the GPU's idle share, `suffix_k1` and `draft`, within a 300 s
-# budget, 75 s a row.
+# against the eager engine, one device read a step, the race kernels compiled against their references),
+# test_kernels.log (the race, paged attention and top-k / top-p kernels' tests compiled) and bench.log /
+# bench_gpu.json at $SIZES (64x8,256x8): `none` with graphs, `suffix` at auto K (running ahead where it drafts
+# nothing) beside `suffix_lockstep`, `draft`, and `none_lockstep`, with mean K and the share of steps run ahead per
+# phase, within a 260 s budget, 60 s a row. About 9 minutes with the install.
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -96,9 +97,14 @@ run | policy | kernels | engine | spec | open)
         timeout 130 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --durations=0 2>&1 \
             | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed|skipped" | cut -c1-600 | tail -12
         echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
-        timeout 340 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes "${SIZES:-64x8}" --budget-s 300 \
-            --row-cap-s 75 --rows none suffix suffix_lockstep none_lockstep suffix_k1 draft 2>&1 | grep -v USDT > "$out/bench.log"
-        tail -18 "$out/bench.log"
+        timeout 120 python3 -m pytest tests/kernels/test_race_logits.py tests/kernels/test_race_sample.py \
+            tests/kernels/test_paged_attention.py tests/kernels/test_keep_threshold.py -q -p no:cacheprovider 2>&1 \
+            | tee "$out/test_kernels.log" | grep -E "^E   |passed|failed|launcher" | cut -c1-400 | tail -8
+        echo "kernel tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
+        timeout 300 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes "${SIZES:-64x8,256x8}" \
+            --budget-s 260 --row-cap-s 60 --rows none suffix suffix_lockstep draft none_lockstep 2>&1 \
+            | grep -v USDT > "$out/bench.log"
+        tail -24 "$out/bench.log"
         echo "bench: $(( $(date +%s) - start )) s"
         exit 0
     fi
