@@ -67,6 +67,11 @@ class DecodeStep:
         tree = not layout.is_chain
         # the step's one read of the device, started here and waited for in `_finish_decode`
         read = start_read(_packed(result, tree))
+        if after is None and drafts is None and self.proposers is not None:
+            # no drafts: the proposers that learn from the text take it in now, while the device computes the step
+            update_start = time.perf_counter()
+            self.proposers.update(self.slots.token_ids[:num_rows], self.slots.num_tokens[:num_rows].tolist())
+            propose_seconds += time.perf_counter() - update_start
         advanced = layout.width == 1 and self.config.async_scheduling
         if advanced:  # one token a row: each row's pending token is in the cache now, whatever it samples
             self.slots.cache_len[:num_rows] += 1
@@ -196,11 +201,10 @@ class DecodeStep:
         """The proposers' drafts for rows asked for some (None if none were); what each row was served by."""
         if self.proposers is None:
             return None, [None] * num_rows
+        if int(asked.max()) == 0:  # no drafts this step (the proposers take its text in after the launch)
+            return None, [None] * num_rows
         num_tokens = self.slots.num_tokens[:num_rows].tolist()
         sequences = self.slots.sequences[:num_rows]
-        if int(asked.max()) == 0:  # no drafts this step: proposers that learn from the text still take it in
-            self.proposers.update(self.slots.token_ids[:num_rows], num_tokens)
-            return None, [None] * num_rows
         batch = ProposalBatch(
             token_ids=self.slots.token_ids[:num_rows],
             num_tokens=num_tokens,
