@@ -167,11 +167,10 @@ class DecodeStep:
     def _decision_ahead(self) -> Ahead | None:
         """Whether the next decode step may be launched behind the one in flight, before it is read: if so, the K
         policy's choice of K = 0 for it, the seconds the choice took and the rows' routes (the policy learns from the
-        step), else None. Nothing may be admitted or preempted
-        first (`Scheduler.can_run_ahead`); with a K policy, it chooses the step's K from the rows as the host knows
-        them, a step behind: at K = 0 the step runs ahead, a K > 0 waits for the next launch (its drafts follow the
-        tokens in flight). A policy that times forced steps (`lockstep`) is never run ahead of, nor is drafting under
-        rejection sampling."""
+        step), else None. Nothing may be admitted or preempted first (`Scheduler.can_run_ahead`); with a K policy, it
+        chooses the step's K from the rows as the host knows them, a step behind: at K = 0 the step runs ahead, a K > 0
+        waits for the next launch (its drafts follow the tokens in flight). A policy that times forced steps
+        (`lockstep`) is never run ahead of, nor is drafting under rejection sampling."""
         if not self.scheduler.can_run_ahead():
             return None
         if self.policy is None:
