@@ -72,6 +72,7 @@ DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
                 hf_batch_size=8, max_batch_size=1024, budget_s=600.0, row_cap_s=120.0, trl_prompts=2,
                 standard_seqs=6, standard_lengths="8-40"),
 }  # fmt: skip
+TRACE_FIELDS = ("rows", "K", "tokens emitted", "ms", "ran ahead", "phase (p/b/t)", "predicted gain")  # a row's trace
 RESERVE_S = 10.0  # of the budget, kept for the table and the JSON
 SYNC_WARNING = "synchroniz"  # torch's sync-debug warning reads "called a synchronizing CUDA operation"
 
@@ -414,7 +415,11 @@ def step_metrics(steps: list[dict], ctx) -> dict:
         # the K policy's time over the decode steps' (its choosing is inside a step's seconds, its learning after)
         "policy_share": sum(s["policy_seconds"] for s in decode) / decode_seconds if decode_seconds else None,
         "num_steps": len(steps),
-    }
+        # every decode step, for reading the K policy's choices against the step times (`TRACE_FIELDS`)
+        "trace": [[s["batch_size"], s["num_draft_tokens"], s["num_emitted"], round(1e3 * s["seconds"], 3),
+                   int(s.get("ran_ahead", False)), s["phase"][0], round(s.get("predicted_gain") or 0.0, 3)]
+                  for s in decode],
+    }  # fmt: skip
 
 
 def probe(gen: Generator, prompts: list[list[int]], n: int, slots: int, ctx) -> dict:
@@ -698,6 +703,7 @@ def main(argv: list[str] | None = None) -> dict:
         "weight_bytes": ctx["weight_bytes"], "kv_bytes_per_token": ctx["kv_per_token"],
         "roofline": "bulk steps: (target weights + KV bytes per token x rows' summed context) / copy bandwidth, "
         "over the steps' summed time",
+        "trace_fields": TRACE_FIELDS,
     }  # fmt: skip
     print("\n".join(f"{key}: {value}" for key, value in header.items()), flush=True)
     pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)

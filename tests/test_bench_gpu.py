@@ -62,6 +62,9 @@ def test_cpu_defaults_run_every_row_and_print_the_table_last(tmp_path):
         assert set(first["tokens_per_s_per_phase"]) == {"prefill", "bulk", "tail"}
         assert set(first["mean_k_per_phase"]) == set(first["ahead_share_per_phase"]) == {"prefill", "bulk", "tail"}
         assert set(first["ahead_share_per_phase"].values()) == {0.0}  # a CPU runs in lockstep
+        trace = first["trace"]  # every decode step, as header["trace_fields"] names its entries
+        assert trace and all(len(step) == len(header["trace_fields"]) for step in trace)
+        assert sum(step[2] for step in trace) <= first["tokens"] and {step[5] for step in trace} <= {"b", "t"}
         assert 0 <= first["acceptance_rate"] <= 1 and first["kv_cache_bytes"] > 0
         assert first["idle_share"] is None and first["syncs_per_step"] is None  # CUDA only
         assert 0 <= first["proposer_share"] < (0.01 if row_id == "none" else 1)  # none: no proposer to run
