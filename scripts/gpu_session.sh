@@ -58,98 +58,86 @@ run | policy | kernels | engine | spec | open)
         || exit 1
     mkdir -p /tmp/pk && ln -sfn "$PWD/kernels" /tmp/pk/rollout_kernels  # the import name an install would give it
     export PYTHONPATH=/tmp/site:/tmp/pk:. PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tcache
-    if [ "$mode" = kernels ]; then
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-        start=$(date +%s)
-        timeout 240 python3 -m pytest tests/test_gpu.py::test_race_kernels_are_their_references_bit_for_bit_on_a_gpu \
-            tests/kernels/test_race_logits.py tests/kernels/test_race_sample.py \
-            tests/kernels/test_paged_attention.py -q -p no:cacheprovider 2>&1 | tee "$out/test_kernels.log" \
-            | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
-        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
-        timeout 180 python3 scripts/bench_paged_attention.py 2>&1 | grep -v USDT > "$out/paged_attention.log"
-        tail -20 "$out/paged_attention.log"
-        echo "paged attention: $(( $(date +%s) - start )) s"; start=$(date +%s)
-        timeout 120 python3 -m pytest tests/kernels/test_keep_threshold.py -q -p no:cacheprovider 2>&1 \
-            | tee "$out/test_keep_threshold.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -6
-        timeout 120 python3 scripts/bench_keep_threshold.py --repeats 10 2>&1 | grep -v USDT > "$out/keep_threshold.log"
-        tail -8 "$out/keep_threshold.log"
-        echo "keep threshold: $(( $(date +%s) - start )) s"
-        exit 0
-    fi
-    if [ "$mode" = engine ]; then
-        commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-        start=$(date +%s)
-        timeout 120 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "reads_the_device_once" 2>&1 \
-            | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
-        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
-        timeout 420 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes 64x8 --budget-s 380 \
-            --rows standard none none_lockstep suffix none_compiled 2>&1 | grep -v USDT > "$out/bench.log"
-        tail -16 "$out/bench.log"
-        echo "bench: $(( $(date +%s) - start )) s"
-        exit 0
-    fi
-    if [ "$mode" = open ]; then
-        commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-        python3 -c "import torch, triton, numba; print('torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__)"
-        start=$(date +%s)
-        timeout 130 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider --durations=0 2>&1 \
-            | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed|skipped" | cut -c1-600 | tail -12
-        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
-        timeout 120 python3 -m pytest tests/kernels/test_race_logits.py tests/kernels/test_race_sample.py \
-            tests/kernels/test_paged_attention.py tests/kernels/test_keep_threshold.py -q -p no:cacheprovider 2>&1 \
-            | tee "$out/test_kernels.log" | grep -E "^E   |passed|failed|launcher" | cut -c1-400 | tail -8
-        echo "kernel tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
-        timeout 300 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes "${SIZES:-64x8,256x8}" \
-            --budget-s 260 --row-cap-s 60 --rows none suffix suffix_lockstep draft none_lockstep 2>&1 \
-            | grep -v USDT > "$out/bench.log"
-        tail -24 "$out/bench.log"
-        echo "bench: $(( $(date +%s) - start )) s"
-        exit 0
-    fi
-    if [ "$mode" = spec ]; then
-        commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-        start=$(date +%s)
-        timeout 150 python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider \
-            -k "graphs_sample_what_the_eager or reads_the_device_once" 2>&1 \
-            | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
-        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
-        timeout 420 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" --sizes 64x8 --budget-s 380 \
-            --row-cap-s 120 --rows none suffix suffix_lockstep draft suffix+draft suffix_k1 2>&1 | grep -v USDT > "$out/bench.log"
-        tail -16 "$out/bench.log"
-        echo "bench: $(( $(date +%s) - start )) s"
-        exit 0
-    fi
-    if [ "$mode" = policy ]; then
-        nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-        start=$(date +%s)
-        timeout 150 python3 -m pytest tests/test_gpu_policy.py -q -p no:cacheprovider 2>&1 \
-            | tee "$out/test_gpu_policy.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
-        echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
-        timeout 300 python3 scripts/trainer_logprob_gap.py --model tiny-target-1b --bf16 --num-prompts 16 --n 8 \
-            --max-new-tokens 256 2>&1 | grep -v USDT > "$out/logprob_gap.log"
-        grep -A5 "prompts$" "$out/logprob_gap.log"
-        echo "gap: $(( $(date +%s) - start )) s"
-        start=$(date +%s)
-        timeout 120 python3 scripts/rebuild_memory.py 2>&1 | grep -v USDT > "$out/rebuild_memory.log"
-        tail -2 "$out/rebuild_memory.log" | head -1
-        echo "rebuild: $(( $(date +%s) - start )) s"
-        exit 0
-    fi
     commit=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}  # the working tree travels without .git: COMMIT=
+    # pytest, its whole log in $out/LOG, its error lines and summary shown: tests LOG SECONDS [pytest args]
+    tests() {
+        local log=$1 limit=$2; shift 2
+        timeout "$limit" python3 -m pytest "$@" -q -p no:cacheprovider 2>&1 | tee "$out/$log" \
+            | grep -E "^E   |passed|failed|skipped|launcher" | cut -c1-600 | tail -12
+    }
+    # a script's output in $out/LOG (without the profiler's USDT noise): logged LOG SECONDS SCRIPT [args]
+    logged() {
+        local log=$1 limit=$2; shift 2
+        timeout "$limit" python3 "$@" 2>&1 | grep -v USDT > "$out/$log"
+    }
+    # bench_gpu.py into $out/bench.log and bench_gpu.json, the table's last LINES shown: bench SECONDS LINES [args]
+    bench() {
+        local limit=$1 lines=$2; shift 2
+        logged bench.log "$limit" scripts/bench_gpu.py --commit "$commit" --out "$out" "$@"
+        tail -"$lines" "$out/bench.log"
+    }
+    # the seconds since the last lap, labelled: lap LABEL
+    lap() { echo "$1: $(( $(date +%s) - start )) s"; start=$(date +%s); }
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     start=$(date +%s)
-    timeout 120 python3 -m pytest tests/test_gpu.py tests/test_graphs.py -q -p no:cacheprovider 2>&1 \
-        | tee "$out/test_gpu.log" | grep -E "^E   |passed|failed" | cut -c1-600 | tail -12
-    echo "tests: $(( $(date +%s) - start )) s"; start=$(date +%s)
-    timeout 60 python3 scripts/probe_step.py --out "$out" 2>&1 | grep -v USDT > "$out/probe.log"
-    grep -E '"(captured|memory_bytes|error|step_wall_ms|kernels_per_step|busy_share)"' "$out/probe_step.json"
-    echo "probe: $(( $(date +%s) - start )) s"; start=$(date +%s)
-    timeout 540 python3 scripts/bench_gpu.py --commit "$commit" --out "$out" "$@" 2>&1 | grep -v USDT > "$out/bench.log"
-    tail -25 "$out/bench.log"
-    echo "bench: $(( $(date +%s) - start )) s"
+    case "$mode" in
+    kernels)
+        tests test_kernels.log 240 tests/test_gpu.py::test_race_kernels_are_their_references_bit_for_bit_on_a_gpu \
+            tests/kernels/test_race_logits.py tests/kernels/test_race_sample.py tests/kernels/test_paged_attention.py
+        lap tests
+        logged paged_attention.log 180 scripts/bench_paged_attention.py
+        tail -20 "$out/paged_attention.log"
+        lap "paged attention"
+        tests test_keep_threshold.log 120 tests/kernels/test_keep_threshold.py
+        logged keep_threshold.log 120 scripts/bench_keep_threshold.py --repeats 10
+        tail -8 "$out/keep_threshold.log"
+        lap "keep threshold"
+        ;;
+    engine)
+        tests test_gpu.log 120 tests/test_gpu.py -k "reads_the_device_once"
+        lap tests
+        bench 420 16 --sizes 64x8 --budget-s 380 --rows standard none none_lockstep suffix none_compiled
+        lap bench
+        ;;
+    open)
+        python3 -c "import torch, triton, numba; print('torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__)"
+        tests test_gpu.log 130 tests/test_gpu.py --durations=0
+        lap tests
+        tests test_kernels.log 120 tests/kernels/test_race_logits.py tests/kernels/test_race_sample.py \
+            tests/kernels/test_paged_attention.py tests/kernels/test_keep_threshold.py
+        lap "kernel tests"
+        bench 300 24 --sizes "${SIZES:-64x8,256x8}" --budget-s 260 --row-cap-s 60 \
+            --rows none suffix suffix_lockstep draft none_lockstep
+        lap bench
+        ;;
+    spec)
+        tests test_gpu.log 150 tests/test_gpu.py -k "graphs_sample_what_the_eager or reads_the_device_once"
+        lap tests
+        bench 420 16 --sizes 64x8 --budget-s 380 --row-cap-s 120 \
+            --rows none suffix suffix_lockstep draft suffix+draft suffix_k1
+        lap bench
+        ;;
+    policy)
+        tests test_gpu_policy.log 150 tests/test_gpu_policy.py
+        lap tests
+        logged logprob_gap.log 300 scripts/trainer_logprob_gap.py --model tiny-target-1b --bf16 --num-prompts 16 \
+            --n 8 --max-new-tokens 256
+        grep -A5 "prompts$" "$out/logprob_gap.log"
+        lap gap
+        logged rebuild_memory.log 120 scripts/rebuild_memory.py
+        tail -2 "$out/rebuild_memory.log" | head -1
+        lap rebuild
+        ;;
+    run)
+        tests test_gpu.log 120 tests/test_gpu.py tests/test_graphs.py
+        lap tests
+        logged probe.log 60 scripts/probe_step.py --out "$out"
+        grep -E '"(captured|memory_bytes|error|step_wall_ms|kernels_per_step|busy_share)"' "$out/probe_step.json"
+        lap probe
+        bench 540 25 "$@"
+        lap bench
+        ;;
+    esac
     ;;
 *)
     echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT | kernels OUT | engine OUT" \
