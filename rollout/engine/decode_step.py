@@ -67,11 +67,8 @@ class DecodeStep:
         tree = not layout.is_chain
         # the step's one read of the device, started here and waited for in `_finish_decode`
         read = start_read(_packed(result, tree))
-        if after is None and drafts is None and self.proposers is not None:
-            # no drafts: the proposers that learn from the text take it in now, while the device computes the step
-            update_start = time.perf_counter()
-            self.proposers.update(self.slots.token_ids[:num_rows], self.slots.num_tokens[:num_rows].tolist())
-            propose_seconds += time.perf_counter() - update_start
+        if after is None and drafts is None:  # no drafts: the proposers take the text in while the device computes
+            propose_seconds += self._take_in_text(num_rows)
         advanced = layout.width == 1 and self.config.async_scheduling
         if advanced:  # one token a row: each row's pending token is in the cache now, whatever it samples
             self.slots.cache_len[:num_rows] += 1
@@ -98,12 +95,10 @@ class DecodeStep:
             0, packed, step.result.output_token_ids.shape[1], in_cache=not step.advanced, tree=not layout.is_chain
         )
         self._ahead.unread -= step.advanced
-        if self.proposers is not None and self._ahead.in_flight is not None:
+        if self._ahead.in_flight is not None:
             # a step runs behind this one, without drafts: the proposers take in this step's tokens now, while the
             # device computes it, rather than at the next launch (their time counts as this step's proposing)
-            update_start = time.perf_counter()
-            self.proposers.update(self.slots.token_ids[:num_rows], self.slots.num_tokens[:num_rows].tolist())
-            step.propose_seconds += time.perf_counter() - update_start
+            step.propose_seconds += self._take_in_text(num_rows)
         if accepted_nodes is not None:  # move accepted paths next to their roots (a chain's path is in place already)
             self.runner.compact_paths(torch.arange(num_rows), step.base_positions, accepted_nodes)  # host: no read
         accepted = accepted_per_row.tolist()
@@ -188,6 +183,15 @@ class DecodeStep:
             return decision, seconds, routes
         self._ahead.decision = (decision, seconds, self.policy)  # for the next launch, by this policy only
         return None
+
+    def _take_in_text(self, num_rows: int) -> float:
+        """The proposers that learn from the text take in the rows' tokens as they stand (a step without drafts);
+        returns the seconds it took."""
+        if self.proposers is None:
+            return 0.0
+        start = time.perf_counter()
+        self.proposers.update(self.slots.token_ids[:num_rows], self.slots.num_tokens[:num_rows].tolist())
+        return time.perf_counter() - start
 
     def _propose(
         self,
