@@ -34,6 +34,9 @@ class VerifyResult:
     num_emitted: Tensor  # [rows] int64: accepted drafts + 1
     logprobs: Tensor  # [rows, max_num_draft_tokens + 1] float64, 0 after the emitted tokens
     accepted_nodes: Tensor | None = None  # [rows, max_depth] tree-local accepted path (trees only), -1 padded
+    # [rows, 1 + 2 (max_num_draft_tokens + 1)] int64 the same results in one tensor (emitted count, tokens, log-probs'
+    # bits) where the verifier wrote them so (a replayed graph), for the step's one read; None: packed by the reader
+    packed: Tensor | None = None
 
 
 @dataclass
@@ -234,26 +237,60 @@ def verify_exact(
 
 
 def _walk_chain(drawn: Tensor, drawn_logprobs: Tensor, fed_cells: Tensor, tokens: Tensor) -> VerifyResult:
-    """The walk of chains whose every node was raced, as a few whole-tensor ops instead of a loop over depths: the
-    draft at depth d + 1 is accepted when it is the token raced at depth d and every draft before it was; a row emits
-    the tokens raced at depths 0..accepted. The same tokens and log-probs as the walks (the draws are the same), in a
-    number of launches that does not grow with K (a GPU's host time) and no shape that depends on the device's
-    values (a graph may hold it)."""
+    """The walk of chains whose every node was raced, as a few whole-tensor ops instead of a loop over depths (the
+    draws scattered to their cells of `[rows, width]`, then `_walk_cells`)."""
     rows, width = tokens.shape
     cells = torch.full((rows * width,), -1, dtype=torch.long, device=tokens.device)
     cells[fed_cells] = drawn
-    out = cells.view(rows, width)
     cell_logprobs = torch.zeros(rows * width, dtype=torch.float64, device=tokens.device)
     cell_logprobs[fed_cells] = drawn_logprobs.to(torch.float64)
+    return _walk_cells(cells.view(rows, width), cell_logprobs.view(rows, width), tokens)
+
+
+def _walk_cells(drawn: Tensor, drawn_logprobs: Tensor, tokens: Tensor) -> VerifyResult:
+    """The walk of chains from the draws at every cell of `[rows, width]` (`drawn`, `drawn_logprobs` float64; a
+    padded cell's draw is never emitted): the draft at depth d + 1 is accepted when it is the token raced at depth d
+    and every draft before it was; a row emits the tokens raced at depths 0..accepted. The same tokens and log-probs
+    as the walks (the draws are the same), in a number of launches that does not grow with K (a GPU's host time) and
+    no shape that depends on the device's values (a graph may hold it)."""
+    rows, width = tokens.shape
     # a padded cell holds token -1 and never matches a draw (draws are >= 0): a row stops at its last node
-    match = tokens[:, 1:] == out[:, :-1]  # [rows, width - 1]
+    match = tokens[:, 1:] == drawn[:, :-1]  # [rows, width - 1]
     num_accepted = torch.cumprod(match.long(), dim=1).sum(dim=1)
     depth = torch.arange(width, device=tokens.device)[None, :]
     emitted = depth <= num_accepted[:, None]
-    out = torch.where(emitted, out, -1)
-    logprobs = torch.where(emitted, cell_logprobs.view(rows, width), 0.0)
+    out = torch.where(emitted, drawn, -1)
+    logprobs = torch.where(emitted, drawn_logprobs, 0.0)
     accepted = torch.where(depth[:, 1:] <= num_accepted[:, None], depth[:, 1:], -1)
     return VerifyResult(out, num_accepted + 1, logprobs, accepted)
+
+
+def verify_padded_chains(
+    logits: Tensor,  # [rows * width, V]: cell (i, j) is row i's node j (its pending token, then its drafts)
+    token_ids: Tensor,  # [rows, width] int64 the nodes' tokens, -1 in a row's cells past its last node
+    temperatures: Tensor,  # [rows] float32/float64, 0 for a greedy row
+    race: RaceKeys,  # [rows] each row's seed and the completion position of the token its root draws
+) -> VerifyResult:
+    """Exact verification of chains fed as one padded `[rows, width]` block, with nothing from the host: every cell
+    is raced in one `race_logits` launch (a padded cell races row 0's root, in bounds, and its draw is never
+    emitted), then the chains are walked (`_walk_cells`). No shape depends on the device's values and nothing is
+    read back, so a CUDA graph captures it after the forward (`rollout.engine.graph_runner`). A race is keyed by its
+    own seed, position and logits only, so each row draws the tokens and log-probs `verify_exact` draws for it; a
+    row of all padding (token -1 at its root) emits garbage, for the caller to drop."""
+    rows, width = token_ids.shape
+    device = logits.device
+    fed = token_ids.reshape(-1) >= 0
+    cells = torch.arange(rows * width, device=device)
+    depth = torch.arange(width, device=device)[None, :]
+    op = race_logits if logits.is_cuda else race_logits_ref
+    drawn, drawn_logprobs = op(
+        logits,
+        torch.where(fed, cells, 0),
+        temperatures[:, None].expand(rows, width).contiguous().view(-1),
+        race.seeds[:, None].expand(rows, width).contiguous().view(-1),
+        (race.positions[:, None] + depth).reshape(-1),
+    )
+    return _walk_cells(drawn.view(rows, width), drawn_logprobs.view(rows, width).to(torch.float64), token_ids)
 
 
 def _walk_shrinking(draw, all_drawn, starts, parents, tokens, out, logprobs, accepted, current, max_depth) -> None:

@@ -16,6 +16,7 @@ from rollout import Generator, SamplingParams
 from rollout.engine.graph_runner import row_buckets
 from rollout.engine.step_batch import StepBatch
 from specdec.config import SpecConfig
+from specdec.verify import RaceKeys
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled Triton kernels)")
 
@@ -108,7 +109,8 @@ def test_a_decode_step_reads_the_device_once(kv_layout, cuda_graphs, spec):
 
 
 def test_a_replayed_graph_computes_what_the_eager_forward_computes():
-    """The captured forward and the same forward run eagerly, on the same buffers: equal bit for bit (bf16)."""
+    """The captured forward and the same forward run eagerly, on the same buffers: equal bit for bit (bf16), and so
+    are a verifying graph's results (tokens, counts, log-probs) and the same verification run eagerly."""
     model = make_model("llama", dtype=torch.bfloat16).cuda()
     gen = Generator(
         model, max_batch_size=12, max_seq_len=64, spec=SpecConfig(method="suffix", num_speculative_tokens=3)
@@ -116,6 +118,7 @@ def test_a_replayed_graph_computes_what_the_eager_forward_computes():
     graphs = gen.runner.graphs
     assert graphs is not None and graphs.error is None
     assert len(graphs.graphs) == len(row_buckets(12)) * 4  # every bucket at widths 1 to 4
+    assert all(verifying for _, _, verifying in graphs.graphs), "exact verification: graphs that verify too"
     assert graphs.memory_bytes > 0
     gen.add_requests(random_prompts(5, seed=3), SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=0))
     with torch.inference_mode():
@@ -126,12 +129,17 @@ def test_a_replayed_graph_computes_what_the_eager_forward_computes():
         counts = torch.tensor([1 + i % 4 for i in range(rows)])  # rows of 0-3 drafts, width 4
         ids = torch.randint(1, 97, (rows, 4), device="cuda")
         batch = StepBatch.build(0, ids, lens, torch.zeros_like(lens), counts)
-        logits = []
+        logits, verified = [], []
+        race = RaceKeys(torch.randint(0, 2**40, (rows,)), torch.arange(rows) + 5)
+        temperatures = torch.ones(rows)
+        temperatures[::3] = 0.0  # greedy rows among sampled ones
         for capture in (True, False):
             graphs.capture = capture
             logits.append(graphs.forward(batch).clone())
+            verified.append(graphs.forward_verified(batch, race, temperatures).packed.clone())
     graphs.capture = True
     assert torch.equal(logits[0], logits[1])
+    assert torch.equal(verified[0], verified[1]), "the replayed verification differs from the eager one"
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from rollout.engine.graph_runner import row_buckets
 from specdec.config import SpecConfig
 from specdec.processing import RowSampling
 from specdec.tree import layout_drafts
-from specdec.verify import RaceKeys, verify_exact
+from specdec.verify import RaceKeys, verify_exact, verify_padded_chains
 
 
 def padded_generator(model, graphs: bool, **kwargs) -> Generator:
@@ -25,6 +25,52 @@ def padded_generator(model, graphs: bool, **kwargs) -> Generator:
         for runner in gen._runners():
             runner.use_graphs(gen.max_width, capture=False)
     return gen
+
+
+def count_verified_steps(gen: Generator) -> list[int]:
+    """The rows of each step the target's graph runner verified with its forward (a counting wrapper around the
+    real method)."""
+    graphs, calls = gen.runner.graphs, []
+    verified = graphs.forward_verified
+
+    def counting(batch, race, temperatures):
+        calls.append(batch.num_rows)
+        return verified(batch, race, temperatures)
+
+    graphs.forward_verified = counting
+    return calls
+
+
+@pytest.mark.parametrize("case", ["some greedy rows", "all greedy", "top-k", "top-p", "rejection"])
+def test_which_steps_verify_in_the_replay(case):
+    """Chains under exact verification with a sampled row verify in the replay, greedy rows among them included; a
+    batch of greedy rows only, top-k / top-p and rejection sampling verify eagerly after it. Each generates what the
+    plain paged forward generates, log-probs included."""
+    model = make_model("llama")
+    verification = "rejection" if case == "rejection" else "exact"
+    spec = SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, verification=verification)
+    prompts = random_prompts(6, max_len=12, seed=8)
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=9)
+    params = {
+        "some greedy rows": [SamplingParams(n=2, temperature=0, max_new_tokens=16), sampled] * 3,
+        "all greedy": SamplingParams(n=2, temperature=0, max_new_tokens=16),
+        "top-k": SamplingParams(n=2, temperature=1.0, top_k=5, max_new_tokens=16, seed=9),
+        "top-p": SamplingParams(n=2, temperature=1.0, top_p=0.8, max_new_tokens=16, seed=9),
+        "rejection": sampled,
+    }[case]
+    plain = padded_generator(model, False, max_batch_size=6, max_seq_len=48, spec=spec).generate(prompts, params)
+    gen = padded_generator(model, True, max_batch_size=6, max_seq_len=48, spec=spec)
+    verified = count_verified_steps(gen)
+    padded = gen.generate(prompts, params)
+    assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
+    for a, b in zip(padded, plain):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-12, rtol=0)
+    num_decode = sum(r.kind == "decode" for r in gen.last_trace)
+    if case == "some greedy rows":  # every step while a sampled row is in flight
+        assert 0 < len(verified) <= num_decode
+    else:
+        assert verified == []
+    assert any(r.num_drafted for r in gen.last_trace), "expected drafted steps"
 
 
 def test_row_buckets():
@@ -59,7 +105,10 @@ def test_the_padded_forward_generates_what_the_paged_forward_generates(spec):
     plain_gen = padded_generator(model, False, max_batch_size=6, max_seq_len=64, spec=spec)
     plain = plain_gen.generate(prompts, params)
     gen = padded_generator(model, True, max_batch_size=6, max_seq_len=64, spec=spec)
+    verified = count_verified_steps(gen)
     padded = gen.generate(prompts, params)
+    # every decode step (all rows sampled, exact verification) verified in the replay, none after it
+    assert len(verified) == sum(r.kind == "decode" for r in gen.last_trace)
     if spec is None or spec.num_speculative_tokens_per_batch_size is None:  # auto K follows measured step times
         # the same drafts step by step (a draft model's own forwards are padded too)
         trace = [(r.batch_size, r.num_drafted, r.num_accepted) for r in gen.last_trace]
@@ -161,3 +210,41 @@ def test_cuda_graphs_argument():
     assert gen.runner.graphs is None  # auto: on a GPU only
     with pytest.raises(ValueError, match="CUDA graphs need the paged KV layout"):
         Generator(model, max_batch_size=2, max_seq_len=16, kv_layout="slots").runner.use_graphs(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_padded_chain_verification_draws_what_exact_verification_draws(seed, dtype):
+    """A verifying graph races every cell of the padded `[rows, width]` block, padding included; each real row must
+    emit the tokens and log-probs `verify_exact` gives it over its own nodes (greedy rows among sampled ones, rows of
+    0..K drafts, padding rows at the end)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, padding, vocab, max_k = 6, 2, 29, 4
+    num_drafted = torch.randint(0, max_k + 1, (rows,), generator=gen).tolist()
+    num_drafted[0] = max_k  # the block is as wide as the widest row
+    layout = layout_drafts(num_drafted, None)
+    width = layout.width
+    # drafts mostly tokens 0 and 1, which the logits favour: some are accepted, some not
+    tokens = torch.full((rows + padding, width), -1, dtype=torch.long)
+    for r, k in enumerate(num_drafted):
+        tokens[r, : k + 1] = torch.randint(0, 2, (k + 1,), generator=gen)
+    logits = torch.randn((rows + padding) * width, vocab, generator=gen, dtype=torch.float64)
+    logits[:, 0] += 3
+    logits[:, 1] += 3
+    logits = logits.to(dtype)
+    temperatures = torch.tensor([0.7, 0.0, 1.0, 1.3, 0.0, 1.0, 0.0, 0.0], dtype=torch.float32)
+    seeds = torch.randint(0, 2**40, (rows + padding,), generator=gen)
+    positions = torch.randint(0, 50, (rows + padding,), generator=gen)
+    padded = verify_padded_chains(logits, tokens, temperatures, RaceKeys(seeds, positions))
+
+    fed = torch.arange(width)[None, :] < layout.node_counts[:, None]
+    logit_rows = (torch.arange(rows)[:, None] * width + torch.arange(width))[fed]
+    sampling = RowSampling(
+        temperatures[:rows], torch.zeros(rows, dtype=torch.long), torch.ones(rows), False, False, True
+    )  # fmt: skip
+    race = RaceKeys(seeds[:rows], positions[:rows])
+    exact = verify_exact(logits, tokens[:rows][fed], layout, sampling, race, logit_rows=logit_rows)
+    assert torch.equal(padded.output_token_ids[:rows], exact.output_token_ids)
+    assert torch.equal(padded.num_emitted[:rows], exact.num_emitted)
+    assert torch.equal(padded.logprobs[:rows], exact.logprobs)
+    assert int(exact.num_emitted.max()) > 1 and int(exact.num_emitted.min()) == 1, "expected accepts and rejects"

@@ -61,8 +61,14 @@ class DecodeStep:
         )
         self.scheduler.reserve(layout.node_counts)  # blocks before the forward that writes them
         pending = after.next_input_ids(num_rows, self.device) if after is not None else None
-        input_ids, logits = self._forward(num_rows, drafts, layout, pending)
-        result = self._verify(num_rows, input_ids, logits, layout, drafts, sampling, uniforms, race)
+        input_ids = self._input_ids(num_rows, drafts, layout, pending)
+        cache_lens = self.slots.cache_len[:num_rows]
+        if self._verified_in_graph(num_rows, layout, sampling, race):  # the forward and the race in one replay
+            temperatures = self.slots.temperature[:num_rows]
+            result = self.runner.decode_verified(input_ids, layout.node_counts, cache_lens, race, temperatures)
+        else:
+            logits = self.runner.decode(0, input_ids, layout.node_counts, cache_lens, layout.depths, layout.ancestors)
+            result = self._verify(num_rows, input_ids, logits, layout, drafts, sampling, uniforms, race)
         base_positions = self.slots.cache_len[:num_rows].clone()  # where each root was written (the commit moves it)
         tree = not layout.is_chain
         # the step's one read of the device, started here and waited for in `_finish_decode`
@@ -219,18 +225,25 @@ class DecodeStep:
         )
         return self.proposers.propose(batch, [seq.params.spec.method for seq in sequences])
 
-    def _forward(
+    def _input_ids(
         self, num_rows: int, drafts: Drafts | None, layout: DraftLayout, pending: Tensor | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """The pending tokens (the slots', or `pending [rows, 1]` on the device) and the drafts `[rows, width]` through
-        the model: logits `[rows, width, V]`."""
+    ) -> Tensor:
+        """`[rows, width]` on the device: the pending tokens (the slots', or `pending [rows, 1]` on the device), then
+        the drafts (0 past a row's last)."""
         input_ids = upload(self.slots.pending(num_rows)[:, None], self.device) if pending is None else pending
         if layout.width > 1:  # drafts stay where the proposer made them (a draft model's on the device): no round trip
             draft_ids = upload(drafts.token_ids[:, : layout.width - 1], self.device).clamp(min=0)
             input_ids = torch.cat([input_ids, draft_ids], dim=1)
-        cache_lens = self.slots.cache_len[:num_rows]
-        logits = self.runner.decode(0, input_ids, layout.node_counts, cache_lens, layout.depths, layout.ancestors)
-        return input_ids, logits
+        return input_ids
+
+    def _verified_in_graph(self, num_rows: int, layout: DraftLayout, sampling, race: RaceKeys | None) -> bool:
+        """Whether the step's verification replays with its forward (`ModelRunner.decode_verified`): chains under
+        exact verification, some row sampled and none filtered by top-k / top-p, at a shape the graphs serve. The
+        others verify eagerly after the forward (`verify`): all-greedy batches take the greedy kernels, filters their
+        thresholds, rejection sampling its uniforms, trees their walk."""
+        if race is None or not layout.is_chain or sampling.all_greedy or sampling.needs_filter:
+            return False
+        return self.runner.verifies(num_rows, layout.width)
 
     def _verify(
         self, num_rows, input_ids, logits, layout: DraftLayout, drafts, sampling, uniforms, race: RaceKeys | None
@@ -330,6 +343,8 @@ def _count_by(values: list, keep: list[bool]) -> dict:
 def _packed(result: VerifyResult, tree: bool) -> Tensor:
     """A step's results in one int64 tensor `[rows, 1 + 2 W (+ depth)]` (emitted count, tokens, log-probs' bits, a
     tree's accepted nodes), so that they come back to the host in one copy."""
+    if result.packed is not None:  # packed where it was computed (a replayed graph)
+        return result.packed
     parts = [result.num_emitted[:, None], result.output_token_ids, result.logprobs.view(torch.long)]
     if tree:
         parts.append(result.accepted_nodes.to(torch.long))

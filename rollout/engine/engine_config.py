@@ -62,7 +62,9 @@ def resolve_engine(
             f"{runner.device}, kv_layout {runner.kv_layout!r}, cuda_graphs={cuda_graphs!r}): pass compile_forward=False"
         )
     if use_graphs:  # before the auto policy's warm-up, so that it times the captured steps
-        runner.use_graphs(max_width, compile=compile_forward).capture_all(max_batch_size)
+        # exact verification (the default) replays with the forward: its graphs are the ones steps take
+        exact = spec is None or spec.verification == "exact"
+        runner.use_graphs(max_width, compile=compile_forward).capture_all(max_batch_size, verifying=exact)
     # "auto": where the host and the device run side by side (on a CPU it gains nothing, and a finished row rides
     # one step further)
     run_ahead = async_scheduling is True or (async_scheduling == "auto" and runner.device.type == "cuda")

@@ -13,7 +13,11 @@ most) changes every step with the batch, so a graph is captured per width and pe
   step fills with a few asynchronous copies from pinned memory; it ends with the LM head (a plain bias-free linear
   layer in the hidden states' dtype) writing every position's logits into one persistent `[cells, vocab]` buffer,
   which a step reads before the next replay (stream order); no graph keeps an output of its own. An LM head of
-  another kind runs eagerly after the replay, over the real rows, from a persistent buffer of hidden states.
+  another kind runs eagerly after the replay, over the real rows, from a persistent buffer of hidden states;
+- a verifying graph (`forward_verified`: chains under exact verification) goes on with the step's verification,
+  `specdec.verify.verify_padded_chains` over every cell, the rows' race keys and temperatures staged with the
+  metadata, and packs its results into one persistent buffer for the step's read. Other steps verify eagerly after a
+  forward-only graph of their shape.
 
 Graphs are captured largest first into one memory pool shared by all of them, in eval mode and inference mode, and
 under the autocast the policy's forward computes in (a trainer's bf16 over float32 weights), so that a replayed step
@@ -42,6 +46,7 @@ from rollout.engine.paged_cache import PagedKVCache, PagedStep
 from rollout.engine.policy_mode import eval_mode
 from rollout.engine.step_batch import StepBatch
 from rollout_kernels.device_io import upload_into
+from specdec.verify import RaceKeys, VerifyResult, verify_padded_chains
 
 # config fields with which a causal LM changes its logits after the LM head (softcapping, scaling)
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -84,8 +89,10 @@ class GraphRunner:
         cells = self.max_rows * max_width
         with torch.inference_mode(False):  # written by steps inside and outside inference mode
             self.ids = torch.zeros(cells, dtype=torch.long, device=self.device)
-            # positions, slot mapping, block tables, cache lengths, query starts, query counts: one int64 buffer
-            self._sizes = (cells, cells, self.max_rows * self.table_width, self.max_rows, self.max_rows, self.max_rows)
+            # positions, slot mapping, block tables, cache lengths, query starts, query counts, and for verification
+            # the rows' seeds, race positions and temperatures (float32 bits): one int64 buffer
+            rows = self.max_rows
+            self._sizes = (cells, cells, rows * self.table_width, rows, rows, rows, rows, rows, rows)
             self.meta = torch.zeros(sum(self._sizes), dtype=torch.long, device=self.device)
             # two host buffers, used in turn: a step launched ahead stages its metadata while the last step's copies
             # may still be queued behind the device's work
@@ -98,10 +105,12 @@ class GraphRunner:
             self.logits = torch.zeros(cells, head.out_features, dtype=head.weight.dtype, device=self.device) if (
                 plain_head
             ) else None  # fmt: skip
+            # a verifying graph's results, packed as the step's read takes them: [rows, 1 + 2 width] at most
+            self.packed = torch.zeros(self.max_rows * (1 + 2 * max_width), dtype=torch.long, device=self.device)
         self.head_in_graph = False  # the last forward ran the LM head into `self.logits`
         self._copied: list[torch.cuda.Event | None] = [None, None]  # the last copy out of each staging buffer
         self._turn = 0  # the staging buffer the next step fills
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}  # (rows, width, verifying)
         self.pool = None
         # captures run on one side stream: the allocator caches blocks per stream, so the warm-up runs of all
         # captures reuse one stream's blocks
@@ -112,7 +121,7 @@ class GraphRunner:
             self.key = self._key(epoch=0)
         self.recaptures: list[str] = []  # what changed, each time `refresh` dropped the graphs
         # the persistent buffers, then what the captures hold
-        buffers = (self.ids, self.meta, self.hidden, self.logits)
+        buffers = (self.ids, self.meta, self.hidden, self.logits, self.packed)
         self.memory_bytes = sum(t.numel() * t.element_size() for t in buffers if t is not None)
         self.capture_seconds = 0.0
         self.error: str | None = None  # a failed capture: the reason, and the graphs are off
@@ -166,31 +175,52 @@ class GraphRunner:
         """Logits `[rows, width, V]` of one chain step (`batch`), computed as the eager paged forward computes them,
         with the rows padded to their bucket."""
         num_rows, width = batch.num_rows, batch.width
-        padded = self.bucket(num_rows)
-        graph = self._graph(padded, width)  # captured first: a capture stages padding of its own
-        slot_mapping = self.cache.write_plan(batch)
-        tables = self.cache.tables(batch.row_start, num_rows)
-        metadata = [batch.positions, slot_mapping, tables, batch.cache_lens, batch.query_start, batch.num_queries]
-        self._stage(padded, width, metadata)
-        ids = self.ids[: padded * width].view(padded, width)
-        ids[:num_rows].copy_(batch.input_ids)
-        if padded > num_rows:
-            ids[num_rows:].zero_()
-        if graph is None:
-            self._body(padded, width)
-        else:
-            graph.replay()
+        self._run(batch, verifying=False)
         if self.head_in_graph:  # read before the next replay writes it (stream order)
             return self.logits[: num_rows * width].view(num_rows, width, -1)
         with self._autocast():
             return self.lm_head(self.hidden[: num_rows * width]).view(num_rows, width, -1)
 
+    def forward_verified(self, batch: StepBatch, race: RaceKeys, temperatures: Tensor) -> VerifyResult:
+        """One chain step and its exact verification (`specdec.verify.verify_padded_chains`) in one replay: the
+        forward, the LM head over every position and the race of every node, with the rows' race keys and
+        temperatures (`[rows]` host tensors) staged with the step's metadata. Returns the rows' results, packed for
+        the step's read too; they stay valid until the next replay (a reader copies them first, in stream order)."""
+        num_rows, width = batch.num_rows, batch.width
+        temperature_bits = temperatures.to(torch.float32).view(torch.int32).to(torch.long)
+        self._run(batch, verifying=True, race=[race.seeds, race.positions, temperature_bits])
+        packed = self.packed[: num_rows * (1 + 2 * width)].view(num_rows, 1 + 2 * width)
+        if self.device.type != "cuda":  # a host "read" is the tensor itself: the next step must not overwrite it
+            packed = packed.clone()
+        tokens, logprobs = packed[:, 1 : 1 + width], packed[:, 1 + width :].view(torch.float64)
+        return VerifyResult(tokens, packed[:, 0], logprobs, packed=packed)
+
+    def _run(self, batch: StepBatch, verifying: bool, race: list[Tensor] | None = None) -> None:
+        """Stage the step's inputs (its race keys too, `race`, when `verifying`) and replay its shape's graph (run the
+        padded body where none is captured)."""
+        num_rows, width = batch.num_rows, batch.width
+        padded = self.bucket(num_rows)
+        graph = self._graph(padded, width, verifying)  # captured first: a capture stages padding of its own
+        slot_mapping = self.cache.write_plan(batch)
+        tables = self.cache.tables(batch.row_start, num_rows)
+        metadata = [batch.positions, slot_mapping, tables, batch.cache_lens, batch.query_start, batch.num_queries]
+        self._stage(padded, width, metadata + (race or [np.zeros(0)] * 3))
+        ids = self.ids[: padded * width].view(padded, width)
+        ids[:num_rows].copy_(batch.input_ids)
+        if padded > num_rows:
+            ids[num_rows:].zero_()
+        if graph is None:
+            self._body(padded, width, verifying)
+        else:
+            graph.replay()
+
     # ---- the captured part ----------------------------------------------------------------------------------------
 
     def _views(self, rows: int, width: int) -> list[Tensor]:
         """The metadata buffer's views for `rows` x `width`: positions, slot mapping, tables, lengths, starts,
-        counts (each region holds the largest shape; a smaller one takes its prefix, contiguous)."""
-        shapes = [(rows, width), (rows, width), (rows, self.table_width), (rows,), (rows,), (rows,)]
+        counts, then the race's seeds, positions and temperature bits (each region holds the largest shape; a smaller
+        one takes its prefix, contiguous)."""
+        shapes = [(rows, width), (rows, width), (rows, self.table_width)] + [(rows,)] * 6
         views, offset = [], 0
         for size, shape in zip(self._sizes, shapes):
             views.append(self.meta[offset : offset + int(np.prod(shape))].view(shape))
@@ -218,10 +248,13 @@ class GraphRunner:
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record()
 
-    def _body(self, rows: int, width: int) -> None:
+    def _body(self, rows: int, width: int, verifying: bool = False) -> None:
         """The forward over the buffers' `rows` x `width` views: every position's logits into `self.logits` (the LM
-        head in the graph), or the final hidden states into `self.hidden`."""
-        positions, slot_mapping, tables, lens, starts, counts = self._views(rows, width)
+        head in the graph), or the final hidden states into `self.hidden`; `verifying`: then the step's exact
+        verification, its results into `self.packed`."""
+        positions, slot_mapping, tables, lens, starts, counts, seeds, race_positions, temperature_bits = self._views(
+            rows, width
+        )
         step = PagedStep(self.cache, slot_mapping, tables, lens, starts, counts)
         ids = self.ids[: rows * width].view(rows, width)
         with paged_attention_for(self.model), self._autocast():
@@ -235,34 +268,51 @@ class GraphRunner:
             torch.mm(hidden, self.lm_head.weight.t(), out=self.logits[: rows * width])
         else:
             self.hidden[: rows * width].copy_(hidden)
+        if not verifying:
+            return
+        if self.head_in_graph:
+            logits = self.logits[: rows * width]
+        else:  # the head the eager step runs, in the graph (over the padding rows too)
+            with self._autocast():
+                logits = self.lm_head(hidden)
+        fed = torch.arange(width, device=self.device)[None, :] < counts[:, None]
+        temperatures = temperature_bits.to(torch.int32).view(torch.float32)
+        result = verify_padded_chains(
+            logits, torch.where(fed, ids, -1), temperatures, RaceKeys(seeds, race_positions)
+        )  # fmt: skip
+        packed = self.packed[: rows * (1 + 2 * width)].view(rows, 1 + 2 * width)
+        packed[:, 0] = result.num_emitted
+        packed[:, 1 : 1 + width] = result.output_token_ids
+        packed[:, 1 + width :] = result.logprobs.view(torch.long)
 
-    def _graph(self, rows: int, width: int) -> torch.cuda.CUDAGraph | None:
-        """The graph of this shape, captured now if it is missing; None where graphs are not captured."""
+    def _graph(self, rows: int, width: int, verifying: bool) -> torch.cuda.CUDAGraph | None:
+        """The graph of this shape (with verification or not), captured now if it is missing; None where graphs are
+        not captured."""
         if not self.capture or self.error is not None:
             return None
         if self.cache.generation != self.key.pools:  # pools reallocated mid-call: the graphs read stale ones
             self.refresh(self.key.epoch, full=False)
-        graph = self.graphs.get((rows, width))
-        return graph if graph is not None else self._capture(rows, width)
+        graph = self.graphs.get((rows, width, verifying))
+        return graph if graph is not None else self._capture(rows, width, verifying)
 
-    def capture_all(self, max_rows: int | None = None) -> None:
+    def capture_all(self, max_rows: int | None = None, verifying: bool = False) -> None:
         """Capture every bucket up to `max_rows` at every width, largest first (they share one memory pool), then
-        hand back what the warm-up runs left cached."""
+        hand back what the warm-up runs left cached; `verifying`: the graphs that verify too (`forward_verified`)."""
         if self.capture:
             torch.cuda.empty_cache()
             before, held = torch.cuda.memory_reserved(self.device), self.memory_bytes
         for rows in sorted((b for b in self.buckets if max_rows is None or b <= self.bucket(max_rows)), reverse=True):
             for width in range(self.max_width, 0, -1):
-                self._graph(rows, width)
+                self._graph(rows, width, verifying)
         if self.capture:
             torch.cuda.empty_cache()
             self.memory_bytes = held + torch.cuda.memory_reserved(self.device) - before
 
-    def _capture(self, rows: int, width: int) -> torch.cuda.CUDAGraph | None:
+    def _capture(self, rows: int, width: int, verifying: bool) -> torch.cuda.CUDAGraph | None:
         """Capture the forward at this shape (after one eager run on a side stream, which compiles the kernels)
         with every row padding, so that nothing is written; None, and the graphs off, if capture fails."""
         start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        self._stage(rows, width, [np.zeros((0, width))] * 2 + [np.zeros((0, self.table_width))] + [np.zeros(0)] * 3)
+        self._stage(rows, width, [np.zeros((0, width))] * 2 + [np.zeros((0, self.table_width))] + [np.zeros(0)] * 6)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
@@ -272,12 +322,12 @@ class GraphRunner:
             # eval mode: a trainer builds the generator with its policy in train mode, and dropout captured in a
             # graph would be replayed in every decode step
             with torch.inference_mode(), eval_mode(self.model), torch.cuda.stream(stream):
-                self._body(rows, width)
+                self._body(rows, width, verifying)
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
                 graph.capture_begin(pool=self.pool)
                 try:
-                    self._body(rows, width)
+                    self._body(rows, width, verifying)
                 finally:
                     graph.capture_end()
         except Exception as err:  # noqa: BLE001 - any capture failure: run eagerly, said once
@@ -289,7 +339,7 @@ class GraphRunner:
             warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", RuntimeWarning, stacklevel=2)
             return None
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        self.graphs[(rows, width)] = graph
+        self.graphs[(rows, width, verifying)] = graph
         self.memory_bytes += torch.cuda.memory_reserved(self.device) - before
         self.capture_seconds += time.perf_counter() - start
         return graph

@@ -25,6 +25,7 @@ from rollout.engine.model_checks import cache_keyword, check_supported, probe
 from rollout.engine.paged_cache import PagedKVCache
 from rollout.engine.step_batch import StepBatch
 from rollout_kernels.device_io import upload
+from specdec.verify import RaceKeys, VerifyResult
 
 KV_LAYOUTS = ("auto", "paged", "slots")
 
@@ -182,6 +183,21 @@ class ModelRunner:
         starts = torch.zeros(len(lens), dtype=torch.long)
         ids = upload(input_ids, self.device)
         return self.forward(StepBatch.build(row_start, ids, lens, starts, counts, depths, ancestors))
+
+    def verifies(self, num_rows: int, width: int) -> bool:
+        """Whether a chain step of this shape replays its exact verification with its forward (`decode_verified`)."""
+        return self.graphs is not None and self.graphs.serves(num_rows, width)
+
+    def decode_verified(
+        self, input_ids: Tensor, num_inputs: Tensor, cache_lens: Tensor, race: RaceKeys, temperatures: Tensor
+    ) -> VerifyResult:
+        """`decode` of chains from row 0 (`input_ids [rows, S]`, `num_inputs [rows]` and `cache_lens [rows]` host
+        int64) and their exact verification (`specdec.verify.verify_padded_chains`, each row's race keys and its
+        temperature `[rows]` on the host) in one replay of the graph runner's; only where `verifies`."""
+        lens, counts = torch.as_tensor(cache_lens), torch.as_tensor(num_inputs)
+        starts = torch.zeros(len(lens), dtype=torch.long)
+        batch = StepBatch.build(0, upload(input_ids, self.device), lens, starts, counts)
+        return self.graphs.forward_verified(batch, race, temperatures)
 
     def forward(self, batch: StepBatch, cache: SlotKVCache | PagedKVCache | None = None) -> Tensor:
         """One forward over `batch` (`rollout.engine.step_batch`): a replayed CUDA graph for a chain step it serves,
