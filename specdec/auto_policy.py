@@ -68,12 +68,19 @@ class AcceptanceStats:
         """One step: per row, the drafts it was asked for and how many of them were accepted (a prefix)."""
         asked = np.asarray(num_asked)
         accepted = np.asarray(num_accepted)
-        positions = np.arange(1, self.max_k + 1)[:, None]
-        reached = ((asked >= positions) & (accepted >= positions - 1)).sum(1)
-        hits = (accepted >= positions).sum(1)
-        weight = np.minimum(reached / self.rows_per_step, 1.0)
-        self.reached = self.decay * self.reached + weight
-        self.accepted = self.decay * self.accepted + weight * hits / np.maximum(reached, 1)
+        # a row reaches draft p when it was asked for p and accepted the p - 1 before it: p <= min(asked, accepted + 1);
+        # rows reaching / accepting each position are the counts at or above it (a few calls whatever the rows)
+        depth = self.max_k + 2
+        reached_at = np.bincount(np.minimum(asked, accepted + 1), minlength=depth)[::-1].cumsum()[::-1].tolist()
+        hits_at = np.bincount(accepted, minlength=depth)[::-1].cumsum()[::-1].tolist()
+        decay, old_reached, old_accepted = self.decay, self.reached.tolist(), self.accepted.tolist()
+        new_reached, new_accepted = [], []
+        for p in range(1, self.max_k + 1):  # Python numbers: numpy's calls on a few cost more than the arithmetic
+            reached, hits = reached_at[p], hits_at[p]
+            weight = min(reached / self.rows_per_step, 1.0)
+            new_reached.append(decay * old_reached[p - 1] + weight)
+            new_accepted.append(decay * old_accepted[p - 1] + weight * hits / max(reached, 1))
+        self.reached, self.accepted = np.array(new_reached), np.array(new_accepted)
 
     def age(self) -> None:
         """A step in which this route drafted nothing: its evidence fades by `idle_decay`. A rate measured long ago
@@ -84,23 +91,34 @@ class AcceptanceStats:
         self.accepted *= self.idle_decay
 
     def rates(self) -> np.ndarray:
-        rates = np.zeros(self.max_k)
-        previous = self.prior_rate
-        for j in range(self.max_k):
-            rates[j] = (self.accepted[j] + self.prior_weight * previous) / (self.reached[j] + self.prior_weight)
-            previous = rates[j]
+        return np.array(self._rates())
+
+    def _rates(self) -> list[float]:
+        # Python floats: the policy reads these every step, and a few numpy calls on 8 numbers cost more than the sums
+        rates, previous = [], self.prior_rate
+        for accepted, reached in zip(self.accepted.tolist(), self.reached.tolist()):
+            previous = (accepted + self.prior_weight * previous) / (reached + self.prior_weight)
+            rates.append(previous)
         return rates
 
     def measured_depth(self) -> int:
         """Leading positions measured recently: a full step's weight within the last `recent_steps` steps, counted at
         `decay` per step (so the position one past K, measured by exploration every 20 steps, counts). The policy may
         then climb one position past it: from K = 3 straight to 5, say, when K = 4 itself costs more than either."""
-        shallow = np.flatnonzero(self.reached < self.decay**self.recent_steps)
-        return int(shallow[0]) if len(shallow) else self.max_k
+        recent = self.decay**self.recent_steps
+        return next((j for j, weight in enumerate(self.reached.tolist()) if weight < recent), self.max_k)
 
     def expected_emitted(self) -> np.ndarray:
         """`[max_k + 1]`: expected tokens a row emits in a step asked for K drafts, K = 0..max_k (bonus included)."""
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.rates()))])
+        return np.array(self._expected_emitted())
+
+    def _expected_emitted(self) -> list[float]:
+        emitted, reach, total = [1.0], 1.0, 0.0
+        for rate in self._rates():  # 1 + the cumulative sum of the cumulative products of the rates
+            reach *= rate
+            total += reach
+            emitted.append(1.0 + total)
+        return emitted
 
 
 @dataclass
@@ -157,42 +175,49 @@ class AutoPolicy:
         """K for a step of `batch_size` rows after `context` cached tokens (the longest row's); `caps[i]` is row i's
         largest K, `routes[i]` its route (default: the first one)."""
         max_k = self.num_speculative_tokens
-        ks = np.arange(max_k + 1)
+        ks = range(max_k + 1)
         names = {next(iter(self.stats))} if routes is None else set(routes)
         caps = [max_k] * batch_size if caps is None else list(caps)
-        # one route, every row the same cap (the usual case): no per-row arrays
+        # each route's rows per cap; one route, every row the same cap (the usual case): no per-row arrays
         if caps and len(names) == 1 and caps.count(caps[0]) == len(caps):
             cap = min(max(int(caps[0]), 0), max_k)
-            groups = {next(iter(names)): np.bincount([cap], weights=[batch_size], minlength=max_k + 1)}
+            groups = {next(iter(names)): [batch_size if c == cap else 0 for c in ks]}
             usable = cap
         else:
             caps = np.clip(np.asarray(caps, dtype=np.int64), 0, max_k)
             route_of_row = np.asarray(routes) if len(names) > 1 else None
             groups = {
-                route: np.bincount(caps if route_of_row is None else caps[route_of_row == route], minlength=max_k + 1)
+                route: np.bincount(
+                    caps if route_of_row is None else caps[route_of_row == route], minlength=max_k + 1
+                ).tolist()
                 for route in names
             }
             usable = int(caps.max(initial=0))
-        emitted = np.zeros(len(ks))
-        passes = np.zeros(len(ks))
+        # Python floats over K = 0..max_k: the policy runs between every two steps, and numpy's calls on a few numbers
+        # cost more than the arithmetic (most of all with the caches cold after a forward)
+        emitted = [0.0] * len(ks)
+        passes = [0] * len(ks)
         share = 0.0  # the chance that the step runs the draft passes
         for route, rows_per_cap in groups.items():
-            # sum over rows of E[emitted | min(K, cap)]: [K, cap] @ rows per cap
-            table = self.stats[route].expected_emitted()
-            emitted += table[np.minimum(ks[:, None], ks[None, :])] @ rows_per_cap
-            largest = int(np.flatnonzero(rows_per_cap)[-1]) if rows_per_cap.any() else 0
+            # sum over rows of E[emitted | min(K, cap)]
+            table = self.stats[route]._expected_emitted()
+            for k in ks:
+                emitted[k] += sum(table[min(k, c)] * rows for c, rows in enumerate(rows_per_cap) if rows)
+            largest = max((c for c, rows in enumerate(rows_per_cap) if rows), default=0)
             if self.draft_passes[route] and largest > 0:
-                passes = np.maximum(passes, np.minimum(ks, largest))
+                passes = [max(p, min(k, largest)) for p, k in zip(passes, ks)]
                 share = max(share, self.pass_share[route])
         if share == 0.0:  # no route runs draft passes (or an optional route has not run them for thousands of steps)
-            passes[:] = 0
-        seconds = self.step_times.predict(batch_size, ks + 1, passes, context)
+            passes = [0] * len(ks)
+        widths = np.arange(1, max_k + 2)
+        seconds = self.step_times.predict(batch_size, widths, np.array(passes), context)
         if 0.0 < share < 1.0:
             seconds = share * seconds + (1.0 - share) * self.step_times.predict(
-                batch_size, ks + 1, np.zeros_like(passes), context
+                batch_size, widths, np.zeros(len(ks)), context
             )
-        rate = emitted / np.maximum(seconds, 1e-9)
-        best = int(np.argmax(rate[: usable + 1]))
+        seconds = seconds.tolist()
+        rate = [e / max(t, 1e-9) for e, t in zip(emitted, seconds)]
+        best = max(range(usable + 1), key=rate.__getitem__)  # the first of equal rates, as argmax
         current = min(self.current, usable)
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
             best = current
@@ -214,12 +239,12 @@ class AutoPolicy:
         elif phase == 0 and usable > 0 and self._one_draft_could_pay(groups, seconds, rate[0]):
             # K = 0 rests on acceptance measured while drafting, which may be stale (docs/design/dynamic-k.md)
             best, measuring = 1, True
-        return Decision(best, float(rate[best] / rate[0]), measuring)
+        return Decision(best, rate[best] / rate[0], measuring)
 
-    def _one_draft_could_pay(self, groups: dict[str, np.ndarray], seconds: np.ndarray, plain_rate: float) -> bool:
+    def _one_draft_could_pay(self, groups: dict[str, list[int]], seconds: list[float], plain_rate: float) -> bool:
         """Whether a step of one draft a row would beat a plain one if the drafts were accepted at the prior's rate
         (`groups`: each route's rows per cap; rows capped at 0 draft nothing)."""
-        emitted = sum(rows.sum() + self.stats[route].prior_rate * rows[1:].sum() for route, rows in groups.items())
+        emitted = sum(sum(rows) + self.stats[route].prior_rate * sum(rows[1:]) for route, rows in groups.items())
         return emitted / max(seconds[1], 1e-9) > plain_rate
 
     def calibrate(self, timer: StepTimerProtocol, short_context: int = 32) -> None:

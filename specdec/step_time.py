@@ -90,9 +90,13 @@ class _Correction:
             weight = 1.0 / (1.0 + (math.log(max(ratio, 1e-12)) / 0.35) ** 4)
         row = min(max(round(math.log2(max(batch_size, 1)) * self.BINS_PER_OCTAVE), 0), self.NUM_BINS - 1)
         self.sums *= self.decay
-        self.sums[:, row, width] += (weight, weight * seconds, weight * tabled)
+        self.sums[0, row, width] += weight  # scalar writes: a tuple added to a fancy index costs more, every step
+        self.sums[1, row, width] += weight * seconds
+        self.sums[2, row, width] += weight * tabled
         self.recent *= self.recent_decay
-        self.recent[:, row] += (1.0, seconds, tabled)
+        self.recent[0, row] += 1.0
+        self.recent[1, row] += seconds
+        self.recent[2, row] += tabled
 
     def recent_level(self, batch_size: int) -> float:
         """Measured over tabled time of the last ~16 steps near `batch_size`, all widths, every step in full; 1
@@ -103,18 +107,19 @@ class _Correction:
     def ratios(self, batch_size: int, widths: np.ndarray) -> np.ndarray:
         """Per width: measured over tabled time near `batch_size`, shrunk toward that of all widths where few steps
         were fed that width (1 before any step)."""
-        weight, measured, tabled = np.einsum("b,sbw->sw", self.kernel(batch_size), self.sums)
-        total_weight, total_tabled = weight.sum(), tabled.sum()
+        near = np.einsum("b,sbw->sw", self.kernel(batch_size), self.sums)  # weight, measured, tabled per width
+        total_weight, total_measured, total_tabled = near.sum(axis=1).tolist()
+        widths = widths.tolist() if isinstance(widths, np.ndarray) else list(widths)
         if total_weight < 1e-3 or total_tabled <= 0:
             return np.ones(len(widths))
-        overall = measured.sum() / total_tabled
+        overall = total_measured / total_tabled
         mean_tabled = total_tabled / total_weight
-        widths = np.asarray(widths)
-        seen = widths < len(weight)
-        column = np.where(seen, widths, 0)
-        own_measured = np.where(seen, measured[column], 0.0)
-        own_tabled = np.where(seen, tabled[column], 0.0)
-        return (own_measured + self.shrinkage * overall * mean_tabled) / (own_tabled + self.shrinkage * mean_tabled)
+        _, measured, tabled = near.tolist()
+        # Python numbers over a few widths: numpy's calls cost more than the arithmetic (the policy runs every step)
+        prior_measured, prior_tabled = self.shrinkage * overall * mean_tabled, self.shrinkage * mean_tabled
+        missing = [0.0] * (max(widths, default=0) + 1 - len(measured))  # 0 for a width never fed
+        measured, tabled = measured + missing, tabled + missing
+        return np.array([(measured[w] + prior_measured) / (tabled[w] + prior_tabled) for w in widths])
 
 
 def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
@@ -252,7 +257,10 @@ class StepTimeTable:
         return self._tabled(batch_size, widths, num_draft_passes, context) * self.correction.ratios(batch_size, widths)
 
     def _tabled(self, batch_size: int, widths, num_draft_passes, context: int) -> np.ndarray:
-        passes = np.broadcast_to(np.asarray(num_draft_passes), np.shape(widths))
+        # Python numbers, read one by one below (numpy's broadcasting costs more than the lookups, run every step)
+        widths = widths.tolist() if isinstance(widths, np.ndarray) else list(widths)
+        passes = num_draft_passes.tolist() if isinstance(num_draft_passes, np.ndarray) else num_draft_passes
+        passes = list(passes) if isinstance(passes, (list, tuple)) else [passes] * len(widths)
         if not self.profile:  # no warm-up: the latest measured step of each (B, W, drafted, context) is the table
             times: dict[Key, dict[int, float]] = {}
             for b, w, p, seconds, c in self.measured.view()[-256:]:
@@ -266,10 +274,11 @@ class StepTimeTable:
             self._memo.clear()
         # the context read to CONTEXT_GRAIN tokens: a step then prices every width from a few lookups (the policy's
         # prediction, and `add` comparing the step with it), and the table is read again a few steps later
-        context = context - context % CONTEXT_GRAIN
+        context = int(context - context % CONTEXT_GRAIN)
+        batch_size = int(batch_size)
         seconds = []
         for w, p in zip(widths, passes):
-            key = (int(batch_size), int(w), bool(p > 0), int(context))
+            key = (batch_size, int(w), p > 0, context)
             value = self._memo.get(key)
             if value is None:
                 value = self._memo[key] = self._table.seconds(*key)
