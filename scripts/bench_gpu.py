@@ -5,6 +5,9 @@ Rows (`--rows`; run in this order, each at every `--sizes` entry, 64x8 = 64 held
 - `none`: this library's Generator without speculation; `hf_generate`: `model.generate` on left-padded batches
   (TRL without vLLM); `generate_batch`: transformers' continuous batching (paged attention, CUDA graphs as shipped);
 - `suffix`, `suffix+draft` (the cascade), `draft`, `ngram` at auto K; `suffix_k4`, `suffix_k2`, `suffix_k1` static;
+- a row's variants: `_lockstep` (the host never ahead of the device), `_eager` (no CUDA graphs), `_slots` (the slot
+  KV layout), `_compiled` (the graphs capture a compiled forward), `_verify_after` (exact verification after the
+  replayed forward instead of inside it);
 - `trl`: GRPOTrainer steps with TRL's own generation vs `trl_rollout_func` (once, where TRL is installed);
 - `standard`: the field's standard workload, the "nano-vllm benchmark" (once): `--standard-seqs` sequences of random
   token ids, input and output lengths each random in `--standard-lengths` (CUDA 256 and 100-1024), temperature 0.6,
@@ -60,6 +63,8 @@ ROWS += ("suffix", "suffix_lockstep", "suffix_eager", "suffix+draft", "draft", "
 # on the slot KV layout (the engine before the paged work); *_lockstep: without the host one step ahead
 # (async_scheduling=False); *_compiled: the graphs capture the decoder compiled by torch.compile (compile_forward)
 ROWS += ("ngram", "suffix_k4", "none_slots", "suffix_slots", "suffix_k2", "suffix_k1", "trl")
+# *_verify_after: exact verification after the replayed forward (the engine before it replayed with the forward)
+ROWS += ("none_verify_after", "suffix_verify_after")
 QUICK_ROWS = ("standard", "none", "none_lockstep", "none_eager", "suffix", "suffix_lockstep", "suffix_eager")
 QUICK_ROWS += ("generate_batch", "hf_generate", "draft", "none_compiled")  # compiling may take minutes: last
 DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
@@ -257,9 +262,12 @@ def kv_bytes_per_token(model) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
 
 
+ROW_VARIANTS = ("_slots", "_eager", "_lockstep", "_compiled", "_verify_after")  # other engine settings, one config
+
+
 def spec_for(row_id: str, args, draft) -> SpecConfig | None:
     # the same configuration, other engine settings
-    for suffix in ("_slots", "_eager", "_lockstep", "_compiled"):
+    for suffix in ROW_VARIANTS:
         row_id = row_id.removesuffix(suffix)
     if row_id == "none":
         return None
@@ -275,7 +283,7 @@ def spec_for(row_id: str, args, draft) -> SpecConfig | None:
 
 
 def row_label(row_id: str) -> str:
-    for suffix in ("_slots", "_eager", "_lockstep", "_compiled"):
+    for suffix in ROW_VARIANTS:
         if row_id.endswith(suffix):
             return f"{row_label(row_id.removesuffix(suffix))} ({suffix[1:]})"
     if row_id.startswith("suffix_k"):
@@ -493,6 +501,10 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
         model, max_batch_size=slots, max_seq_len=max_seq_len, spec=spec, kv_layout=layout, cuda_graphs=graphs,
         async_scheduling=ahead, compile_forward=row_id.endswith("_compiled") and device.type == "cuda",
     )  # fmt: skip
+    if row_id.endswith("_verify_after") and gen.runner.graphs is not None:  # forward-only graphs, verified after
+        gen.runner.verify_in_graph = False
+        gen.runner.graphs.graphs.clear()
+        gen.runner.graphs.capture_all(slots)
     shared_async = gen.config.async_scheduling
     warm_up(gen, prompts, spec)
     shared = {"slots": slots, "kv_cache_bytes": gen.kv_cache_bytes, "setup_seconds": time.perf_counter() - start}

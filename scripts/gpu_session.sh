@@ -36,11 +36,13 @@
 #   COMMIT=<hash> bash scripts/gpu_session.sh open "$OUT"    # there: the open issues' GPU rows, for a 15-minute lease
 #
 # `open` writes test_gpu.log (every CUDA test of tests/test_gpu.py: graphs in eval mode, graphs with speculation
-# against the eager engine, one device read a step, the race kernels compiled against their references),
+# against the eager engine, a replayed verifying graph against its eager body, one device read a step, the race
+# kernels compiled against their references),
 # test_kernels.log (the race, paged attention and top-k / top-p kernels' tests compiled) and bench.log /
-# bench_gpu.json at $SIZES (64x8,256x8): `none` with graphs, `suffix` at auto K (running ahead where it drafts
-# nothing) beside `suffix_lockstep`, `draft`, and `none_lockstep`, with mean K and the share of steps run ahead per
-# phase, within a 260 s budget, 60 s a row. About 9 minutes with the install.
+# bench_gpu.json at $SIZES (64x8,256x8): `none` with graphs, `suffix` at auto K (verifying in the replay, running
+# ahead where it drafts nothing) beside `suffix_verify_after` (verified after the replay, as before), `draft`,
+# `suffix_lockstep` and `none_lockstep`, with mean K and the share of steps run ahead per phase, within a 260 s
+# budget, 60 s a row (rows past it are skipped, last first). About 9 minutes with the install.
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -107,7 +109,7 @@ run | policy | kernels | engine | spec | open)
             tests/kernels/test_paged_attention.py tests/kernels/test_keep_threshold.py
         lap "kernel tests"
         bench 300 24 --sizes "${SIZES:-64x8,256x8}" --budget-s 260 --row-cap-s 60 \
-            --rows none suffix suffix_lockstep draft none_lockstep
+            --rows none suffix suffix_verify_after draft suffix_lockstep none_lockstep
         lap bench
         ;;
     spec)

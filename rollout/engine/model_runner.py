@@ -75,6 +75,7 @@ class ModelRunner:
         self.masks = MaskSettings(self.layer_windows, self.uniform_window, additive, self.cache_keyword)
         self.num_slots, self.num_positions = num_slots, num_positions
         self.graphs: GraphRunner | None = None  # captured chain steps (`use_graphs`)
+        self.verify_in_graph = True  # exact verification replays with the forward (False: after it; for comparisons)
         if kv_layout == "auto":
             kv_layout = "paged" if self.device.type == "cuda" else "slots"
         seen: list = []  # the autocast the decoder runs under when the policy is called (accelerate's wrapper)
@@ -186,7 +187,7 @@ class ModelRunner:
 
     def verifies(self, num_rows: int, width: int) -> bool:
         """Whether a chain step of this shape replays its exact verification with its forward (`decode_verified`)."""
-        return self.graphs is not None and self.graphs.serves(num_rows, width)
+        return self.verify_in_graph and self.graphs is not None and self.graphs.serves(num_rows, width)
 
     def decode_verified(
         self, input_ids: Tensor, num_inputs: Tensor, cache_lens: Tensor, race: RaceKeys, temperatures: Tensor
