@@ -41,11 +41,11 @@ def count_verified_steps(gen: Generator) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("case", ["some greedy rows", "all greedy", "top-k", "top-p", "rejection"])
+@pytest.mark.parametrize("case", ["some greedy rows", "all greedy", "top-k", "top-p", "rejection", "switched off"])
 def test_which_steps_verify_in_the_replay(case):
     """Chains under exact verification with a sampled row verify in the replay, greedy rows among them included; a
-    batch of greedy rows only, top-k / top-p and rejection sampling verify eagerly after it. Each generates what the
-    plain paged forward generates, log-probs included."""
+    batch of greedy rows only, top-k / top-p, rejection sampling and a runner switched off verify eagerly after it.
+    Each generates what the plain paged forward generates, log-probs included."""
     model = make_model("llama")
     verification = "rejection" if case == "rejection" else "exact"
     spec = SpecConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, verification=verification)
@@ -57,9 +57,11 @@ def test_which_steps_verify_in_the_replay(case):
         "top-k": SamplingParams(n=2, temperature=1.0, top_k=5, max_new_tokens=16, seed=9),
         "top-p": SamplingParams(n=2, temperature=1.0, top_p=0.8, max_new_tokens=16, seed=9),
         "rejection": sampled,
+        "switched off": sampled,  # `ModelRunner.verify_in_graph` off (a benchmark's comparison): after the replay
     }[case]
     plain = padded_generator(model, False, max_batch_size=6, max_seq_len=48, spec=spec).generate(prompts, params)
     gen = padded_generator(model, True, max_batch_size=6, max_seq_len=48, spec=spec)
+    gen.runner.verify_in_graph = case != "switched off"
     verified = count_verified_steps(gen)
     padded = gen.generate(prompts, params)
     assert [o.token_ids for o in padded] == [o.token_ids for o in plain]
