@@ -7,6 +7,7 @@ import copy
 
 import numpy as np
 import pytest
+import torch
 from conftest import make_model, random_prompts
 
 from rollout import Generator, SamplingParams
@@ -68,7 +69,7 @@ def test_a_decode_steps_blocks_are_reserved_before_its_forward_and_preemption_st
     manager = gen.runner.cache.manager
     short: list[int] = []  # per decode forward: rows that lacked a block for a token fed to them
     allocated: list[int] = []  # per allocation inside a decode forward: the blocks it took
-    allocate, forward = manager.allocate, gen._forward
+    allocate, decode = manager.allocate, gen.runner.decode
     in_forward = [False]
 
     def spy_allocate(rows, num_positions):
@@ -76,16 +77,17 @@ def test_a_decode_steps_blocks_are_reserved_before_its_forward_and_preemption_st
             allocated.append(int(np.maximum(manager.blocks_for(num_positions) - manager.num_row_blocks[rows], 0).sum()))
         return allocate(rows, num_positions)
 
-    def spy_forward(num_rows, drafts, layout, pending=None):
-        end = gen.slots.cache_len[:num_rows].numpy() + layout.node_counts.numpy()
-        short.append(int((manager.num_row_blocks[:num_rows] < manager.blocks_for(end)).sum()))
+    def spy_decode(row_start, input_ids, num_inputs, cache_lens, *tree):
+        num_rows = len(cache_lens)
+        end = torch.as_tensor(cache_lens).numpy() + torch.as_tensor(num_inputs).numpy()
+        short.append(int((manager.num_row_blocks[row_start : row_start + num_rows] < manager.blocks_for(end)).sum()))
         in_forward[0] = True
         try:
-            return forward(num_rows, drafts, layout, pending)
+            return decode(row_start, input_ids, num_inputs, cache_lens, *tree)
         finally:
             in_forward[0] = False
 
-    manager.allocate, gen._forward = spy_allocate, spy_forward
+    manager.allocate, gen.runner.decode = spy_allocate, spy_decode
     outs = gen.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
     assert sum(r.num_preempted for r in gen.last_trace) > 0, "the pool never ran short: nothing was tested"
