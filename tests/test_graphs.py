@@ -6,6 +6,7 @@ the plain paged forward generates. Capture and replay themselves need CUDA (`tes
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_model, random_prompts
@@ -13,6 +14,7 @@ from test_generator import teacher_forced_logprobs
 
 from rollout import Generator, SamplingParams
 from rollout.engine.graph_runner import row_buckets
+from rollout.engine.step_batch import StepBatch
 from specdec.config import SpecConfig
 from specdec.processing import RowSampling
 from specdec.tree import layout_drafts
@@ -52,7 +54,9 @@ def test_which_steps_verify_in_the_replay(case):
     prompts = random_prompts(6, max_len=12, seed=8)
     sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=9)
     params = {
-        "some greedy rows": [SamplingParams(n=2, temperature=0, max_new_tokens=16), sampled] * 3,
+        "some greedy rows": [  # and temperatures other than 1 (staged as float32 bits)
+            SamplingParams(n=2, temperature=t, max_new_tokens=16, seed=9) for t in (0.0, 0.7, 1.3, 0.0, 1.0, 2.0)
+        ],
         "all greedy": SamplingParams(n=2, temperature=0, max_new_tokens=16),
         "top-k": SamplingParams(n=2, temperature=1.0, top_k=5, max_new_tokens=16, seed=9),
         "top-p": SamplingParams(n=2, temperature=1.0, top_p=0.8, max_new_tokens=16, seed=9),
@@ -245,8 +249,40 @@ def test_padded_chain_verification_draws_what_exact_verification_draws(seed, dty
         temperatures[:rows], torch.zeros(rows, dtype=torch.long), torch.ones(rows), False, False, True
     )  # fmt: skip
     race = RaceKeys(seeds[:rows], positions[:rows])
-    exact = verify_exact(logits, tokens[:rows][fed], layout, sampling, race, logit_rows=logit_rows)
+    # the walk over the rows still walking, depth by depth: not the chain walk the padded verification shares
+    exact = verify_exact(logits, tokens[:rows][fed], layout, sampling, race, False, logit_rows, static_walk=False)
     assert torch.equal(padded.output_token_ids[:rows], exact.output_token_ids)
     assert torch.equal(padded.num_emitted[:rows], exact.num_emitted)
     assert torch.equal(padded.logprobs[:rows], exact.logprobs)
     assert int(exact.num_emitted.max()) > 1 and int(exact.num_emitted.min()) == 1, "expected accepts and rejects"
+
+
+def test_a_capture_never_changes_the_tokens_a_step_feeds():
+    """A step launched ahead feeds the tokens of the step before it as a view of that step's packed results, in the
+    buffer a verifying graph writes; a capture first runs the padded body once (and so writes that buffer). The step
+    must still feed its own tokens: the graph runner copies them in before it captures."""
+    model = make_model("llama")
+    gen = padded_generator(model, True, max_batch_size=4, max_seq_len=48)
+    graphs = gen.runner.graphs
+    gen.add_requests(random_prompts(3, seed=2), SamplingParams(temperature=1.0, max_new_tokens=16, seed=1))
+    with torch.inference_mode():
+        for _ in range(3):
+            gen.step()
+        rows = gen.num_active
+        lens = gen.slots.cache_len[:rows].clone()
+        race = RaceKeys(gen.slots.seed[:rows, 0].clone(), torch.arange(rows))
+        temperatures = torch.ones(rows)
+        results = graphs.packed[: rows * 3].view(rows, 3)  # [emitted, token, log-prob bits] of a width-1 step
+        results[:, 1] = torch.tensor([11, 12, 13])[:rows]
+        fed = results[:, 1:2]  # what `LaunchedStep.next_input_ids` hands a step launched ahead
+
+        def capturing(rows, width, verifying):  # a capture's first move: a warm-up run of the padded body
+            staged = [np.zeros((0, width))] * 2 + [np.zeros((0, graphs.table_width))] + [np.zeros(0)] * 6
+            graphs._stage(rows, width, staged)
+            graphs._body(rows, width, verifying)
+            return None
+
+        graphs._graph = capturing
+        batch = StepBatch.build(0, fed, lens, torch.zeros_like(lens), torch.ones(rows, dtype=torch.long))
+        graphs.forward_verified(batch, race, temperatures)
+    assert graphs.ids[:rows].tolist() == [11, 12, 13][:rows], "the step fed what the warm-up left in the buffer"

@@ -185,7 +185,8 @@ class GraphRunner:
         """One chain step and its exact verification (`specdec.verify.verify_padded_chains`) in one replay: the
         forward, the LM head over every position and the race of every node, with the rows' race keys and
         temperatures (`[rows]` host tensors) staged with the step's metadata. Returns the rows' results, packed for
-        the step's read too; they stay valid until the next replay (a reader copies them first, in stream order)."""
+        the step's read too: views of a buffer that the next verifying run (a replay, a capture's warm-up, an
+        uncaptured body) overwrites, so a reader copies them before the next step runs (in stream order on a GPU)."""
         num_rows, width = batch.num_rows, batch.width
         temperature_bits = temperatures.to(torch.float32).view(torch.int32).to(torch.long)
         self._run(batch, verifying=True, race=[race.seeds, race.positions, temperature_bits])
@@ -200,15 +201,17 @@ class GraphRunner:
         padded body where none is captured)."""
         num_rows, width = batch.num_rows, batch.width
         padded = self.bucket(num_rows)
-        graph = self._graph(padded, width, verifying)  # captured first: a capture stages padding of its own
-        slot_mapping = self.cache.write_plan(batch)
-        tables = self.cache.tables(batch.row_start, num_rows)
-        metadata = [batch.positions, slot_mapping, tables, batch.cache_lens, batch.query_start, batch.num_queries]
-        self._stage(padded, width, metadata + (race or [np.zeros(0)] * 3))
+        # the tokens first: a step launched ahead feeds a view of the last step's results in `self.packed`, which a
+        # capture's warm-up run below overwrites (it reads the ids, and stages padding metadata of its own)
         ids = self.ids[: padded * width].view(padded, width)
         ids[:num_rows].copy_(batch.input_ids)
         if padded > num_rows:
             ids[num_rows:].zero_()
+        graph = self._graph(padded, width, verifying)
+        slot_mapping = self.cache.write_plan(batch)
+        tables = self.cache.tables(batch.row_start, num_rows)
+        metadata = [batch.positions, slot_mapping, tables, batch.cache_lens, batch.query_start, batch.num_queries]
+        self._stage(padded, width, metadata + (race or [np.zeros(0)] * 3))
         if graph is None:
             self._body(padded, width, verifying)
         else:
