@@ -272,7 +272,7 @@ def verify_padded_chains(
     race: RaceKeys,  # [rows] each row's seed and the completion position of the token its root draws
 ) -> VerifyResult:
     """Exact verification of chains fed as one padded `[rows, width]` block, with nothing from the host: every cell
-    is raced in one `race_logits` launch (a padded cell races row 0's root, in bounds, and its draw is never
+    is raced in one `race_logits` call (a padded cell races row 0's root, in bounds, and its draw is never
     emitted), then the chains are walked (`_walk_cells`). No shape depends on the device's values and nothing is
     read back, so a CUDA graph captures it after the forward (`rollout.engine.graph_runner`). A race is keyed by its
     own seed, position and logits only, so each row draws the tokens and log-probs `verify_exact` draws for it; a
