@@ -26,6 +26,7 @@ class EngineConfig:
     kv_cache_bytes: int  # planned for the KV caches, the target's and a draft model's
     async_scheduling: bool  # steps without drafts launched before the last one is read (`rollout.engine.run_ahead`)
     compile_forward: bool  # the graphs capture the decoder's forward compiled by torch.compile
+    exact: bool  # every sampled token is the exponential race's at its position (not rejection sampling)
 
 
 def resolve_engine(
@@ -43,6 +44,7 @@ def resolve_engine(
     """Plan the KV memory, build the target's model runner (which checks the model and settles the layout) and
     capture its CUDA graphs where they are on; the arguments are the `Generator`'s, already checked."""
     max_width = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    exact = spec is None or spec.verification == "exact"
     num_positions = max_seq_len + max_width
     # planned before anything is allocated: the slot cache must fit, a paged pool is sized to what is free
     kv_cache_bytes, max_kv_blocks = plan_kv_cache(model, spec, max_batch_size, max_seq_len, kv_layout, kv_pool_blocks)
@@ -61,15 +63,14 @@ def resolve_engine(
             f"compile_forward=True compiles the forward the CUDA graphs capture; this generator has none ("
             f"{runner.device}, kv_layout {runner.kv_layout!r}, cuda_graphs={cuda_graphs!r}): pass compile_forward=False"
         )
-    if use_graphs:  # before the auto policy's warm-up, so that it times the captured steps
-        # exact verification (the default) replays with the forward: its graphs are the ones steps take
-        exact = spec is None or spec.verification == "exact"
+    if use_graphs:  # before the auto policy's warm-up, so that it times the captured steps; under exact verification
+        # (the default) the verifying graphs, the ones its chain steps take
         runner.use_graphs(max_width, compile=compile_forward).capture_all(max_batch_size, verifying=exact)
     # "auto": where the host and the device run side by side (on a CPU it gains nothing, and a finished row rides
     # one step further)
     run_ahead = async_scheduling is True or (async_scheduling == "auto" and runner.device.type == "cuda")
     config = EngineConfig(
         max_batch_size, max_seq_len, max_prefill_tokens, max_width, num_positions, runner.kv_layout, use_graphs,
-        kv_cache_bytes, run_ahead, compile_forward,
+        kv_cache_bytes, run_ahead, compile_forward, exact,
     )  # fmt: skip
     return config, runner

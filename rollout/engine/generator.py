@@ -101,7 +101,7 @@ class Generator(Admission, DecodeStep):
         self._default_route = default_route(spec) if spec else ""
         self.policy = build_policy(spec, max_batch_size, self.proposers) if spec else None
         # every sampled token is the exponential race's at its position, unless rejection sampling was asked for
-        self.exact = spec is None or spec.verification == "exact"
+        self.exact = self.config.exact
         # every row's tokens, lengths, settings and random stream; proposers read the tokens without a transfer
         self.slots = SlotState(max_batch_size, num_positions)
         # the queue, the rows in flight and their blocks: what each step runs

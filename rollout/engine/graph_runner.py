@@ -211,7 +211,7 @@ class GraphRunner:
         slot_mapping = self.cache.write_plan(batch)
         tables = self.cache.tables(batch.row_start, num_rows)
         metadata = [batch.positions, slot_mapping, tables, batch.cache_lens, batch.query_start, batch.num_queries]
-        self._stage(padded, width, metadata + (race or [np.zeros(0)] * 3))
+        self._stage(padded, width, metadata + (race or []))  # a forward-only step stages no race keys
         if graph is None:
             self._body(padded, width, verifying)
         else:
@@ -232,7 +232,8 @@ class GraphRunner:
 
     def _stage(self, rows: int, width: int, parts: list) -> None:
         """Fill the metadata buffer's `rows` x `width` views from host arrays (`parts`, in `_views` order, each of the
-        real rows only): padding rows get no queries and slot -1, then one asynchronous copy per view."""
+        real rows only; the views past the last part are left as they are): padding rows get no queries and slot -1,
+        then one asynchronous copy per view."""
         turn, self._turn = self._turn, 1 - self._turn
         copied = self._copied[turn]
         if copied is not None and not copied.query():
@@ -269,7 +270,7 @@ class GraphRunner:
         self.head_in_graph = same_dtype and self.key.autocast in (None, self.logits.dtype)
         if self.head_in_graph:
             torch.mm(hidden, self.lm_head.weight.t(), out=self.logits[: rows * width])
-        else:
+        elif not verifying:  # the eager head reads them after the replay
             self.hidden[: rows * width].copy_(hidden)
         if not verifying:
             return

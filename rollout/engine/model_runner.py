@@ -180,10 +180,14 @@ class ModelRunner:
         Without `depths`/`ancestors` the tokens form a causal chain. For a token tree, `depths [rows, S]` gives
         each node's depth (position id = cache length + depth) and `ancestors [rows, S, S]` which nodes it sees.
         """
+        return self.forward(self._decode_batch(row_start, input_ids, num_inputs, cache_lens, depths, ancestors))
+
+    def _decode_batch(self, row_start, input_ids, num_inputs, cache_lens, depths=None, ancestors=None) -> StepBatch:
+        """A decode step's `StepBatch` (the arguments as `decode` takes them)."""
         lens, counts = torch.as_tensor(cache_lens), torch.as_tensor(num_inputs)  # host tensors or lists
         starts = torch.zeros(len(lens), dtype=torch.long)
         ids = upload(input_ids, self.device)
-        return self.forward(StepBatch.build(row_start, ids, lens, starts, counts, depths, ancestors))
+        return StepBatch.build(row_start, ids, lens, starts, counts, depths, ancestors)
 
     def verifies(self, num_rows: int, width: int) -> bool:
         """Whether a chain step of this shape replays its exact verification with its forward (`decode_verified`)."""
@@ -195,9 +199,7 @@ class ModelRunner:
         """`decode` of chains from row 0 (`input_ids [rows, S]`, `num_inputs [rows]` and `cache_lens [rows]` host
         int64) and their exact verification (`specdec.verify.verify_padded_chains`, each row's race keys and its
         temperature `[rows]` on the host) in one replay of the graph runner's; only where `verifies`."""
-        lens, counts = torch.as_tensor(cache_lens), torch.as_tensor(num_inputs)
-        starts = torch.zeros(len(lens), dtype=torch.long)
-        batch = StepBatch.build(0, upload(input_ids, self.device), lens, starts, counts)
+        batch = self._decode_batch(0, input_ids, num_inputs, cache_lens)
         return self.graphs.forward_verified(batch, race, temperatures)
 
     def forward(self, batch: StepBatch, cache: SlotKVCache | PagedKVCache | None = None) -> Tensor:
