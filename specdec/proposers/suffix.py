@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specdec.proposers.base import Drafts, ProposalBatch
-from specdec.proposers.suffix_tries import SuffixTries, _worker
+from specdec.proposers.suffix_tries import SuffixTries
 from specdec.tree import merge_candidates
 
 
@@ -32,7 +32,6 @@ class SuffixProposer(SuffixTries):
     """
 
     _CONTINUE_CONTEXT = 3  # a short draft's second round matches at most the draft + this many tokens of the row
-    parallel_rows = 128  # from this many rows, two threads draft half of them each (a hand-off costs tens of us)
 
     def __init__(
         self,
@@ -82,11 +81,7 @@ class SuffixProposer(SuffixTries):
         match = np.arange(1, depth)
         limit = np.minimum(np.floor(match * self.max_spec_factor).astype(np.int64), depth - match)
         limit = np.minimum(asked[owner][:, None], limit)
-        block = len(rows)  # the stacked rows of source i are [i * block, (i + 1) * block), store `self.sources[i]`
-        counts = np.zeros(nodes.shape, dtype=np.int64)
-        for i, source in enumerate(self.sources):
-            ids = nodes[i * block : (i + 1) * block]
-            counts[i * block : (i + 1) * block] = np.where(ids >= 0, self.stores[source].count[ids], 0)  # (-1 masked)
+        counts = np.where(nodes >= 0, self.index.count[nodes], 0)  # (a -1 reads the last node, and is masked)
         # a node seen once is the row's own occurrence: nothing followed it yet
         usable = (counts >= 2) & (limit >= 1)
         # an m-gram as frequent as the (m+1)-gram that ends with it occurs only there: both have the same continuations,
@@ -96,15 +91,9 @@ class SuffixProposer(SuffixTries):
         usable[:, 1:] &= ~(same & (limit[:, 1:] < limit[:, :-1]))
         which, m = np.nonzero(usable)
         width = int(asked.max(initial=0))
-        # `which` runs source by source: each source's walks in its own store, concatenated in that order
-        bounds = np.searchsorted(which, np.arange(len(self.sources) + 1) * block)
-        walks = [
-            self.stores[source].walk(
-                nodes[which[lo:hi], m[lo:hi]], limit[which[lo:hi], m[lo:hi]], self.min_token_prob, width, num_open=1
-            )
-            for source, lo, hi in zip(self.sources, bounds[:-1], bounds[1:])
-        ]
-        tokens, lengths, scores, ends = (np.concatenate(parts) for parts in zip(*walks))
+        tokens, lengths, scores, ends = self.index.walk(
+            nodes[which, m], limit[which, m], self.min_token_prob, width, num_open=1
+        )
         kept = lengths > 0
         return owner[which][kept], tokens[kept], lengths[kept], scores[kept], ends[kept]
 
@@ -123,21 +112,11 @@ class SuffixProposer(SuffixTries):
 
     def _draft(self, asked: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The compiled drafting: one round, and a second from up to `context` tokens of the row (-1: none)."""
-        num_rows = len(asked)
-        out = (
-            np.full((num_rows, int(asked.max(initial=0))), -1, dtype=np.int64),
-            np.zeros(num_rows, dtype=np.int64),
-            np.zeros(num_rows),
-            np.ones(num_rows),
-        )
-        prompts, everything = self.stores
-        args = (
-            prompts.nodes,
-            prompts.branching,
-            prompts._table,
-            everything.nodes,
-            everything.branching,
-            everything._table,
+        index = self.index
+        return self._kernels.draft_chains(
+            index.nodes,
+            index.branching,
+            index._table,
             self._frontiers,
             np.ascontiguousarray(asked, dtype=np.int64),
             np.array(self.sources, dtype=np.int64),
@@ -145,17 +124,6 @@ class SuffixProposer(SuffixTries):
             float(self.min_token_prob),
             int(context),
         )
-        draft = self._kernels.draft_chains
-        if num_rows < self.parallel_rows:
-            draft(*args, 0, num_rows, *out)
-            return out
-        half = num_rows // 2  # the rows' halves on two threads: disjoint rows of the outputs, the stores only read
-        other = _worker().submit(draft, *args, half, num_rows, *out)
-        try:
-            draft(*args, 0, half, *out)
-        finally:
-            other.result()
-        return out
 
     def _tree(self, num_rows: int, asked: np.ndarray, rows, tokens, scores) -> Drafts:
         """The best `num_candidates` distinct drafts of each row merged into a token tree of at most K nodes."""

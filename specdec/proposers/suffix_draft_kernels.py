@@ -12,54 +12,31 @@ import numpy as np
 from specdec.proposers.suffix_kernels import _child, _walk
 
 
-@numba.njit(cache=True, inline="always")
-def _store(s, nodes0, branching0, table0, nodes1, branching1, table1):
-    """The arrays of node store `s` (0: the prompt tries', 1: the global trie's)."""
-    if s == 0:
-        return nodes0, branching0, table0
-    return nodes1, branching1, table1
-
-
-@numba.njit(cache=True, nogil=True)  # (two threads draft halves of the rows)
-def draft_chains(
-    nodes0,
-    branching0,
-    table0,
-    nodes1,
-    branching1,
-    table1,
-    frontiers,
-    asked,
-    sources,
-    max_spec_factor,
-    min_prob,
-    ctx,
-    rows_from,
-    rows_to,
-    drafts,
-    counts,
-    scores,
-    ends,
-):
+@numba.njit(cache=True)
+def draft_chains(nodes, branching, table, frontiers, asked, sources, max_spec_factor, min_prob, context):
     """Each row's chain draft, as `SuffixProposer` documents it: the best-scoring first-round walk over every
-    (source trie, match length), then, where `ctx >= 0` and the draft stops short, the best second-round walk from
-    the context it ends in (the draft's last m tokens, or the whole draft plus up to `ctx` tokens of the row).
+    (source trie, match length), then, where `context >= 0` and the draft stops short, the best second-round walk from
+    the context it ends in (the draft's last m tokens, or the whole draft plus up to `context` tokens of the row).
 
-    Args: the two node stores' arrays, `frontiers [2, slots, D]` (`frontiers[s]` in store s; rows first), `asked
-    [rows]`, `sources [S]` (trie indices). Rows `rows_from` to `rows_to` (excluded) are drafted into tokens `drafts
-    [rows, K]` (-1 padded), `counts [rows]`, `scores [rows]` and the first round's last path probabilities `ends
-    [rows]`, which must hold -1, 0, 0 and 1 there.
+    Args: `frontiers [tries, slots, D]` (rows first), `asked [rows]`, `sources [S]` (trie indices). Returns tokens
+    `[rows, K]` (-1 padded), counts `[rows]`, scores `[rows]` and the first round's last path probabilities `[rows]`.
     """
-    depth, width = frontiers.shape[2], drafts.shape[1]
+    num_rows, depth = len(asked), frontiers.shape[2]
+    width = 0
+    for r in range(num_rows):
+        width = max(width, asked[r])
+    drafts = np.full((num_rows, width), -1, dtype=np.int64)
+    counts = np.zeros(num_rows, dtype=np.int64)
+    scores = np.zeros(num_rows)
+    ends = np.ones(num_rows)
     walked = np.empty(max(width, 1), dtype=np.int64)
     node_counts = np.empty(depth, dtype=np.int64)
     limits = np.empty(depth, dtype=np.int64)
-    for r in range(rows_from, rows_to):
+    for r in range(num_rows):
         if asked[r] <= 0:
             continue
         best = -1.0
         for s in sources:
-            nodes = _store(s, nodes0, branching0, table0, nodes1, branching1, table1)[0]
             for m in range(1, depth):
                 node = frontiers[s, r, m]
                 node_counts[m] = nodes[node, 0] if node >= 0 else 0
@@ -80,37 +57,32 @@ def draft_chains(
                     drafts[r, :length] = walked[:length]
                     drafts[r, length:] = -1
                     counts[r], scores[r], ends[r] = length, score, prob
-        if ctx >= 0 and 0 < counts[r] < asked[r]:
+        if context >= 0 and 0 < counts[r] < asked[r]:
             _continue(
-                nodes0,
-                branching0,
-                table0,
-                nodes1,
-                branching1,
-                table1,
+                nodes,
+                branching,
+                table,
                 frontiers,
                 r,
                 asked[r],
                 sources,
                 max_spec_factor,
                 min_prob,
-                ctx,
+                context,
                 drafts,
                 counts,
                 scores,
                 ends,
                 walked,
             )
+    return drafts, counts, scores, ends
 
 
 @numba.njit(cache=True)
 def _continue(
-    nodes0,
-    branching0,
-    table0,
-    nodes1,
-    branching1,
-    table1,
+    nodes,
+    branching,
+    table,
     frontiers,
     r,
     asked,
@@ -146,7 +118,6 @@ def _continue(
             if match >= depth:
                 continue
             node = np.int64(frontiers[s, r, 0])
-        nodes, branching, table = _store(s, nodes0, branching0, table0, nodes1, branching1, table1)
         j = skip
         while node >= 0 and j < num_drafted:
             node = _child(nodes, branching, table, node, drafts[r, j])

@@ -321,7 +321,7 @@ def _raise_best(nodes, first, old_best, out, next_same):
     return p_best
 
 
-@numba.njit(cache=True, nogil=True)  # (the two stores are counted on two threads)
+@numba.njit(cache=True)
 def insert(nodes, branching, table, state, seen, work, frontier, tokens, lengths, delta):
     """Append `tokens[r, :lengths[r]]` (`[M, T]`) to the sequences with frontiers `[M, D]` (in place), one batch per
     position: every (row, column) of the rows still going on, column by column and in row order within a column (a
@@ -377,7 +377,7 @@ def insert(nodes, branching, table, state, seen, work, frontier, tokens, lengths
     return nodes, branching, table
 
 
-@numba.njit(cache=True, nogil=True)  # (the two stores are counted on two threads)
+@numba.njit(cache=True)
 def add_sequences(nodes, branching, table, state, roots, tokens, lengths, depth, delta):
     """Insert (+1) or remove (-1) whole sequences `tokens[r, :lengths[r]]` (`[N, T]`) under `roots [N]`, one batch
     per depth: the n-gram ending at position p is the child of the (n-1)-gram ending at p - 1; a batch holds every

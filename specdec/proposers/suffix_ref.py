@@ -351,7 +351,7 @@ class SuffixProposerRef(SuffixProposer):
 
     def clear(self) -> None:
         super().clear()
-        # finished rows' last tokens, inserted with the next step's (frontiers [2, N, D], tokens [N, L], lengths [N])
+        # finished rows' last tokens, inserted with the next step's (frontiers [2N, D], tokens [2N, L], lengths [2N])
         self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     def _sync(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, defer: bool = False) -> None:
@@ -378,16 +378,16 @@ class SuffixProposerRef(SuffixProposer):
         columns = (start - self._prompt_len[rows])[:, None] + offsets[None, :]
         self._responses[np.repeat(rows, lengths), columns[valid]] = new[valid]
         self._num_inserted[rows] = num_tokens[grow]
-        both = (self._frontiers[:, rows], new, lengths)  # the rows' frontiers in both stores
+        frontiers = self._frontiers[:, rows].reshape(2 * len(rows), -1)  # both tries
+        both = (frontiers, np.concatenate([new, new]), np.concatenate([lengths, lengths]))
         if defer:
             self._deferred.append(both)
             return
-        self._frontiers[:, rows] = self._insert(*both)
+        self._frontiers[:, rows] = self._insert(*both).reshape(2, len(rows), -1)
 
     def _insert(self, frontiers: np.ndarray, tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Insert `tokens [N, L]` (`lengths [N]`) after `frontiers [2, N, D]` (store 0's, store 1's) together with
-        the deferred rows' tokens (one call per position and store for all of them); returns the new frontiers
-        `[2, N, D]`."""
+        """Insert `tokens [N, L]` (`lengths [N]`) after `frontiers [N, D]` together with the deferred rows' tokens
+        (one call per position for both); returns the N new frontiers."""
         parts = [*self._deferred, (frontiers, tokens, lengths)]
         self._deferred, self._deferred_responses = [], 0
         if len(parts) > 1:
@@ -396,15 +396,15 @@ class SuffixProposerRef(SuffixProposer):
             for _, part, _ in parts:  # each part's tokens in its rows' first columns (the rest is past the lengths)
                 all_tokens[first : first + len(part), : part.shape[1]] = part
                 first += len(part)
-            frontiers, tokens = np.concatenate([f for f, _, _ in parts], axis=1), all_tokens
+            frontiers, tokens = np.concatenate([f for f, _, _ in parts]), all_tokens
             lengths = np.concatenate([n for _, _, n in parts])
-        inserted = np.stack([store.insert(f, tokens, lengths) for store, f in zip(self.stores, frontiers)])
-        return inserted[:, inserted.shape[1] - parts[-1][0].shape[1] :]
+        inserted = self.index.insert(frontiers, tokens, lengths)
+        return inserted[len(inserted) - len(parts[-1][0]) :]
 
     def flush(self) -> None:
         if self._deferred:
             depth = self.max_tree_depth
-            self._insert(np.zeros((2, 0, depth), np.int32), np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
+            self._insert(np.zeros((0, depth), np.int32), np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
         self._deferred_responses = 0
 
     # ---- drafting ------------------------------------------------------------------------------------------------
@@ -420,11 +420,7 @@ class SuffixProposerRef(SuffixProposer):
         match = np.arange(1, depth)
         limit = np.minimum(np.floor(match * self.max_spec_factor).astype(np.int64), depth - match)
         limit = np.minimum(asked[owner][:, None], limit)
-        block = len(rows)  # the stacked rows of source i are [i * block, (i + 1) * block), store `self.sources[i]`
-        counts = np.zeros(nodes.shape, dtype=np.int64)
-        for i, source in enumerate(self.sources):
-            ids = nodes[i * block : (i + 1) * block]
-            counts[i * block : (i + 1) * block] = np.where(ids >= 0, self.stores[source].count[ids], 0)  # (-1 masked)
+        counts = np.where(nodes >= 0, self.index.count[nodes], 0)  # (a -1 reads the last node, and is masked)
         # a node seen once is the row's own occurrence: nothing followed it yet
         usable = (counts >= 2) & (limit >= 1)
         # an m-gram as frequent as the (m+1)-gram that ends with it occurs only there: both have the same continuations,
@@ -434,15 +430,9 @@ class SuffixProposerRef(SuffixProposer):
         usable[:, 1:] &= ~(same & (limit[:, 1:] < limit[:, :-1]))
         which, m = np.nonzero(usable)
         width = int(asked.max(initial=0))
-        # `which` runs source by source: each source's walks in its own store, concatenated in that order
-        bounds = np.searchsorted(which, np.arange(len(self.sources) + 1) * block)
-        walks = [
-            self.stores[source].walk(
-                nodes[which[lo:hi], m[lo:hi]], limit[which[lo:hi], m[lo:hi]], self.min_token_prob, width, num_open=1
-            )
-            for source, lo, hi in zip(self.sources, bounds[:-1], bounds[1:])
-        ]
-        tokens, lengths, scores, ends = (np.concatenate(parts) for parts in zip(*walks))
+        tokens, lengths, scores, ends = self.index.walk(
+            nodes[which, m], limit[which, m], self.min_token_prob, width, num_open=1
+        )
         kept = lengths > 0
         return owner[which][kept], tokens[kept], lengths[kept], scores[kept], ends[kept]
 
@@ -498,9 +488,7 @@ class SuffixProposerRef(SuffixProposer):
         walked, path = num_drafted[e], drafts[rows[e]]  # each walker's draft
         for j in range(int(num_drafted.max())):
             step = ((skip <= j) & (j < walked) & (node >= 0)).nonzero()[0]
-            for source in self.sources:  # each walker in the store of its trie
-                at = step[src[step] == source]
-                node[at] = self.stores[source].child(node[at], path[at, j])
+            node[step] = self.index.child(node[step], path[step, j])
         found = node >= 0
         e, src, node, match = e[found], src[found], node[found], match[found]
         # the row's own text ends in this context (no continuation yet) only where it is the row's own suffix node
@@ -509,14 +497,7 @@ class SuffixProposerRef(SuffixProposer):
         limit = np.minimum(
             remaining[e], np.minimum(np.floor(match * self.max_spec_factor).astype(np.int64), depth - match)
         )
-        width = int(remaining.max())
-        tokens = np.full((len(node), width), -1, dtype=np.int64)
-        lengths, more = np.zeros(len(node), dtype=np.int64), np.zeros(len(node))
-        for source in self.sources:  # each walker in the store of its trie, results in the walkers' order
-            at = (src == source).nonzero()[0]
-            tokens[at], lengths[at], more[at], _ = self.stores[source].walk(
-                node[at], limit[at], self.min_token_prob, width, num_open[at]
-            )
+        tokens, lengths, more, _ = self.index.walk(node, limit, self.min_token_prob, int(remaining.max()), num_open)
         ok = lengths > 0
         e, match, tokens, lengths, more = e[ok], match[ok], tokens[ok], lengths[ok], more[ok]
         if e.size == 0:

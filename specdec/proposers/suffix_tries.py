@@ -1,14 +1,11 @@
 """The suffix proposer's tries: counted suffix tries over the rows in flight and the cached responses, kept in step
 with the generator's slots; `SuffixProposer` (`specdec/proposers/suffix.py`) drafts from them.
 
-Two kinds of counted suffix tries (`specdec/suffix_index.py`), each kind in a node store of its own:
+Two kinds of counted suffix tries (`specdec/suffix_index.py`) share one node store:
 
 - one trie per distinct prompt: the prompt itself (prompt lookup) and every response to it, the row's own output and
-  its siblings in flight included, and the responses of earlier calls that are still cached (store 0);
-- one global trie: every response, in flight or cached, of every prompt (store 1).
-
-The two stores share nothing, so a step's tokens are counted into both at once, one on a worker thread (the counting
-releases the GIL); what each store holds, and so every draft, is what counting them one after the other gives.
+  its siblings in flight included, and the responses of earlier calls that are still cached;
+- one global trie: every response, in flight or cached, of every prompt.
 
 Each response enters both tries behind a separator token (outside the vocabulary), so "the start of a response" is a
 context like any other. Rows are inserted token by token as they grow; a finished row's response stays in both tries
@@ -19,9 +16,7 @@ frontier: its trie nodes for its last 0..depth-1 tokens, the match lengths draft
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import pathlib
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,9 +49,6 @@ class SuffixTries(Proposer):
 
     needs_prefill = True
     index_class = SuffixIndex  # the node store (the numpy reference's in `specdec/proposers/suffix_ref.py`)
-    # a batch of at least this many node updates is counted into the two stores at once, on two threads (a hand-off
-    # to the worker costs tens of microseconds, an update ~50 ns); smaller ones one store after the other
-    parallel_updates = 4096
 
     def __init__(
         self,
@@ -82,9 +74,8 @@ class SuffixTries(Proposer):
     def clear(self) -> None:
         """Forget every response and every row in flight."""
         depth, slots = self.max_tree_depth, self._num_slots
-        # store 0 holds the prompt tries, store 1 the global trie; `_frontiers[s]` are node ids of store s
-        self.stores = (self.index_class(depth), self.index_class(depth))
-        self.global_root = self.stores[1].new_root()
+        self.index = self.index_class(depth)
+        self.global_root = self.index.new_root()
         self.prompts: dict[bytes, _PromptTrie] = {}
         self.history: collections.deque[tuple[bytes, np.ndarray]] = collections.deque()  # oldest first
         self._frontiers = np.full((2, slots, depth), -1, dtype=np.int32)  # [prompt trie | global trie, slot, m]
@@ -94,14 +85,9 @@ class SuffixTries(Proposer):
         self._slot_prompt: list[bytes | None] = [None] * slots
         self._responses = np.zeros((slots, self._num_positions), dtype=np.int32)
         self._dead_tokens = 0  # tokens removed since the store was built: a rebuild frees their nodes
-        # sequences waiting for the next insertion, finished rows' last tokens (frontiers in each store [2, S, D],
-        # tokens [S, L], lengths [S], slots [S]); [number of them in use, a row was rewound], kept by the kernel
-        self._pending = (
-            np.zeros((2, 0, depth), np.int32),
-            np.zeros((0, 1), np.int64),
-            np.zeros(0, np.int64),
-            np.zeros(0, np.int64),
-        )
+        # sequences waiting for the next insertion, finished rows' last tokens (prompt-trie then global-trie frontiers
+        # [S, D], tokens [S, L], lengths [S]); [number of them in use, a row was rewound], kept by the kernel
+        self._pending = (np.zeros((0, depth), np.int32), np.zeros((0, 1), np.int64), np.zeros(0, np.int64))
         self._pending_status = np.zeros(2, dtype=np.int64)
         self._all_rows = np.arange(slots, dtype=np.int64)
         self._deferred_responses = 0  # the newest cached responses (none added after) whose last tokens are deferred
@@ -113,8 +99,8 @@ class SuffixTries(Proposer):
             "responses": len(self.history),
             "tokens": int(sum(len(r) for _, r in self.history)),
             "prompts": len(self.prompts),
-            "nodes": sum(store.num_nodes for store in self.stores),
-            "bytes": sum(store.nbytes for store in self.stores) + int(sum(r.nbytes for _, r in self.history)),
+            "nodes": self.index.num_nodes,
+            "bytes": self.index.nbytes + int(sum(r.nbytes for _, r in self.history)),
         }
 
     def add_responses(self, prompts: list[list[int]], responses: list[list[int]]) -> None:
@@ -238,70 +224,28 @@ class SuffixTries(Proposer):
 
     def _start_responses(self, roots: np.ndarray) -> np.ndarray:
         """`[2, N, D]` frontiers of N new responses (prompt trie, global trie), the separator inserted."""
-        separators = np.full(len(roots), self.separator)
-        starts = (np.asarray(roots), np.full(len(roots), self.global_root))
-        return np.stack([store.extend(store.start(r), separators) for store, r in zip(self.stores, starts)])
+        starts = np.concatenate([roots, np.full(len(roots), self.global_root)])
+        separators = np.full(2 * len(roots), self.separator)
+        return self.index.extend(self.index.start(starts), separators).reshape(2, len(roots), -1)
 
     def _sync(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, defer: bool = False) -> None:
         """Insert the tokens each of `rows` gained since the last call (`token_ids[rows[i], :num_tokens[i]]`), with the
-        deferred ones, into both stores. `defer` (finishing rows): keep them for the next insertion instead."""
-        # a worker thread that slept through the forward can take hundreds of microseconds to start: it is woken now,
-        # while the tokens are taken in
-        helper = None if defer or len(rows) * 2 * self.max_tree_depth < self.parallel_updates else _Helper()
-        try:
-            for _ in range(2):
-                first = int(self._pending_status[0])
-                row_state = (self._frontiers, self._num_inserted, self._prompt_len, self._responses)
-                taken = self._sync_kernels.take_rows(
-                    *row_state, rows, token_ids, num_tokens, *self._pending, self._pending_status
-                )
-                self._pending = taken
-                if not self._pending_status[1]:
-                    total = int(self._pending_status[0])
-                    if not defer and total:
-                        helper, woken = None, helper
-                        self._insert_pending(first, total, woken)
-                    return
-                # a row rolled back (the warm-up's probes): start its response over, then take in its tokens
-                slots = rows[num_tokens < self._num_inserted[rows]]
-                roots = np.array([self.prompts[self._slot_prompt[s]].root for s in slots.tolist()])
-                self._frontiers[:, slots] = self._start_responses(roots)
-                self._num_inserted[slots] = self._prompt_len[slots]
-            raise AssertionError("expected no rewound row after restarting them")
-        finally:
-            if helper is not None:  # woken for nothing
-                helper.give(None)
-
-    def _insert_pending(self, first: int, total: int, helper: _Helper | None = None) -> None:
-        """Insert the `total` pending sequences into both stores (store 1's on `helper`, a worker woken for it, if
-        any); the last `total - first` are rows in flight, whose frontiers move on."""
-        frontiers, tokens, lengths, slots = self._pending
-        tokens, lengths = tokens[:total], lengths[:total]
-        insert = self._sync_kernels.insert
-
-        def count(s: int) -> None:
-            store = self.stores[s]
-            store.run(insert, *store.scratch(total * self.max_tree_depth), frontiers[s, :total], tokens, lengths, 1)
-
-        self._both(count, int(lengths.sum()) * 2 * self.max_tree_depth, helper)
-        growing = slots[first:total]
-        self._frontiers[:, growing] = frontiers[:, first:total]
-        self._pending_status[0] = 0
-
-    def _both(self, work, num_updates: int, helper: _Helper | None = None) -> None:
-        """`work(0)` and `work(1)` (one per store): at once, the second on the worker thread (on `helper` if one was
-        woken for it), when they make at least `parallel_updates` node updates together; else one after the other."""
-        if num_updates < self.parallel_updates:
-            if helper is not None:
-                helper.give(None)
-            work(0)
-            work(1)
-            return
-        other = (helper or _Helper()).give(lambda: work(1))
-        try:
-            work(0)
-        finally:
-            other.result()  # (waits for the worker whatever happened here: the stores are never left mid-update)
+        deferred ones, in one compiled call. `defer` (finishing rows): keep them for the next insertion instead."""
+        index = self.index
+        for _ in range(2):
+            size = (int(self._pending_status[0]) + 2 * len(rows)) * self.max_tree_depth
+            args = (self._frontiers, self._num_inserted, self._prompt_len, self._responses, rows, token_ids, num_tokens)
+            self._pending = index.run(
+                self._sync_kernels.sync_rows, *index.scratch(size), *args, *self._pending, self._pending_status, defer
+            )
+            if not self._pending_status[1]:
+                return
+            # a row rolled back (the warm-up's probes): start its response over, then take in its tokens
+            slots = rows[num_tokens < self._num_inserted[rows]]
+            roots = np.array([self.prompts[self._slot_prompt[s]].root for s in slots.tolist()])
+            self._frontiers[:, slots] = self._start_responses(roots)
+            self._num_inserted[slots] = self._prompt_len[slots]
+        raise AssertionError("expected no rewound row after restarting them")
 
     def flush(self) -> None:
         """Insert the finished rows' last tokens now (`finish` defers them to the next step's insertion): the tries
@@ -316,8 +260,8 @@ class SuffixTries(Proposer):
         keys = [p.tobytes() for p in prompts]
         new = {key: prompt for key, prompt in zip(keys, prompts) if key not in self.prompts}
         if new:
-            entries = [_PromptTrie(self.stores[0].new_root(), prompt) for prompt in new.values()]
-            self.stores[0].add_sequences(np.array([e.root for e in entries]), *_padded([e.prompt for e in entries]))
+            entries = [_PromptTrie(self.index.new_root(), prompt) for prompt in new.values()]
+            self.index.add_sequences(np.array([e.root for e in entries]), *_padded([e.prompt for e in entries]))
             self.prompts.update(zip(new, entries))
         return [self.prompts[key] for key in keys]
 
@@ -366,46 +310,8 @@ class SuffixTries(Proposer):
     def _apply(self, roots: list[int], responses: list[np.ndarray], delta: int) -> None:
         """Insert (+1) or remove (-1) whole responses, separator first, in their prompt tries and the global trie."""
         tokens, lengths = _padded([np.concatenate(([self.separator], r)) for r in responses])
-        starts = (np.asarray(roots), np.full(len(roots), self.global_root))
-        self._both(
-            lambda s: self.stores[s].add_sequences(starts[s], tokens, lengths, delta),
-            int(lengths.sum()) * 2 * self.max_tree_depth,
-        )
-
-
-_WORKER: concurrent.futures.ThreadPoolExecutor | None = None
-_WORKER_LOCK = threading.Lock()
-
-
-def _worker() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's one worker thread that counts the global store while the calling thread counts the prompt
-    store (made when first needed; a proposer holds no thread, so it stays copyable)."""
-    global _WORKER
-    with _WORKER_LOCK:
-        if _WORKER is None:
-            _WORKER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="suffix-counting")
-        return _WORKER
-
-
-class _Helper:
-    """A job on the worker thread that is handed its work later: the thread wakes while the caller still prepares
-    the work."""
-
-    def __init__(self):
-        self._ready = threading.Event()
-        self._work = None
-        self._future = _worker().submit(self._run)
-
-    def _run(self) -> None:
-        self._ready.wait()
-        if self._work is not None:
-            self._work()
-
-    def give(self, work) -> concurrent.futures.Future:
-        """Run `work()` (None: nothing) on the worker; returns its future."""
-        self._work = work
-        self._ready.set()
-        return self._future
+        starts = np.concatenate([np.asarray(roots), np.full(len(roots), self.global_root)])
+        self.index.add_sequences(starts, np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]), delta)
 
 
 def _padded(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -72,9 +72,9 @@ def assert_counts_exact(proposer: SuffixProposer) -> None:
     proposer.flush()  # finished rows' last tokens go in with the next step's
     by_prompt, everything = contents(proposer)
     depth = proposer.max_tree_depth
-    assert trie_counts(proposer.stores[1], proposer.global_root) == ngram_counts(everything, depth)
+    assert trie_counts(proposer.index, proposer.global_root) == ngram_counts(everything, depth)
     for key, sequences in by_prompt.items():
-        assert trie_counts(proposer.stores[0], proposer.prompts[key].root) == ngram_counts(sequences, depth)
+        assert trie_counts(proposer.index, proposer.prompts[key].root) == ngram_counts(sequences, depth)
 
 
 def test_index_counts_every_ngram_and_forgets_removed_sequences():
@@ -330,12 +330,11 @@ def test_a_vocabulary_beyond_the_trie_keys_is_refused():
 def every_walk_drafts(proposer: SuffixProposer, asked: list[int]) -> list[list[int]]:
     """The draft of highest score of each row over every (trie, match length) walk, none skipped; a tie goes to the
     later walk (trie, then match length), as in the proposer."""
-    depth = proposer.max_tree_depth
+    index, depth = proposer.index, proposer.max_tree_depth
     drafts = []
     for row, k in enumerate(asked):
         best = (-1.0, [])
         for source in proposer.sources:
-            index = proposer.stores[source]  # the trie's node store
             for m in range(1, depth):
                 node = int(proposer._frontiers[source, row, m])
                 limit = min(k, int(np.floor(m * proposer.max_spec_factor)), depth - m)
@@ -391,7 +390,7 @@ def continued_drafts(
     the last m tokens of (the row's text + the draft), m <= len(draft) + 3; the row's own occurrence is open where its
     text itself ends with those m tokens; ties go to the longer m. Returns the drafts and each continuation's score
     (0 where none)."""
-    depth = proposer.max_tree_depth
+    index, depth = proposer.index, proposer.max_tree_depth
     out, extra = [], []
     for row, (k, draft) in enumerate(zip(asked, first)):
         if not 0 < len(draft) < k:
@@ -402,7 +401,6 @@ def continued_drafts(
         text = [SEP] + response
         best = (-1.0, -1, [])
         for source in proposer.sources:
-            index = proposer.stores[source]  # the trie's node store
             for m in range(1, min(len(draft) + 3, depth - 1) + 1):
                 context = (text + draft)[-m:]
                 if len(text) + len(draft) < m:

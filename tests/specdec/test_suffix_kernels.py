@@ -17,8 +17,6 @@ from specdec.suffix_index import SuffixIndex
 def lockstep_generator(model, spec: SpecConfig, num_slots: int, max_seq_len: int) -> tuple[Generator, Lockstep]:
     gen = Generator(model, max_batch_size=num_slots, max_seq_len=max_seq_len, spec=spec)
     lockstep = Lockstep.replacing(gen.draft_history)
-    # the compiled proposer counts its two stores and drafts its rows on two threads at every step, however small
-    lockstep.new.parallel_updates = lockstep.new.parallel_rows = 0
     gen.proposers.proposers["suffix"] = lockstep
     return gen, lockstep
 
@@ -26,18 +24,17 @@ def lockstep_generator(model, spec: SpecConfig, num_slots: int, max_seq_len: int
 def assert_same_tries(new: SuffixProposer, ref: SuffixProposerRef) -> None:
     """The same counts and best children along every node a row in flight or a trie root reaches: node ids differ
     (the reference allocates in another order), the tries do not."""
-    assert all(isinstance(store, SuffixIndexRef) for store in ref.stores)
-    assert not any(isinstance(store, SuffixIndexRef) for store in new.stores)
+    assert isinstance(ref.index, SuffixIndexRef) and not isinstance(new.index, SuffixIndexRef)
     assert np.array_equal(new._num_inserted, ref._num_inserted)
     reached = 0
-    for store_new, store_ref, ids_new, ids_ref in zip(new.stores, ref.stores, new._frontiers, ref._frontiers):
-        for a, b in zip(ids_new.reshape(-1).tolist(), ids_ref.reshape(-1).tolist()):
+    for frontier_new, frontier_ref in zip(new._frontiers.reshape(-1).tolist(), ref._frontiers.reshape(-1).tolist()):
+        a, b = frontier_new, frontier_ref
+        assert (a < 0) == (b < 0)
+        while a >= 0:  # down the best children: the path a draft walks
+            assert new.index.count[a] == ref.index.count[b] and new.index.token[a] == ref.index.token[b]
+            a, b = int(new.index.best[a]), int(ref.index.best[b])
             assert (a < 0) == (b < 0)
-            while a >= 0:  # down the best children: the path a draft walks
-                assert store_new.count[a] == store_ref.count[b] and store_new.token[a] == store_ref.token[b]
-                a, b = int(store_new.best[a]), int(store_ref.best[b])
-                assert (a < 0) == (b < 0)
-                reached += 1
+            reached += 1
     assert reached > 0
 
 
