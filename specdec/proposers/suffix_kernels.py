@@ -20,6 +20,9 @@ of one column were made together, and a column's parents fit a small table of wh
 
 from __future__ import annotations
 
+import hashlib
+import pathlib
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -31,6 +34,39 @@ _HASH = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing
 _BEST_ROUNDS = 8  # rounds of raising a parent's best child within one batch
 _AHEAD = 16  # updates between asking for a parent's record and using it
 _MAX_NODES = 2**31 - 1  # node ids are int32
+
+
+_DEPENDENTS = ("suffix_sync_kernels", "suffix_draft_kernels")  # modules whose kernels compile this one's into theirs
+
+
+def _drop_stale_caches(folder: pathlib.Path) -> bool:
+    """Remove the suffix kernels' on-disk caches in `folder` (the package's, `specdec/proposers/`) if this module or
+    a dependent changed since they were written; returns whether it removed them.
+
+    Numba checks a cached kernel against its own source file only: a kernel of a dependent inlines this module's
+    functions, and would load its old machine code after only this file changed (a `git pull` in a source checkout,
+    an edit). A digest of the three files, kept beside the caches, tells. Where the folder cannot be written, numba
+    caches elsewhere and this does nothing."""
+    sources = b"".join((folder / f"{name}.py").read_bytes() for name in ("suffix_kernels", *_DEPENDENTS))
+    digest = hashlib.sha256(sources).hexdigest()
+    cache, stamp = folder / "__pycache__", folder / "__pycache__" / "suffix_kernels.sources"
+    try:
+        if stamp.read_text() == digest:
+            return False
+    except OSError:
+        pass  # none yet
+    try:
+        stale = [path for path in cache.glob("suffix_*") if path.suffix in (".nbi", ".nbc")]
+        for path in stale:  # (numba takes a cache file gone while its index still names it as a miss)
+            path.unlink(missing_ok=True)
+        cache.mkdir(exist_ok=True)
+        stamp.write_text(digest)
+    except OSError:
+        return False
+    return bool(stale)
+
+
+_drop_stale_caches(pathlib.Path(__file__).resolve().parent)
 
 
 @intrinsic

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pathlib
+import shutil
+
 import numpy as np
 import pytest
 
@@ -9,6 +12,7 @@ from rollout import Generator, SamplingParams
 from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
 from specdec.config import SpecConfig
+from specdec.proposers import suffix_kernels
 from specdec.proposers.suffix import SuffixProposer
 from specdec.proposers.suffix_ref import Lockstep, SuffixIndexRef, SuffixProposerRef
 from specdec.suffix_index import SuffixIndex
@@ -157,3 +161,36 @@ def test_rows_rolled_back_between_steps_draft_like_the_reference(seed):
             both.finish([row], torch.as_tensor(tokens), [int(num_tokens[row])])
     assert rewound > 0, "no row was rolled back: the rewind path was not tested"
     assert both.num_steps > 10 and both.num_drafted > 0
+
+
+def test_kernel_caches_are_dropped_when_a_kernel_source_changes(tmp_path):
+    """A dependent's cached kernels inline `suffix_kernels`' functions, and numba checks a cache against the kernel's
+    own file only: the suffix kernels' caches go when any of the three sources changed, and stay otherwise."""
+    folder = pathlib.Path(suffix_kernels.__file__).resolve().parent
+    for name in ("suffix_kernels", "suffix_sync_kernels", "suffix_draft_kernels"):
+        shutil.copy(folder / f"{name}.py", tmp_path / f"{name}.py")
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+    names = ["suffix_sync_kernels.sync_rows-15.py311.nbi", "suffix_draft_kernels.draft_chains-15.py311.1.nbc"]
+
+    def cached() -> list[str]:
+        for name in names:
+            (cache / name).touch()
+        (cache / "other.nbi").touch()  # not a suffix kernel's: kept
+        return sorted(p.name for p in cache.iterdir() if p.suffix in (".nbi", ".nbc"))
+
+    cached()
+    assert suffix_kernels._drop_stale_caches(tmp_path)  # no digest yet: whatever is there may be stale
+    assert sorted(p.name for p in cache.iterdir()) == ["other.nbi", "suffix_kernels.sources"]
+    before = cached()
+    assert not suffix_kernels._drop_stale_caches(tmp_path)  # nothing changed
+    assert sorted(p.name for p in cache.iterdir() if p.suffix in (".nbi", ".nbc")) == before
+    with open(tmp_path / "suffix_kernels.py", "a") as f:  # only the file the others inline changed
+        f.write("\n# changed\n")
+    assert suffix_kernels._drop_stale_caches(tmp_path)
+    assert sorted(p.name for p in cache.iterdir()) == ["other.nbi", "suffix_kernels.sources"]
+    cached()
+    with open(tmp_path / "suffix_draft_kernels.py", "a") as f:
+        f.write("\n# changed\n")
+    assert suffix_kernels._drop_stale_caches(tmp_path)
+    assert not any(p.name.startswith("suffix_") and p.suffix in (".nbi", ".nbc") for p in cache.iterdir())
