@@ -264,15 +264,20 @@ def count(nodes, branching, table, state, parents, tokens, owners, shared, runs,
             state[2] += 1
             stamp = state[2]
             run += 1
-        # the records this loop reads, asked for ahead: a parent's 16 updates ahead, its first and best child's 8
+        # the records this loop reads, asked for ahead: a parent's (and its branching flag) 16 updates ahead; its first
+        # and best child's 8 ahead, and the hash table's slot for a parent with more children
         if i + _AHEAD < n:
             _prefetch(nodes, 4 * parents[i + _AHEAD])
+            _prefetch(branching, parents[i + _AHEAD])
         if i + _AHEAD // 2 < n:
             q = parents[i + _AHEAD // 2]
             if nodes[q, 3] >= 0:
                 _prefetch(nodes, 4 * nodes[q, 3])
             if nodes[q, 1] >= 0 and nodes[q, 1] != nodes[q, 3]:
                 _prefetch(nodes, 4 * nodes[q, 1])
+            if branching[q]:
+                key = (np.int64(q) << _TOKEN_BITS) | tokens[i + _AHEAD // 2]
+                _prefetch(table, 3 * _slot(key, _log2(len(table))))
         p, token = parents[i], tokens[i]
         slot_of[i] = -1
         if delta > 0 and nodes[p, 0] == 1 and nodes[p, 3] < 0:
