@@ -14,7 +14,11 @@ overrides after it), each configuration a rollout as `rollout run` makes it; `--
 Each repeat runs the configurations in an order rotated by one (no configuration always first):
 
     PYTHONPATH=. .venv/bin/python scripts/bench_auto.py --recipe recipes/quickstart_suffix.yaml --static-k 1 \
-        --skip-none --repeats 12
+        --skip-none --repeats 12 --control
+
+`--control` runs the first static K a second time as a configuration of its own and reports it as auto is reported:
+how far from the best static K the run-to-run noise alone puts a configuration that is exactly as fast, and how often
+below 0.97.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def main() -> None:
     parser.add_argument("--recipe", help="a recipe's workload instead of the draft-model default")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides of --recipe")
     parser.add_argument("--skip-none", action="store_true", help="no row without speculation")
+    parser.add_argument("--control", action="store_true", help="the first static K again, reported as auto is")
     args = parser.parse_args()
     torch.set_num_threads(1)
     run = recipe_runs(args) if args.recipe else default_runs(args)
@@ -55,22 +60,32 @@ def main() -> None:
             seconds[name].append(run(name))
             print(f"repeat {repeat} {name}: {seconds[name][-1]:.2f} s", flush=True)
     static = [f"K={k}" for k in args.static_k]
+    judged = [name for name in names if name.startswith("auto") or name.endswith(CONTROL)]
     for repeat in range(args.repeats):
         best = min(seconds[name][repeat] for name in static)
         speedups = "  ".join(
             f"{name} {seconds['none'][repeat] / seconds[name][repeat]:.3f}x" for name in names if "none" in seconds
         )
-        autos = "  ".join(
-            f"{name} / best static {best / seconds[name][repeat]:.3f}" for name in names if name.startswith("auto")
-        )
+        autos = "  ".join(f"{name} / best static {best / seconds[name][repeat]:.3f}" for name in judged)
         print(f"repeat {repeat}: {speedups}  |  {autos}")
-    for name in (n for n in names if n.startswith("auto")):
+    for name in judged:
         ratios = [min(seconds[k][r] for k in static) / seconds[name][r] for r in range(args.repeats)]
         print(
             f"{name} / best static K over {args.repeats} repeats: mean {statistics.mean(ratios):.3f}, median "
             f"{statistics.median(ratios):.3f}, {sum(r < 0.97 for r in ratios)} below 0.97"
         )
     print(json.dumps({"args": vars(args), "seconds": seconds}))
+
+
+CONTROL = " (control)"  # the first static K's configuration, run again under this name
+
+
+def with_control(configs: dict, args) -> dict:
+    """`configs` with the first static K's entry again under its control name, when `--control` asks for it."""
+    if args.control:
+        first = f"K={args.static_k[0]}"
+        configs[first + CONTROL] = configs[first]
+    return configs
 
 
 class default_runs:
@@ -91,6 +106,7 @@ class default_runs:
             auto = SpecConfig(method="draft_model", model=draft, num_speculative_tokens=4,
                               num_speculative_tokens_per_batch_size="auto")  # fmt: skip
             self.configs[f"auto (explore {every})"] = (auto, every)
+        with_control(self.configs, args)
 
     def __call__(self, name: str) -> float:
         spec, every = self.configs[name]
@@ -119,6 +135,7 @@ class recipe_runs:
         self.inputs = load_inputs(self.recipe)
         self.configs = {"none": None, **{f"K={k}": k for k in args.static_k}}
         self.configs.update({f"auto (explore {every})": every for every in args.explore})
+        with_control(self.configs, args)
 
     def __call__(self, name: str) -> float:
         setting, recipe = self.configs[name], self.recipe
