@@ -17,8 +17,8 @@ Each repeat runs the configurations in an order rotated by one (no configuration
         --skip-none --repeats 12 --control
 
 `--control` runs the first static K a second time as a configuration of its own and reports it as auto is reported:
-how far from the best static K the run-to-run noise alone puts a configuration that is exactly as fast, and how often
-below 0.97.
+with the best static K listed first, how far from it the run-to-run noise alone puts a configuration that is exactly
+as fast, and how often below 0.97.
 """
 
 from __future__ import annotations
