@@ -130,6 +130,45 @@ def test_overwrite_replaces_a_run_and_nothing_stale_remains(tmp_path, reference)
     assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}", "resume=true", "data.num_prompts=9"]) == 2
 
 
+def in_warm_up(frame) -> bool:
+    """Whether `frame` runs inside the generator's making (model load and warm-up), before the run's folder exists.
+    How many compiled-kernel callbacks the warm-up makes depends on its timing (a stalled step is timed again)."""
+    while frame is not None:
+        if frame.f_code.co_name == "make_rollout":
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["int", "term"])
+def test_a_signal_before_the_run_began_says_so_and_leaves_nothing(tmp_path, capsys, sig):
+    """A signal during the warm-up (before the run's folder is written) stops the run with its exit code and one line
+    that says nothing was written, not that resume=true continues (there is nothing to resume); the same command then
+    runs."""
+    calls = 0
+
+    def send_in_warm_up(frame, event, arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_name == "_numba_unpickle" and in_warm_up(frame):
+            calls += 1
+            if calls == 5:
+                os.kill(os.getpid(), sig)
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.setprofile(send_in_warm_up)
+    try:
+        code = main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}"])
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGINT, previous)
+    assert calls >= 5, "the warm-up never reached the callback: the test sent nothing"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err
+    assert err[-1].endswith("before the run began: nothing was written; run the same command again"), err
+    assert not any("Traceback" in line for line in err) and list(tmp_path.iterdir()) == []
+    assert main(["run", RECIPE, *SETTINGS, "rollout.num_rollouts=1", f"output_dir={tmp_path}"]) == 0
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["int", "term"])
 def test_a_signal_inside_compiled_code_stops_the_run_as_a_signal(tmp_path, reference, capsys, sig):
     """A signal's handler runs at the next bytecode, and when that is inside numba's `_numba_unpickle` (called back
@@ -140,9 +179,9 @@ def test_a_signal_inside_compiled_code_stops_the_run_as_a_signal(tmp_path, refer
 
     def send_inside_numba(frame, event, arg):
         nonlocal calls
-        if event == "call" and frame.f_code.co_name == "_numba_unpickle":
+        if event == "call" and frame.f_code.co_name == "_numba_unpickle" and not in_warm_up(frame):
             calls += 1
-            if calls == 300:  # mid-run: the run makes about 2,000 such calls
+            if calls == 300:  # mid-run: the run makes about 2,000 such calls after its warm-up
                 os.kill(os.getpid(), sig)
 
     # SIGINT as Ctrl-C delivers it: Python leaves SIGINT ignored when started so (a background shell's job)

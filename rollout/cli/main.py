@@ -42,6 +42,7 @@ def _setup(args: argparse.Namespace):
 
 def _run(args: argparse.Namespace) -> None:
     recipe = _setup(args)  # a bad recipe is reported before torch is imported
+    args.run_folder = pathlib.Path(recipe.output_dir)  # (what a signal's one line looks at)
     from rollout.cli.recipe import method_name
     from rollout.cli.runs import run_recipe
     from rollout.phases import format_table, summarize
@@ -271,8 +272,14 @@ def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
         return 1
     if args.ranks.is_main:  # a signal reaches every rank: one of them speaks
         what = "terminated (SIGTERM)" if terminated else "interrupted"
-        kept = ": what finished is in the output folder; resume=true continues the run"
-        kept = kept if args.command == "run" else ""
+        kept = ""
+        if args.command == "run":
+            # the run's folder is written once the model is loaded and warmed up: a signal before that leaves none
+            folder = getattr(args, "run_folder", None)
+            if folder is not None and (folder / "config.yaml").is_file():
+                kept = ": what finished is in the output folder; resume=true continues the run"
+            else:
+                kept = " before the run began: nothing was written; run the same command again"
         print(f"rollout {args.command}: {what}{kept}", file=sys.stderr)
     return 143 if terminated else 130
 
