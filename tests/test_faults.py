@@ -166,7 +166,8 @@ def test_a_signal_before_the_run_began_says_so_and_leaves_nothing(tmp_path, caps
     assert code == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err
     assert err[-1].endswith("before the run began: nothing was written; run the same command again"), err
     assert not any("Traceback" in line for line in err) and list(tmp_path.iterdir()) == []
-    assert main(["run", RECIPE, *SETTINGS, "rollout.num_rollouts=1", f"output_dir={tmp_path}"]) == 0
+    if sig == signal.SIGTERM:  # (once: a whole run)
+        assert main(["run", RECIPE, *SETTINGS, "rollout.num_rollouts=1", f"output_dir={tmp_path}"]) == 0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["int", "term"])
