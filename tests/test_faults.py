@@ -140,29 +140,36 @@ def in_warm_up(frame) -> bool:
     return False
 
 
+def run_signalled_in_numba(output_dir, capsys, sig: int, at: int, warm_up: bool) -> tuple[int, list[str]]:
+    """Run the recipe, sending `sig` from inside numba's `_numba_unpickle` callback on its `at`-th call within the
+    warm-up (`warm_up`) or after it; returns (exit code, stderr lines)."""
+    calls = 0
+
+    def send(frame, event, arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_name == "_numba_unpickle" and in_warm_up(frame) == warm_up:
+            calls += 1
+            if calls == at:
+                os.kill(os.getpid(), sig)
+
+    # SIGINT as Ctrl-C delivers it: Python leaves SIGINT ignored when started so (a background shell's job)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.setprofile(send)
+    try:
+        code = main(["run", RECIPE, *SETTINGS, f"output_dir={output_dir}"])
+    finally:
+        sys.setprofile(None)
+        signal.signal(signal.SIGINT, previous)
+    assert calls >= at, "the run never reached the callback: the test sent nothing"
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["int", "term"])
 def test_a_signal_before_the_run_began_says_so_and_leaves_nothing(tmp_path, capsys, sig):
     """A signal during the warm-up (before the run's folder is written) stops the run with its exit code and one line
     that says nothing was written, not that resume=true continues (there is nothing to resume); the same command then
     runs."""
-    calls = 0
-
-    def send_in_warm_up(frame, event, arg):
-        nonlocal calls
-        if event == "call" and frame.f_code.co_name == "_numba_unpickle" and in_warm_up(frame):
-            calls += 1
-            if calls == 5:
-                os.kill(os.getpid(), sig)
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.setprofile(send_in_warm_up)
-    try:
-        code = main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}"])
-    finally:
-        sys.setprofile(None)
-        signal.signal(signal.SIGINT, previous)
-    assert calls >= 5, "the warm-up never reached the callback: the test sent nothing"
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = run_signalled_in_numba(tmp_path, capsys, sig, at=5, warm_up=True)
     assert code == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err
     assert err[-1].endswith("before the run began: nothing was written; run the same command again"), err
     assert not any("Traceback" in line for line in err) and list(tmp_path.iterdir()) == []
@@ -176,25 +183,8 @@ def test_a_signal_inside_compiled_code_stops_the_run_as_a_signal(tmp_path, refer
     from the suffix proposer's compiled kernels), numba reports the interrupt as a SystemError caused by it. The run
     must still stop as for the signal: its exit code, one line, a summary naming it; then resume completes it. (CI
     failed once on exactly this, by chance; here the signal is sent from inside that callback every time.)"""
-    calls = 0
-
-    def send_inside_numba(frame, event, arg):
-        nonlocal calls
-        if event == "call" and frame.f_code.co_name == "_numba_unpickle" and not in_warm_up(frame):
-            calls += 1
-            if calls == 300:  # mid-run: the run makes about 2,000 such calls after its warm-up
-                os.kill(os.getpid(), sig)
-
-    # SIGINT as Ctrl-C delivers it: Python leaves SIGINT ignored when started so (a background shell's job)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    sys.setprofile(send_inside_numba)
-    try:
-        code = main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}"])
-    finally:
-        sys.setprofile(None)
-        signal.signal(signal.SIGINT, previous)
-    assert calls >= 300, "the run never reached the callback: the test sent nothing"
-    err = capsys.readouterr().err.strip().splitlines()
+    # mid-run: the run makes about 2,000 such calls after its warm-up
+    code, err = run_signalled_in_numba(tmp_path, capsys, sig, at=300, warm_up=False)
     assert code == {signal.SIGINT: 130, signal.SIGTERM: 143}[sig], err
     assert "resume=true continues" in err[-1] and not any("Traceback" in line for line in err), err
     summary = json.loads((tmp_path / "summary.json").read_text())
