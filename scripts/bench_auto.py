@@ -80,12 +80,11 @@ def main() -> None:
 CONTROL = " (control)"  # the first static K's configuration, run again under this name
 
 
-def with_control(configs: dict, args) -> dict:
-    """`configs` with the first static K's entry again under its control name, when `--control` asks for it."""
+def with_control(configs: dict, args) -> None:
+    """Add the first static K's entry to `configs` again under its control name, when `--control` asks for it."""
     if args.control:
         first = f"K={args.static_k[0]}"
         configs[first + CONTROL] = configs[first]
-    return configs
 
 
 class default_runs:

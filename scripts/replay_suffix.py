@@ -14,10 +14,11 @@ them; the first replay checks every step's drafts, counts and scores against the
 names the first step that differs). `--flush` reads 64 MiB between steps, standing in for the forward that evicts the
 caches in a live rollout; without it the proposer runs with warm caches.
 
-A replay is a quick proxy, not the measurement: at 1964527, first / second rollout, us per bulk row-step, 4.4 / 7.9
-warm, 6.5 / 10.5 flushed, 7.1 / 11.4 in live rollouts. A change that helped here did not always help live (two
-threads counting the two tries: 10-20% faster replayed, no faster live); time a change in live rollouts before it
-lands (docs/benchmarks/cpu.md, suffix proposer cost).
+A replay is a quick proxy, not the measurement. First / second rollout, us per bulk row-step, after 9907b55: 4.5 / 7.8
+replayed warm, 7.3 / 11.5 replayed with `--flush`, 6.2 / 10.7 in live rollouts (medians; the machine's spread is
+several percent). A change that helped here did not always help live (two threads counting the two tries: 10-20%
+faster replayed, no faster live); time a change in live rollouts before it lands (docs/benchmarks/cpu.md, suffix
+proposer cost).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from rollout.phases import PhaseLabeler
 from specdec.proposers.base import ProposalBatch
 from specdec.proposers.suffix import SuffixProposer
 
@@ -123,8 +125,8 @@ def _token_ids(
 
 
 def replay(recording: dict, check: bool, flush: bool) -> dict[str, float]:
-    """One replay on a fresh proposer: us per bulk row-step (batch at least a quarter of the rollout's peak) of each
-    rollout."""
+    """One replay on a fresh proposer: us per bulk row-step of each rollout (`PhaseLabeler`'s bulk, as the run's
+    summary and `bench_suffix.py` label it)."""
     setup, calls = recording["setup"], recording["calls"]
     proposer = SuffixProposer(setup["k"], setup["vocab_size"], setup["slots"], setup["positions"])
     evict = np.zeros(8 << 20) if flush else None  # 64 MiB
@@ -173,8 +175,8 @@ def replay(recording: dict, check: bool, flush: bool) -> dict[str, float]:
             num_steps += 1
     out = {}
     for name, rows in steps.items():
-        peak = max(batch for _, batch, _ in rows)
-        bulk = [(batch, s) for kind, batch, s in rows if kind == "decode" and batch >= 0.25 * peak]
+        labeler = PhaseLabeler()
+        bulk = [(batch, s) for kind, batch, s in rows if labeler.label(kind, batch) == "bulk"]
         out[name] = 1e6 * sum(s for _, s in bulk) / max(sum(b for b, _ in bulk), 1)
     return out
 
