@@ -358,11 +358,8 @@ class SuffixProposerRef(SuffixProposer):
         """Insert the tokens each of `rows` gained since the last call (`token_ids[rows[i], :num_tokens[i]]`), with the
         deferred ones. `defer` (finishing rows): keep the tokens for the next insertion instead."""
         rewound = (num_tokens < self._num_inserted[rows]).nonzero()[0]
-        if rewound.size:  # a row rolled back (the warm-up's probes): start its response over
-            slots = rows[rewound]
-            roots = np.array([self.prompts[self._slot_prompt[s]].root for s in slots.tolist()])
-            self._frontiers[:, slots] = self._start_responses(roots)
-            self._num_inserted[slots] = self._prompt_len[slots]
+        if rewound.size:  # rows rolled back: their responses leave the tries, and start over
+            self._restart_rows(rows[rewound])
         start = self._num_inserted[rows]
         lengths = num_tokens - start
         grow = (lengths > 0).nonzero()[0]
@@ -480,10 +477,13 @@ class SuffixProposerRef(SuffixProposer):
         short = m < num_drafted[e2]
         e2, src2, m = e2[short], src2[short], m[short]
         e, src = np.concatenate([e1, e2]), np.concatenate([src1, src2])
-        node = self._frontiers[src, rows[e], np.concatenate([c, np.zeros_like(m)])].astype(np.int64)
+        start = np.concatenate([c, np.zeros_like(m)])  # the frontier column each walker starts from
         skip = np.concatenate([np.zeros_like(c), num_drafted[e2] - m])
         match = np.concatenate([num_drafted[e1] + c, m])
-        keep = (match < depth) & (node >= 0)
+        fits = match < depth  # (so does its start column, at most the match: a tree of depth 2 has columns 0 and 1)
+        e, src, start, skip, match = e[fits], src[fits], start[fits], skip[fits], match[fits]
+        node = self._frontiers[src, rows[e], start].astype(np.int64)
+        keep = node >= 0
         e, src, node, skip, match = e[keep], src[keep], node[keep], skip[keep], match[keep]
         walked, path = num_drafted[e], drafts[rows[e]]  # each walker's draft
         for j in range(int(num_drafted.max())):

@@ -112,10 +112,7 @@ class SuffixTries(Proposer):
             raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses: give one prompt per response")
         for name, sequences in (("prompts", prompts), ("responses", responses)):
             for i, seq in enumerate(sequences):
-                ids = np.asarray(seq)
-                if ids.ndim != 1 or (
-                    ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= self.separator)
-                ):
+                if not self._in_vocabulary(np.asarray(seq)):
                     raise ValueError(f"{name}[{i}] must be a list of token ids in [0, {self.separator})")
         self.flush()  # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
         self._add_history(
@@ -125,6 +122,12 @@ class SuffixTries(Proposer):
             ]
         )
         self._evict()
+
+    def _in_vocabulary(self, ids: np.ndarray) -> bool:
+        """Whether `ids` is one sequence of token ids of the target's vocabulary (empty is)."""
+        if ids.ndim != 1:
+            return False
+        return not ids.size or (ids.dtype.kind in "iu" and ids.min() >= 0 and ids.max() < self.separator)
 
     def save(self, path: str | pathlib.Path) -> None:
         """Write the cached responses (oldest first, each with its prompt) to an `.npz` file."""
@@ -153,6 +156,12 @@ class SuffixTries(Proposer):
             owners = data["response_prompt"]
         except (OSError, KeyError, ValueError) as error:
             raise ValueError(f"cannot load a suffix history from {str(path)!r}: {error}") from error
+        for name in ("prompt_tokens", "response_tokens"):  # a history made for a larger vocabulary, or a damaged file
+            if not self._in_vocabulary(data[name]):
+                raise ValueError(
+                    f"cannot load a suffix history from {str(path)!r}: its {name} hold ids outside this model's "
+                    f"vocabulary [0, {self.separator}); load a history saved for this model"
+                )
         self.clear()
         self._add_history([(prompts[int(o)].tobytes(), r) for o, r in zip(owners, responses)])
         self._evict()
@@ -239,13 +248,22 @@ class SuffixTries(Proposer):
                 self._sync_kernels.sync_rows, *index.scratch(size), *args, *self._pending, self._pending_status, defer
             )
             if not self._pending_status[1]:
+                if not defer:  # the finished rows' deferred tokens went in with these
+                    self._deferred_responses = 0
                 return
-            # a row rolled back (the warm-up's probes): start its response over, then take in its tokens
-            slots = rows[num_tokens < self._num_inserted[rows]]
-            roots = np.array([self.prompts[self._slot_prompt[s]].root for s in slots.tolist()])
-            self._frontiers[:, slots] = self._start_responses(roots)
-            self._num_inserted[slots] = self._prompt_len[slots]
+            self._restart_rows(rows[num_tokens < self._num_inserted[rows]])  # then take in their tokens
         raise AssertionError("expected no rewound row after restarting them")
+
+    def _restart_rows(self, slots: np.ndarray) -> None:
+        """Rows rolled back (`Generator.restore`, the warm-up's probes) start their responses over: what they had taken
+        in leaves the tries (it is text no row holds any more), and each starts again behind a separator."""
+        keys = [self._slot_prompt[s] for s in slots.tolist()]
+        roots = [self.prompts[key].root for key in keys]
+        responses = [self._responses[s, : self._num_inserted[s] - self._prompt_len[s]].copy() for s in slots.tolist()]
+        self._apply(roots, responses, -1)
+        self._dead_tokens += sum(len(r) for r in responses)
+        self._frontiers[:, slots] = self._start_responses(np.array(roots))
+        self._num_inserted[slots] = self._prompt_len[slots]
 
     def flush(self) -> None:
         """Insert the finished rows' last tokens now (`finish` defers them to the next step's insertion): the tries

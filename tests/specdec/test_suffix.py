@@ -245,6 +245,49 @@ def test_save_and_load_round_trip(tmp_path):
         other.draft_history.load(tmp_path / "missing.npz")
 
 
+def test_a_history_made_for_another_vocabulary_is_refused_on_load(tmp_path):
+    """`load` checks token ids as `add_responses` does: a history saved for a larger vocabulary (or a damaged file)
+    would otherwise be drafted from, feeding the target ids past its vocabulary."""
+    big = SuffixProposer(3, vocab_size=1000, num_slots=1, num_positions=16)
+    big.add_responses([[1]], [[2, 700, 800, 900]])
+    big.save(tmp_path / "history.npz")
+    small = SuffixProposer(3, vocab_size=100, num_slots=1, num_positions=16)
+    small.add_responses([[1]], [[2, 3]])
+    with pytest.raises(ValueError, match=r"response_tokens hold ids outside this model's vocabulary \[0, 100\)"):
+        small.load(tmp_path / "history.npz")
+    assert [r.tolist() for _, r in small.history] == [[2, 3]]  # what it held is kept
+    small.add_responses([[1]], [[]])  # an empty response (and an empty history) round-trips
+    small.save(tmp_path / "small.npz")
+    small.load(tmp_path / "small.npz")
+    assert [r.tolist() for _, r in small.history] == [[2, 3], []]
+
+
+def test_a_restored_snapshot_takes_the_rolled_back_text_out_of_the_tries():
+    """`Generator.restore` rolls rows back: what they generated since the snapshot is text no row holds any more, so
+    it leaves the tries, which hold exactly the prompts, the cached responses and the rows in flight; the reference
+    drafts alike at every step (`Lockstep`)."""
+    from specdec.proposers.suffix_ref import Lockstep
+
+    model = make_model("llama")
+    spec = SpecConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
+    gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec)
+    lockstep = Lockstep.replacing(gen.draft_history)
+    gen.proposers.proposers["suffix"] = lockstep
+    gen.add_requests(random_prompts(2, seed=14), SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3))
+    for _ in range(3):
+        gen.step()
+    saved = gen.snapshot()
+    for _ in range(4):
+        gen.step()
+    gen.restore(saved)
+    gen.step()  # the rows take in what they sample now, after the snapshot's text
+    assert_counts_exact(lockstep.new)
+    gen.abort()
+    gen.generate(random_prompts(2, seed=15), SamplingParams(temperature=0, max_new_tokens=4))
+    assert_counts_exact(lockstep.new)  # nothing kept (max_cached_requests=0): no prompt, no response
+    assert not lockstep.new.prompts and lockstep.num_drafted > 0
+
+
 def test_interrupted_call_leaves_only_finished_responses():
     model = make_model("qwen2")
     gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=SpecConfig(method="suffix"))

@@ -78,6 +78,31 @@ def test_compiled_drafts_equal_the_reference_step_by_step(task, num_candidates, 
     assert lockstep.new.stats() == {**lockstep.ref.stats(), "bytes": lockstep.new.stats()["bytes"]}
 
 
+@pytest.mark.parametrize(
+    "vocab_size,max_cached_requests,depth", [(16, 1, 24), (4, 2, 24), (8, 3, 24), (8, 2, 2), (8, 3, 3)]
+)
+def test_small_histories_and_shallow_tries_draft_like_the_reference(vocab_size, max_cached_requests, depth):
+    """A history of 1-3 responses, so that most finishes evict while the finished rows' last tokens wait for the next
+    step's insertion, and tries of depth 2 and 3 (shallower than a short draft's second round reaches back): a random
+    Llama over a few tokens, 4 prompts x 2 samples through 4 slots, three calls; every step's drafts are the
+    reference's."""
+    from conftest import make_model, random_prompts
+
+    model = make_model("llama", vocab_size=vocab_size)
+    spec = SpecConfig(
+        method="suffix",
+        num_speculative_tokens=4,
+        suffix_decoding_max_cached_requests=max_cached_requests,
+        suffix_decoding_max_tree_depth=depth,
+    )
+    gen, lockstep = lockstep_generator(model, spec, num_slots=4, max_seq_len=64)
+    prompts = random_prompts(4, vocab_size=vocab_size, min_len=1, max_len=4, seed=1)
+    for seed in range(3):
+        gen.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=seed))
+    assert lockstep.num_steps > 100 and lockstep.num_drafted > 1000  # not vacuous
+    assert lockstep.new.stats()["responses"] == max_cached_requests
+
+
 def trie_paths(index, root: int, depth: int, vocab: int) -> dict[tuple[int, ...], tuple[int, int]]:
     """Every n-gram under `root` with a nonzero count: its count and the token of its best child (-1 if none)."""
     paths, stack = {}, [(root, ())]
