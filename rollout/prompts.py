@@ -56,6 +56,11 @@ class PromptFormatter:
         chat_template: bool = False,
         system_prompt: str | None = None,
     ):
+        if system_prompt is not None and not chat_template:  # it would be left out of every prompt
+            raise ValueError(
+                "system_prompt (data.system_prompt) is a chat template's system message: set chat_template "
+                "(data.chat_template) too, or give no system prompt"
+            )
         if chat_template and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError(
                 "data.chat_template is true but the tokenizer has no chat template; "

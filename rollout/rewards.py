@@ -106,7 +106,13 @@ def build_rewards(specs: Sequence[tuple[str | RewardFn, float]]) -> list[Weighte
         name = spec if isinstance(spec, str) else getattr(fn, "__name__", "reward")
         if any(t.name == name for t in terms):  # the same function twice: keep the reported names apart
             name = f"{name}#{len(terms)}"
-        terms.append(WeightedReward(name, fn, float(weight)))
+        try:
+            value = float(weight)
+        except (TypeError, ValueError):
+            value = math.nan
+        if not math.isfinite(value):  # every total would be NaN (or infinite)
+            raise ValueError(f"the weight of reward {name!r} ({weight!r}) must be a finite number")
+        terms.append(WeightedReward(name, fn, value))
     return terms
 
 
@@ -164,10 +170,19 @@ def score(
             ) from err
         except Exception as err:  # the reward's own failure, whatever its type: name the reward and the type
             raise RewardError(f"reward {term.name!r} raised {type(err).__name__}: {err}") from err
-        if values is None or len(values) != len(completions):
-            got = "None" if values is None else f"{len(values)} values"
+        try:
+            sized = not isinstance(values, (str, bytes, dict)) and len(values) >= 0
+        except TypeError:  # a scalar, a generator, a coroutine, ...
+            sized = False
+        if not sized:
             raise RewardError(
-                f"reward {term.name!r} returned {got} for {len(completions)} completions: return one each"
+                f"reward {term.name!r} returned {type(values).__name__} {values!r:.40}, not a list: return a list of "
+                f"{len(completions)} floats, one per completion"
+            )
+        if len(values) != len(completions):
+            num = len(completions)
+            raise RewardError(
+                f"reward {term.name!r} returned {len(values)} values for {num} completions: return one each"
             )
         try:
             values = [float(v) for v in values]

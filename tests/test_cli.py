@@ -140,6 +140,20 @@ def test_report_prints_the_phase_table_and_writes_the_plot(finished_run, capsys)
     assert (finished_run / "rollout.png").is_file()
 
 
+def test_report_reads_a_run_a_machine_failure_cut_short(finished_run, tmp_path, capsys):
+    """A kill can cut the last line of steps.jsonl, and leave summary.json damaged: the report reads the whole lines."""
+    import shutil
+
+    cut = tmp_path / "cut"
+    shutil.copytree(finished_run, cut)
+    text = (cut / "steps.jsonl").read_text()
+    (cut / "steps.jsonl").write_text(text + text.splitlines()[-1][:40])
+    (cut / "summary.json").write_text('{"phases": {"pre')
+    assert main(["report", str(cut)]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("prefill", "bulk", "tail", "total", "tokens/s"))
+
+
 def test_bench_rows(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     code = main(["bench", QUICKSTART, "data.num_prompts=2", "sampling.n=2", "sampling.max_new_tokens=16",

@@ -130,6 +130,26 @@ def test_overwrite_replaces_a_run_and_nothing_stale_remains(tmp_path, reference)
     assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}", "resume=true", "data.num_prompts=9"]) == 2
 
 
+def test_resume_takes_the_same_run_however_its_folder_is_spelt(tmp_path, monkeypatch):
+    """The saved recipe is compared section by section, except what changes no sample: a folder named with a trailing
+    slash (tab completion) or relatively is the same run; another seed is not."""
+    from omegaconf import OmegaConf
+
+    from rollout.cli.files import check_resumable
+    from rollout.cli.recipe import load_recipe, recipe_dict
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = recipe_dict(load_recipe(RECIPE, [*SETTINGS, f"output_dir={run}"]))
+    OmegaConf.save(OmegaConf.create(saved), run / "config.yaml")
+    for spelt in (f"{run}/", "run", "./run/"):
+        check_resumable(spelt, recipe_dict(load_recipe(RECIPE, [*SETTINGS, f"output_dir={spelt}", "resume=true"])))
+    other = recipe_dict(load_recipe(RECIPE, [*SETTINGS, "output_dir=run", "resume=true", "sampling.seed=7"]))
+    with pytest.raises(ValueError, match="made with another 'sampling' section"):
+        check_resumable("run", other)
+
+
 def in_warm_up(frame) -> bool:
     """Whether `frame` runs inside the generator's making (model load and warm-up), before the run's folder exists.
     How many compiled-kernel callbacks the warm-up makes depends on its timing (a stalled step is timed again)."""

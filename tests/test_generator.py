@@ -297,11 +297,47 @@ def test_bad_prompts_are_clear_errors(prompts, kwargs, match):
         ({"top_p": 1.5}, r"top_p \(1.5\) must be in \(0, 1\]"),
         ({"top_k": -1}, r"top_k \(-1\)"),
         ({"max_new_tokens": 0}, r"max_new_tokens \(0\)"),
+        ({"n": True}, r"n \(True\) must be an integer"),
+        ({"ignore_eos": "no"}, r"ignore_eos \('no'\) must be True or False"),
+        ({"stop_token_ids": 5}, r"stop_token_ids \(5\) must be a list of non-negative token ids, e\.g\. \[5\]"),
     ],
 )
 def test_bad_sampling_params_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_stop_ids_outside_the_vocabulary_are_refused():
+    """A stop id the model cannot sample would never stop anything: the request would run to its length cap."""
+    gen = Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32)
+    with pytest.raises(ValueError, match=r"params\[0\]\.stop_token_ids holds 500, outside the model's vocabulary"):
+        gen.generate([[1, 2]], SamplingParams(stop_token_ids=[3, 500]))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"max_batch_size": True}, r"max_batch_size \(True\) must be a positive integer"),
+        (
+            {"max_seq_len": 64, "spec": SpecConfig(method="suffix", num_speculative_tokens=10**6)},
+            r"num_speculative_tokens \(1000000\) must be below max_seq_len \(64\)",
+        ),
+        (
+            {
+                "max_seq_len": 8,
+                "spec": SpecConfig(
+                    method="suffix", num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"
+                ),
+            },
+            r"max_seq_len \(8\) is too short for the auto K policy's warm-up.* raise max_seq_len to 9",
+        ),
+    ],
+    ids=["bool", "huge-k", "auto-short"],
+)
+def test_bad_generator_arguments_are_clear_errors(kwargs, match):
+    """Refused before anything is allocated (a K of a million sized the KV cache for a million drafts a row)."""
+    with pytest.raises(ValueError, match=match):
+        Generator(make_model("qwen2"), **kwargs)
 
 
 def test_unsupported_models_are_refused_at_construction():

@@ -51,6 +51,7 @@ REFUSED = [
     (["run", "bad_reward.yaml"], ["unknown reward name 'accuracy'", "arithmetic"], {}),
     (["train", GRPO, "train.loss_type=ppo2"], ["train.loss_type ('ppo2')", "dapo"], {}),
     (["train", GRPO, "train.lr_scheduler_type=cosin"], ["train.lr_scheduler_type ('cosin')", "cosine"], {}),
+    (["train", GRPO, "data.num_prompts=1"], ["data.num_prompts (1) is below train.prompts_per_step (8)"], {}),
     (["train", GRPO, "sampling.temperature=0"], ["sampling.temperature is 0", "sampling.n 8"], {}),
     (["train", GRPO, "resume=true"], ["does not resume a stopped training"], {}),
     # no network here: the hub cannot be reached; with one, the hub answers that the id is not there
@@ -71,12 +72,19 @@ REFUSED = [
     (["run", QUICKSTART, "data.split=test"], ["data.split ('test')", "'train' or 'eval'"], {}),
     (["run", QUICKSTART, "rewards.0.name=no_such_module:score"], ["cannot import module 'no_such_module'"], {}),
     (["run", "empty.yaml"], ["empty.yaml: a recipe is a mapping of sections", "got nothing (an empty file)"], {}),
+    (["run", QUICKSTART, "logging.wandb_mode=onlin"], ["logging.wandb_mode ('onlin')", "online"], {}),
+    (["run", QUICKSTART, "rollout.cuda_graphs=true"], ["rollout.cuda_graphs=true needs a CUDA device"], {}),
+    (["run", QUICKSTART], ["WANDB_MODE ('ofline')", "offline"], {"WANDB_MODE": "ofline"}),
     # what the recipe asks for comes before where it writes: a typo is named even where the folder is taken
     (["run", QUICKSTART, "output_dir=notes", "model.name=tiny-targt"], ["model.name: unknown name 'tiny-targt'"], {}),
 ]
 
 
-@pytest.mark.parametrize("argv, expected, env", REFUSED, ids=[" ".join(case[0][2:]) for case in REFUSED])
+@pytest.mark.parametrize(
+    "argv, expected, env",
+    REFUSED,
+    ids=[" ".join(case[0][2:]) or " ".join(f"{k}={v}" for k, v in case[2].items()) for case in REFUSED],
+)
 def test_a_bad_recipe_is_refused_in_one_line_before_torch_loads_and_writes_nothing(scratch, argv, expected, env):
     before = sorted(p.relative_to(scratch) for p in scratch.rglob("*"))
     environ = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
@@ -162,6 +170,39 @@ def test_list_entries_are_overridden_by_index():
         load_recipe(QUICKSTART, ["rewards.0.weight=x"])
     with pytest.raises(ValueError, match="bench.static_k is a list of 3 entries, so '3' must be an index from 0 to 2"):
         load_recipe(QUICKSTART, ["bench.static_k.3=1"])
+
+
+def test_data_files_as_spreadsheets_and_editors_write_them(tmp_path):
+    """A byte-order mark (Excel's UTF-8 CSV) is no part of a column name; text in another encoding and a header
+    without rows are refused naming the file."""
+    from rollout.cli.preflight import data_columns
+    from rollout.cli.recipe import DataRecipe
+
+    files = {
+        "bom.csv": "\ufeffprompt,answer\n2 + 2?,4\n".encode(),
+        "bom.jsonl": '\ufeff{"prompt": "2 + 2?", "answer": "4"}\n'.encode(),
+        "latin1.csv": "prompt,answer\ncaf\u00e9?,4\n".encode("latin-1"),
+        "header.csv": b"prompt,answer\n",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    for name in ("bom.csv", "bom.jsonl"):
+        assert data_columns(DataRecipe(dataset=str(tmp_path / name))) == ["prompt", "answer"]
+    with pytest.raises(ValueError, match=r"latin1.csv is not UTF-8 text \(invalid continuation byte at byte 17\)"):
+        data_columns(DataRecipe(dataset=str(tmp_path / "latin1.csv")))
+    with pytest.raises(ValueError, match=r"header.csv holds a header and no rows"):
+        data_columns(DataRecipe(dataset=str(tmp_path / "header.csv")))
+
+
+def test_a_device_this_torch_cannot_compute_on_is_refused():
+    from rollout.cli.preflight import resolve_device
+
+    for device in ("meta", "mps"):  # no values; not in this (Linux) torch
+        with pytest.raises(
+            ValueError, match=f"model.device \\('{device}'\\) is not a device this torch .* can compute on"
+        ):
+            resolve_device(device)
+    assert str(resolve_device("cpu")) == "cpu"
 
 
 def test_version(capsys):

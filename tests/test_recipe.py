@@ -77,6 +77,11 @@ def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):
         (["spec.suffix_decoding_min_token_prob=2"], r"spec: suffix_decoding_min_token_prob \(2\.0\) must be"),
         (["spec.suffix_decoding_max_tree_depth=x"], r"spec\.suffix_decoding_max_tree_depth: Value 'x'"),
         (["rollout.n"], r"override 'rollout.n' must be key=value"),
+        (["data.system_prompt=Be brief."], r"data\.system_prompt is a chat template's system message"),
+        (["sampling.spec.method=ngram"], r"sampling\.spec .* is not set from a recipe: set the spec section"),
+        # a list the shell split at its spaces, an unclosed quote: the value is not YAML (no traceback)
+        (["spec.method=[suffix,", "draft_model]"], r"override 'spec.method=\[suffix,': its value is not valid YAML"),
+        (['data.template="{prompt}'], r"not valid YAML .*quote the whole override"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

@@ -120,6 +120,9 @@ def test_unknown_rewards_name_the_choices():
         resolve_reward("test_rollout_loop:missing")
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
         score(build_rewards([(lambda completions, **kw: [1.0], 1.0)]), ["a", "b"], {})
+    for weight in (float("nan"), float("inf"), "heavy"):
+        with pytest.raises(ValueError, match=r"the weight of reward 'arithmetic' \(.*\) must be a finite number"):
+            build_rewards([("arithmetic", weight)])
 
 
 def test_group_advantages():
@@ -289,12 +292,14 @@ def test_progress_draws_one_updating_line():
     assert quiet.getvalue() == ""
 
 
-def test_local_data_files_and_templates(tmp_path, tiny):
+def test_local_data_files_and_templates(tmp_path, tiny, capfd):
     _, tokenizer = tiny
     path = tmp_path / "problems.jsonl"
     path.write_text('{"question": "1 + 1?", "answer": "2"}\n{"question": "2 + 3?", "answer": "5"}\n')
+    capfd.readouterr()
     rows = load_dataset(str(path), num_prompts=1)
     assert rows.column_names == ["question", "answer"] and len(rows) == 1
+    assert capfd.readouterr() == ("", "")  # a new file, prepared without a progress bar (a run's error stays one line)
     formatter = PromptFormatter(tokenizer, "question", template="Question: {question}\nAnswer:")
     texts, ids = formatter(list(rows))
     assert texts == ["Question: 1 + 1?\nAnswer:"] and ids[0] == tokenizer(texts[0])["input_ids"]
@@ -302,6 +307,8 @@ def test_local_data_files_and_templates(tmp_path, tiny):
         PromptFormatter(tokenizer, "question", template="{missing}")(list(rows))
     with pytest.raises(ValueError, match="no chat template"):
         PromptFormatter(tokenizer, chat_template=True)
+    with pytest.raises(ValueError, match=r"system_prompt .* is a chat template's system message"):
+        PromptFormatter(tokenizer, "question", system_prompt="Be brief.")
 
 
 def test_tracker_appends_rollouts_of_a_training_loop(batch, tmp_path, monkeypatch):
@@ -343,3 +350,24 @@ def test_a_raising_reward_is_named_with_its_type(tiny, data):
     rollout = Rollout(model, tokenizer, rewards=[explodes], sampling=SamplingParams(n=2, max_new_tokens=4, seed=0))
     with pytest.raises(ValueError, match=r"^prompt 0: reward 'explodes' raised KeyError: 'no such field'$"):
         rollout(data.select([0]))
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        (1.0, r"returned float 1\.0, not a list: return a list of 2 floats, one per completion"),
+        ((v for v in (1.0, 0.0)), r"returned generator .*, not a list"),
+        (None, r"returned NoneType None, not a list"),
+        ([1.0], r"returned 1 values for 2 completions: return one each"),
+        (["yes", "no"], r"returned 'yes', not a number: return floats"),
+    ],
+    ids=["scalar", "generator", "none", "short", "text"],
+)
+def test_a_reward_returning_other_than_one_number_each_is_named(returned, message):
+    from rollout.rewards import RewardError, WeightedReward, score
+
+    def mine(completions, **kwargs):
+        return returned
+
+    with pytest.raises(RewardError, match=rf"^reward 'mine' {message}"):
+        score([WeightedReward("mine", mine, 1.0)], ["a", "b"], {})

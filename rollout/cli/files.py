@@ -82,7 +82,9 @@ def check_resumable(path: str | pathlib.Path, config: dict | None) -> None:
     from omegaconf import OmegaConf
 
     saved = OmegaConf.to_container(OmegaConf.load(saved_path))
-    ignored = {"resume", "overwrite", "logging", "distributed"}  # none of these changes a sample
+    # none of these changes a sample (output_dir: the folder resumed is this one, however its path is spelt;
+    # bench: `rollout bench` only)
+    ignored = {"resume", "overwrite", "logging", "distributed", "output_dir", "bench"}
     for key in sorted(set(saved) | set(config)):
         if key not in ignored and saved.get(key) != config.get(key):
             raise ValueError(

@@ -124,10 +124,13 @@ def _train(args: argparse.Namespace) -> None:
     summary = run_training(recipe, args.ranks, checked=True)  # `_setup` ran the preflight
     if not args.ranks.is_main:
         return
+    first, last, gain = (summary[k] for k in ("reward_first_10pct", "reward_last_10pct", "reward_gain"))
+    rewards = "no reward logged" if None in (first, last, gain) else (
+        f"reward first 10% {first:.3f} -> last 10% {last:.3f} ({gain:+.3f})"
+    )  # fmt: skip
     print(
-        f"{summary['num_steps']} steps in {summary['wall_seconds']:.1f} s | reward first 10% "
-        f"{summary['reward_first_10pct']:.3f} -> last 10% {summary['reward_last_10pct']:.3f} "
-        f"({summary['reward_gain']:+.3f}) | rollout {100 * (summary['rollout_share'] or 0):.0f}% of step time"
+        f"{summary['num_steps']} steps in {summary['wall_seconds']:.1f} s | {rewards} | rollout "
+        f"{100 * (summary['rollout_share'] or 0):.0f}% of step time"
     )
     for epoch, tps in summary["rollout_tokens_per_s_per_epoch"].items():
         print(f"epoch {epoch}: rollout {tps:.0f} tokens/s")
@@ -160,11 +163,20 @@ def _report(args: argparse.Namespace) -> None:
         raise FileNotFoundError(f"{folder}: no such folder")
     if not steps_path.is_file():
         raise FileNotFoundError(f"{steps_path}: not found; is {folder} the output_dir of a finished `rollout run`?")
-    steps = [json.loads(line) for line in steps_path.read_text().splitlines() if line.strip()]
+    from rollout.cli.files import read_jsonl
+
+    steps = read_jsonl(steps_path)  # a line cut by a kill (the last) is left out
     if not steps:
         raise ValueError(f"{steps_path} is empty: the run recorded no steps")
     summary_path = folder / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else summarize(steps)
+    summary = None
+    if summary_path.is_file():
+        try:
+            summary = json.loads(summary_path.read_text())
+        except json.JSONDecodeError:  # damaged: the steps say the same
+            summary = None
+    if not isinstance(summary, dict) or "phases" not in summary:
+        summary = summarize(steps)
     print(format_table(summary))
     if "reward_mean" in summary:
         print(f"reward mean {summary['reward_mean']:.3f}")

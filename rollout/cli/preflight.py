@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import pathlib
 import re
 import string
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from rollout.cli.files import check_output_dir, check_resumable
 from rollout.cli.hub import check_hub_id
-from rollout.cli.recipe import DataRecipe, Recipe, recipe_dict
+from rollout.cli.recipe import WANDB_MODES, DataRecipe, Recipe, recipe_dict
 from rollout.models import zoo
 from rollout.prompts import check_prompt_column
 from rollout.rewards import build_rewards, check_reward_columns
@@ -74,8 +75,29 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
                 f"sampling.temperature is 0 (greedy) with sampling.n {s.n}: the samples of a prompt are identical, "
                 "so every GRPO advantage is 0 and nothing is learned; set sampling.temperature > 0, e.g. 1.0"
             )
+        num_prompts, per_step = recipe.data.num_prompts, recipe.train.prompts_per_step
+        if num_prompts is not None and num_prompts < per_step:  # the trainer keeps whole steps only: none
+            raise ValueError(
+                f"data.num_prompts ({num_prompts}) is below train.prompts_per_step ({per_step}): not one optimiser "
+                "step fits; raise data.num_prompts or lower train.prompts_per_step"
+            )
+    environment_mode = os.environ.get("WANDB_MODE")  # wins over logging.wandb_mode, so it is checked alike
+    if environment_mode and environment_mode not in WANDB_MODES:
+        raise ValueError(
+            f"the environment's WANDB_MODE ({environment_mode!r}) must be one of {', '.join(WANDB_MODES)}: set it to "
+            "one of them, or unset it to use logging.wandb_mode"
+        )
+    device_type = "cpu"
     if recipe.model.device != "cpu":  # the one check that needs torch
-        resolve_device(recipe.model.device)
+        device_type = resolve_device(recipe.model.device).type
+    r = recipe.rollout
+    forced = [f"rollout.{k}=true" for k in ("cuda_graphs", "compile_forward") if getattr(r, k) is True]
+    if device_type != "cuda" and forced:
+        raise ValueError(
+            f"{' and '.join(forced)} need{'s' if len(forced) == 1 else ''} a CUDA device; model.device is "
+            f"{recipe.model.device!r} ({device_type}): set {'it' if len(forced) == 1 else 'them'} to false (or "
+            "cuda_graphs to auto), or model.device=cuda"
+        )
     # the output folder after what the recipe asks for: a typo is worth fixing before choosing where to write
     if command == "bench":  # it writes bench.json only, replacing an earlier benchmark's
         folder = pathlib.Path(recipe.output_dir)
@@ -130,6 +152,17 @@ def resolve_device(device: str) -> torch.device:
             )
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
             raise ValueError(f"model.device is {device!r} but there are {torch.cuda.device_count()} CUDA devices")
+    elif resolved.type != "cpu":  # mps, xpu, ...: usable only where this torch has it (meta holds no values)
+        usable = resolved.type != "meta"
+        try:
+            torch.empty(1, device=resolved)
+        except (RuntimeError, AttributeError):
+            usable = False
+        if not usable:
+            raise ValueError(
+                f"model.device ({device!r}) is not a device this torch ({torch.__version__}) can compute on: use cpu, "
+                "cuda, cuda:N or auto"
+            )
     return resolved
 
 
@@ -179,13 +212,21 @@ def data_columns(d: DataRecipe) -> list[str] | None:
             return list(pyarrow.parquet.read_schema(path).names)
         except Exception as err:  # pyarrow's own error types
             raise ValueError(f"data.dataset: {path} is not a parquet file: {err}") from None
-    text = path.read_text()
+    try:  # a byte-order mark (as spreadsheet programs write) is not part of the first column's name: datasets drops it
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"data.dataset: {path} is not UTF-8 text ({err.reason} at byte {err.start}): save it as UTF-8"
+        ) from None
     if not text.strip():
         raise ValueError(f"data.dataset: {path} is empty: it needs one row per prompt")
     if path.suffix == ".jsonl":
         return _jsonl_columns(path, text)
     if path.suffix == ".csv":
-        return next(csv.reader(text.splitlines()))
+        lines = text.splitlines()
+        if len(lines) < 2 or not any(line.strip() for line in lines[1:]):
+            raise ValueError(f"data.dataset: {path} holds a header and no rows: it needs one row per prompt")
+        return next(csv.reader(lines))
     try:  # .json: JSON lines, a list of rows, or an object of columns (what datasets' json builder reads)
         whole = json.loads(text)
     except json.JSONDecodeError:

@@ -12,12 +12,13 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from rollout.distributed import BALANCES
 from rollout.engine.sampling import SamplingParams
-from specdec.config import SpecConfig
+from specdec.config import SpecConfig, SpecDecodeParams
 from specdec.policies import TablePolicy
 
 # TRL's GRPO losses (GRPOConfig.loss_type, TRL 1.16) and transformers' schedulers (SchedulerType): checked when the
@@ -38,6 +39,9 @@ LR_SCHEDULER_TYPES = (
     "warmup_stable_decay",
     "greedy",
 )
+
+
+WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -91,6 +95,11 @@ class DataRecipe:
     def __post_init__(self) -> None:
         n = self.num_prompts
         _require(n is None or n >= 1, f"data.num_prompts ({n}) must be >= 1, or null for every row")
+        _require(
+            self.system_prompt is None or self.chat_template,
+            "data.system_prompt is a chat template's system message: set data.chat_template=true too (without it "
+            "the system prompt is left out), or drop data.system_prompt",
+        )
 
 
 @dataclass
@@ -234,6 +243,12 @@ class LoggingRecipe:
     progress: bool = True
     plot: bool = True
 
+    def __post_init__(self) -> None:
+        _require(
+            self.wandb_mode in WANDB_MODES,
+            f"logging.wandb_mode ({self.wandb_mode!r}) must be one of {', '.join(WANDB_MODES)}",
+        )
+
 
 @dataclass
 class BenchRecipe:
@@ -323,6 +338,11 @@ class Recipe:
             f"sampling.seed ({self.sampling.seed!r}) must be an integer: a recipe's rollouts are seeded, so that they "
             "reproduce and a stopped run resumes",
         )
+        _require(
+            self.sampling.spec == SpecDecodeParams(),
+            "sampling.spec (a request's own speculation settings) is not set from a recipe: set the spec section "
+            "instead, e.g. spec.method=ngram or spec.num_speculative_tokens=2",
+        )
 
 
 def _error(err: OmegaConfBaseException, source: str) -> ValueError:
@@ -369,6 +389,12 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
             raise ValueError(f"override {item!r} must be key=value, e.g. sampling.n=8")
         try:
             config = _override(config, item)
+        except yaml.YAMLError as err:  # the value is parsed as YAML: e.g. a list a shell split at its spaces
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(
+                f"override {item!r}: its value is not valid YAML ({problem}); a value with spaces, brackets or braces "
+                "must reach rollout as one argument: quote the whole override, e.g. 'spec.method=[suffix, draft_model]'"
+            ) from None
         except OmegaConfBaseException as err:
             error = _error(err, f"override {item!r}")
             if item.partition("=")[2].startswith("{") and "DictConfig" in str(error):  # e.g. data.template={x}

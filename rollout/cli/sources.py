@@ -56,8 +56,11 @@ def draft_model_spec(name, dtype: str, device: str):
 
 def load_dataset(name: str, split: str = "eval", config_name: str | None = None, num_prompts: int | None = None):
     """A `datasets.Dataset` from the embedded `arithmetic` task, a local data file (json, jsonl, csv, parquet), a
-    folder written by `Dataset.save_to_disk`, or a hub id. `num_prompts` keeps the first rows (None: all)."""
+    folder written by `Dataset.save_to_disk`, or a hub id. `num_prompts` keeps the first rows (None: all). Quiet:
+    datasets' progress bars (a new or edited file is prepared anew) would come before a run's one-line error."""
     import datasets
+
+    datasets.disable_progress_bars()
 
     try:
         kind = name_kind(name, EMBEDDED_DATASETS)

@@ -34,10 +34,10 @@ from rollout.batch import RolloutBatch
 from rollout.cli.files import append_lines, check_resumable, prepare_output_dir, read_jsonl, write_atomic
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.plots import plot_steps
+from rollout.cli.recipe import WANDB_MODES
 from rollout.phases import PHASES, SUMMARY_KEYS, straggler_ratio, summarize, summarize_ranks
 from rollout.rewards import mean_reward
 
-WANDB_MODES = ("offline", "online", "disabled")
 ONLINE_TIMEOUT_S = 15  # how long an online W&B run may take to start before the run falls back to offline
 PLOT_NAME = "rollout.png"
 

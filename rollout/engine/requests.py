@@ -55,8 +55,11 @@ def check_prompts(prompt_ids, vocab_size: int, max_seq_len: int) -> list[list[in
     return checked
 
 
-def check_params(params, num_prompts: int, methods: tuple[str, ...]) -> list[SamplingParams]:
-    """One SamplingParams per prompt; a request's spec settings must name a configured proposer."""
+def check_params(
+    params, num_prompts: int, methods: tuple[str, ...], vocab_size: int | None = None
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt; a request's spec settings must name a configured proposer, and its stop ids
+    tokens of the model's vocabulary (`vocab_size`, when given)."""
     params = SamplingParams() if params is None else params
     per_prompt = [params] * num_prompts if isinstance(params, SamplingParams) else params
     if not isinstance(per_prompt, (list, tuple)) or len(per_prompt) != num_prompts:
@@ -66,6 +69,12 @@ def check_params(params, num_prompts: int, methods: tuple[str, ...]) -> list[Sam
     for index, p in enumerate(per_prompt):
         if not isinstance(p, SamplingParams):
             raise ValueError(f"params[{index}] ({p!r:.60}) must be a SamplingParams")
+        outside = [t for t in p.stop_token_ids or () if vocab_size is not None and t >= vocab_size]
+        if outside:  # it would never be sampled: the request would run to its length cap
+            raise ValueError(
+                f"params[{index}].stop_token_ids holds {outside[0]}, outside the model's vocabulary [0, {vocab_size}): "
+                "give the model's own token ids (tokenizer.convert_tokens_to_ids)"
+            )
         method = p.spec.method
         if method is not None and method not in methods:
             raise ValueError(
@@ -152,7 +161,7 @@ def check_generator_args(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"Generator takes a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
     for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} ({value!r}) must be a positive integer")
     if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < max_seq_len:
         raise ValueError(
@@ -167,6 +176,19 @@ def check_generator_args(
         raise ValueError(f"async_scheduling ({async_scheduling!r}) must be True, False or 'auto'")
     if spec is not None and not isinstance(spec, SpecConfig):
         raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
+    if spec is not None and spec.methods:
+        k = spec.num_speculative_tokens
+        if k >= max_seq_len:  # (the KV cache holds max_seq_len + K + 1 positions a slot)
+            raise ValueError(
+                f"num_speculative_tokens ({k}) must be below max_seq_len ({max_seq_len}): a row never has room for "
+                "more drafts than that; lower it (a few tokens, e.g. 4)"
+            )
+        if spec.num_speculative_tokens_per_batch_size == "auto" and max_seq_len < k + 5:
+            raise ValueError(
+                f"max_seq_len ({max_seq_len}) is too short for the auto K policy's warm-up, which times steps of up to "
+                f"K + 1 = {k + 1} tokens after a context of 4: raise max_seq_len to {k + 5} or more, lower "
+                "num_speculative_tokens, or give a static K or a table"
+            )
 
 
 def checked_sequences(
@@ -184,7 +206,7 @@ def checked_sequences(
     prompt_ids = check_prompts(prompt_ids, vocab_size, max_seq_len)
     if seed_indices is not None and len(seed_indices) != len(prompt_ids):
         raise ValueError(f"seed_indices holds {len(seed_indices)} values for {len(prompt_ids)} prompts: give one each")
-    per_prompt = check_params(params, len(prompt_ids), methods)
+    per_prompt = check_params(params, len(prompt_ids), methods, vocab_size)
     sequences = make_sequences(prompt_ids, per_prompt, eos_ids, max_seq_len, max_k, seed_indices)
     note = length_cap_note(prompt_ids, [p.max_new_tokens for p in per_prompt], max_seq_len)
     if note is not None:

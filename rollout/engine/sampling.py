@@ -35,6 +35,11 @@ class SamplingParams:
     spec: SpecDecodeParams | None = None
 
     def __post_init__(self) -> None:
+        for name in ("n", "top_k", "max_new_tokens", "seed", "ignore_eos"):  # (a bool is an int to Python)
+            value = getattr(self, name)
+            if isinstance(value, bool) != (name == "ignore_eos"):
+                kind = "True or False" if name == "ignore_eos" else "an integer"
+                raise ValueError(f"{name} ({value!r}) must be {kind}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n ({self.n!r}) must be an integer >= 1: the number of completions per prompt")
         if (
@@ -52,8 +57,12 @@ class SamplingParams:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens ({self.max_new_tokens!r}) must be an integer >= 1")
         if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-                raise ValueError(f"stop_token_ids ({self.stop_token_ids!r}) must be a list of non-negative token ids")
+            ids = self.stop_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+            ):
+                example = f"e.g. [{ids}]" if isinstance(ids, int) else "e.g. [2]"
+                raise ValueError(f"stop_token_ids ({ids!r}) must be a list of non-negative token ids, {example}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed ({self.seed!r}) must be an integer or None")
         if self.spec is None:
