@@ -47,7 +47,15 @@ def group_advantages(
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, valid.to(torch.float64))
     mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, inverse, rewards) / count.clamp(min=1)
-    centred = torch.where(valid, rewards - mean[inverse], 0.0)
+    # a group whose finite rewards are all equal has no deviation: exactly 0 (its mean, rounded, may differ from
+    # them in the last bit, which a std as small would blow up to +-1 at eps 0)
+    inf = float("inf")
+    high = torch.full((num_groups,), -inf, dtype=torch.float64)
+    high = high.scatter_reduce(0, inverse, torch.where(valid, rewards, -inf), "amax")
+    low = torch.full((num_groups,), inf, dtype=torch.float64)
+    low = low.scatter_reduce(0, inverse, torch.where(valid, rewards, inf), "amin")
+    spread = (high > low)[inverse]
+    centred = torch.where(valid & spread, rewards - mean[inverse], 0.0)
     if not scale:
         return centred
     ddof = 0 if std == "population" else 1

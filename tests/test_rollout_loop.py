@@ -145,6 +145,13 @@ def test_group_advantages():
     rewards = torch.tensor([1.0, float("nan"), 0.0, float("inf"), 2.0])
     adv = group_advantages(rewards, torch.tensor([0, 0, 0, 1, 1]), eps=0.0)
     assert adv.tolist() == [1.0, 0.0, -1.0, 0.0, 0.0]
+    # equal rewards whose mean rounds off them (3 x 0.1 sums to 0.30000000000000004): still exactly 0, at eps 0 too
+    rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 0.7, 0.7, 0.7], dtype=torch.float64)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    for std in ("population", "sample"):
+        adv = group_advantages(rewards, groups, eps=0.0, std=std)
+        assert adv[[0, 1, 2, 5, 6, 7]].tolist() == [0.0] * 6 and adv[3] > 0 > adv[4]
+    assert group_advantages(rewards, groups, scale=False)[[0, 1, 2, 5, 6, 7]].tolist() == [0.0] * 6
 
 
 def test_non_finite_rewards_recorded_as_null(tiny):

@@ -243,6 +243,27 @@ def test_bad_adapter_arguments_name_the_argument():
         trl_rollout_func(cuda_graphs="on")
 
 
+def test_stop_ids_ignore_eos_and_engine_settings_reach_the_generator(tmp_path):
+    """What `rollout train` passes from its recipe (sampling.stop_token_ids / ignore_eos, the rollout section's engine
+    settings) is what the generator runs with: a stop id ends a completion besides the trainer's EOS; past the EOS
+    every completion runs to max_completion_length."""
+    prompts = ["Question: Ann has 3 apples and buys 2 more. How many?\nAnswer:"] * 4
+    period = 15  # "." in the shipped tokenizer (EOS is 0)
+    func = trl_rollout_func(stop_token_ids=[period], kv_layout="paged", async_scheduling=True)
+    trainer = make_trainer(tmp_path, func, max_steps=1)
+    out = func(prompts, trainer)
+    assert func.generator.config.kv_layout == "paged" and func.generator.config.async_scheduling
+    for ids in out["completion_ids"]:
+        stops = [i for i, t in enumerate(ids) if t in (period, 0)]
+        assert stops == [len(ids) - 1] or (not stops and len(ids) == 40), ids  # cut at its first stop, or at the cap
+    assert any(ids[-1] == period for ids in out["completion_ids"]), "no completion stopped at the stop id"
+    func = trl_rollout_func(ignore_eos=True)
+    out = func(prompts, make_trainer(tmp_path, func, max_steps=1))
+    assert [len(ids) for ids in out["completion_ids"]] == [40] * 4
+    with pytest.raises(ValueError, match="stop_token_ids .5. must be a list"):
+        trl_rollout_func(stop_token_ids=5)
+
+
 def test_a_longer_prompt_grows_the_generator_and_keeps_the_drafting_history(tmp_path):
     func = trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=3))
     trainer = make_trainer(tmp_path, func, max_steps=1)

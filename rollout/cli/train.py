@@ -87,6 +87,12 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
         max_seq_len=inputs.max_seq_len,
         tail_fraction=recipe.rollout.tail_fraction,
         share_history=recipe.distributed.share_history,
+        kv_layout=recipe.rollout.kv_layout,
+        cuda_graphs=recipe.rollout.cuda_graphs,
+        async_scheduling=recipe.rollout.async_scheduling,
+        compile_forward=recipe.rollout.compile_forward,
+        stop_token_ids=recipe.sampling.stop_token_ids,
+        ignore_eos=recipe.sampling.ignore_eos,
     )
     record = StepLog(output_dir / "train.jsonl" if ranks.is_main else None)
     trainer = trl.GRPOTrainer(

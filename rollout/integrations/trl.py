@@ -53,6 +53,10 @@ def trl_rollout_func(
     share_history: bool = True,
     kv_layout: str = "auto",
     cuda_graphs: bool | str = "auto",
+    async_scheduling: bool | str = "auto",
+    compile_forward: bool = False,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool = False,
 ) -> TRLRolloutFunc:
     """A `rollout_func` for TRL's `GRPOTrainer` that generates with this library's speculative generator.
 
@@ -66,7 +70,9 @@ def trl_rollout_func(
         log_metrics: add the per-phase metrics (`rollout/<phase>/tokens_per_s`, ...) to the trainer's logs.
         share_history: with several processes (TRL under `accelerate launch`), all-gather each rollout's finished
             responses into every process's suffix drafting history, so each drafts from the whole run's responses.
-        kv_layout, cuda_graphs: the generator's KV layout and CUDA graphs (see `Generator`).
+        kv_layout, cuda_graphs, async_scheduling, compile_forward: the generator's engine settings (see `Generator`).
+        stop_token_ids: stop tokens besides the trainer's EOS ids (`SamplingParams.stop_token_ids`).
+        ignore_eos: generate past the trainer's EOS ids (`stop_token_ids` still stop), to `max_completion_length`.
 
     TRL warns at `GRPOTrainer(rollout_func=...)` that `rollout_func` is experimental unless TRL_EXPERIMENTAL_SILENCE
     is set; this sets it (unless it is set already): the adapter is tested against the newest and the oldest TRL this
@@ -76,9 +82,16 @@ def trl_rollout_func(
         raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {', '.join(KV_LAYOUTS)}")
     if cuda_graphs not in (True, False, "auto"):
         raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
+    SamplingParams(stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)  # checks them now
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     func = TRLRolloutFunc(spec, max_batch_size, max_seq_len, tail_fraction, log_metrics, share_history)
-    func.generator_options = {"kv_layout": kv_layout, "cuda_graphs": cuda_graphs}
+    func.generator_options = {
+        "kv_layout": kv_layout,
+        "cuda_graphs": cuda_graphs,
+        "async_scheduling": async_scheduling,
+        "compile_forward": compile_forward,
+    }
+    func.stop_token_ids, func.ignore_eos = list(stop_token_ids or []), ignore_eos
     return func
 
 
@@ -107,7 +120,9 @@ class TRLRolloutFunc:
         self.dtype: torch.dtype | None = None
         self.last_summary: dict = {}
         self._calls: dict[int, int] = {}  # calls made at each global step (gradient accumulation calls it again)
-        self.generator_options: dict = {}  # more `Generator` arguments (kv_layout, cuda_graphs)
+        self.generator_options: dict = {}  # more `Generator` arguments (kv_layout, cuda_graphs, ...)
+        self.stop_token_ids: list[int] = []  # stop tokens besides the trainer's EOS ids
+        self.ignore_eos = False  # generate past the trainer's EOS ids
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         check_trainer(trainer)
@@ -153,7 +168,8 @@ class TRLRolloutFunc:
             top_p=float(trainer.top_p if trainer.top_p is not None else 1.0),
             top_k=int(trainer.top_k or 0),
             max_new_tokens=int(trainer.max_completion_length),
-            stop_token_ids=list(trainer.eos_token_ids),
+            stop_token_ids=([] if self.ignore_eos else list(trainer.eos_token_ids)) + self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
             seed=seed,
         )
 
