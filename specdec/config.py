@@ -3,6 +3,7 @@ request may change of it."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,6 +98,13 @@ class SpecConfig:
             self.method = list(self.method)
         if self.verification not in VERIFICATIONS:
             raise ValueError(f"verification ({self.verification!r}) must be one of {', '.join(VERIFICATIONS)}")
+        if self.verification == "rejection" and self.num_speculative_tokens_per_batch_size == "auto":
+            warnings.warn(
+                "verification='rejection' draws its uniforms by count (2K + 1 a step) and the auto K policy chooses K "
+                "from measured step times: the same seed gives other samples from run to run; verification='exact' "
+                "(the default) keeps them",
+                stacklevel=3,
+            )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens ({k!r}) must be an integer >= 1 (use spec=None for no drafts)")

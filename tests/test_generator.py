@@ -268,6 +268,50 @@ def test_a_prompt_added_mid_flight_never_shares_the_prefill_of_one_still_queued(
     assert by_prompt[1] == sorted(tuple(o.token_ids) for o in alone_b)
 
 
+def test_the_public_engine_refuses_a_call_from_another_thread_during_a_call():
+    """While a call runs, `add_requests`, `step`, `abort`, `snapshot`, `restore` and `close` from another thread are
+    refused (they used to go through: `add_requests` or `abort` emptied the running call's completions); the call's
+    own steps and its callbacks' calls on its thread go through, and after it the other thread may call."""
+    import threading
+
+    model = make_model("qwen2", dtype=torch.float32)
+    gen = Generator(model, max_batch_size=4, max_seq_len=32)
+    prompts, params = random_prompts(3, seed=1), SamplingParams(temperature=0, max_new_tokens=6)
+    expected = [o.token_ids for o in gen.generate(prompts, params)]
+    calls = {
+        "add_requests": lambda: gen.add_requests(prompts, params, keep_in_flight=True),
+        "step": gen.step,
+        "abort": gen.abort,
+        "snapshot": gen.snapshot,
+        "restore": lambda: gen.restore([]),
+        "close": gen.close,
+    }
+    outcomes = {}
+
+    def from_another_thread(record, finished, total):
+        if len(outcomes) < len(calls):
+            for name, call in calls.items():
+                thread = threading.Thread(target=lambda n=name, c=call: outcomes.__setitem__(n, _outcome(c)))
+                thread.start()
+                thread.join()
+            gen.snapshot()  # this thread's own call: goes through
+
+    assert [o.token_ids for o in gen.generate(prompts, params, on_step=from_another_thread)] == expected
+    assert outcomes == dict.fromkeys(calls, "refused")
+    finished = threading.Thread(target=lambda: outcomes.__setitem__("after", _outcome(gen.abort)))
+    finished.start()
+    finished.join()
+    assert outcomes["after"] == "done"
+
+
+def _outcome(call) -> str:
+    try:
+        call()
+    except RuntimeError as err:
+        return "refused" if "already generating (a call from another thread)" in str(err) else repr(err)
+    return "done"
+
+
 @pytest.mark.parametrize(
     "prompts,kwargs,match",
     [

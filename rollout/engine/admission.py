@@ -120,6 +120,10 @@ class Admission:
 
     def abort(self) -> None:
         """Drop every request queued or in flight (their KV is garbage the next admission overwrites)."""
+        with self._one_call():
+            self._abort()
+
+    def _abort(self) -> None:
         self.scheduler.queue.clear()
         self._ahead.reset()
         if self._closed:
@@ -133,9 +137,13 @@ class Admission:
         """Give back the KV caches, the CUDA graphs and their memory pool now, the target's and a draft model's,
         whatever still refers to this generator (a trainer that rebuilds it plans the next one from the memory freed).
         Its drafting history stays readable (`draft_history`); every other call is refused after it."""
+        with self._one_call():
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
-        self.abort()
+        self._abort()
         for runner in self._runners():
             runner.close()
         self._closed = True
@@ -149,19 +157,21 @@ class Admission:
 
     def snapshot(self) -> list[RowSnapshot]:
         """The rows in flight, in row order, for `restore`."""
-        self._check_no_step_in_flight()
-        self._ahead.decision = None  # a K chosen for rows that may be rolled back
-        return self.slots.snapshot(self.num_active)
+        with self._one_call():
+            self._check_no_step_in_flight()
+            self._ahead.decision = None  # a K chosen for rows that may be rolled back
+            return self.slots.snapshot(self.num_active)
 
     def restore(self, rows: list[RowSnapshot]) -> None:
         """Put rows back as a snapshot saw them, into rows `[0, len(rows))` (a prefix of a snapshot keeps fewer rows
         in flight). The KV cache keeps what the rows had (a step only writes past their lengths), so rolling back
         is lowering lengths."""
-        self._check_no_step_in_flight()
-        self._ahead.decision, self._ahead.last_finish = None, 0.0  # the rows are not those the last step read
-        with torch.inference_mode():
-            self.slots.restore(rows)
-        self.scheduler.num_active = len(rows)
+        with self._one_call():
+            self._check_no_step_in_flight()
+            self._ahead.decision, self._ahead.last_finish = None, 0.0  # the rows are not those the last step read
+            with torch.inference_mode():
+                self.slots.restore(rows)
+            self.scheduler.num_active = len(rows)
 
     def _check_no_step_in_flight(self) -> None:
         if self._ahead.in_flight is not None:

@@ -108,7 +108,8 @@ class Generator(Admission, DecodeStep):
         self.scheduler = Scheduler(self.slots, self.runner, max_batch_size, self.max_width, max_prefill_tokens)
         self.eos_token_ids = eos_token_ids(model)
         self.last_trace: list[StepRecord] = []
-        self._lock = threading.Lock()  # one generate call at a time
+        self._lock = threading.Lock()  # one public call at a time (`_one_call`)
+        self._owner: int | None = None  # the thread whose call holds it
         self._graph_epoch = 0  # raised by `invalidate_graphs`
         self._closed = False  # `close` freed the caches
         self._ahead = RunAhead()  # the host one step ahead: the step in flight (`rollout.engine.run_ahead`)
@@ -174,14 +175,28 @@ class Generator(Admission, DecodeStep):
         Returns:
             `params.n` completions per prompt, prompt-major (all samples of prompt 0 first).
         """
+        with self._one_call():
+            return self._generate(prompt_ids, params, on_step, on_group, seed_indices)
+
+    @contextlib.contextmanager
+    def _one_call(self):
+        """Hold the generator for a public call (`generate`, `add_requests`, `step`, `abort`, `snapshot`, `restore`,
+        `close`): one from another thread while it is held is refused, never mixed in; a call inside this thread's
+        own (`generate`'s steps, a callback's) goes through. Yields whether this call took it (the outermost)."""
+        me = threading.get_ident()
+        if self._owner == me:
+            yield False
+            return
         if not self._lock.acquire(blocking=False):
             raise RuntimeError(
                 "this Generator is already generating (a call from another thread): one Generator serves one call at "
-                "a time; give each thread its own Generator"
+                "a time; give each thread its own Generator, or make the calls one after another"
             )
+        self._owner = me
         try:
-            return self._generate(prompt_ids, params, on_step, on_group, seed_indices)
+            yield True
         finally:
+            self._owner = None
             self._lock.release()
 
     def _generate(self, prompt_ids, params, on_step, on_group, seed_indices) -> list[Completion]:
@@ -215,6 +230,10 @@ class Generator(Admission, DecodeStep):
         the batch as slots free up (a server's continuous batching: `step()` until `has_unfinished` is False), their
         prompt indices numbered on from the highest queued or in flight (`Completion.prompt_index` tells them apart;
         `seed_indices` still seed them). Returns the queued sequences, prompt-major."""
+        with self._one_call() as outermost:
+            return self._add_requests(prompt_ids, params, seed_indices, keep_in_flight, outermost)
+
+    def _add_requests(self, prompt_ids, params, seed_indices, keep_in_flight: bool, outermost: bool) -> list[Sequence]:
         self._check_open()
         max_k, eos = self.max_width - 1, self.eos_token_ids
         sequences = checked_sequences(
@@ -229,7 +248,7 @@ class Generator(Admission, DecodeStep):
         for runner in self._runners():
             runner.reserve_positions(min(longest, runner.num_positions))
         self.scheduler.add(sequences, behind_those_here=keep_in_flight)
-        if not self._lock.locked():  # a server's new requests (`generate` checks in full itself)
+        if outermost:  # a server's new requests (`generate` checks in full itself)
             with self._serving(full=True):
                 pass
         return sequences
@@ -249,9 +268,10 @@ class Generator(Admission, DecodeStep):
         are released before it returns. The step runs the policy in eval mode, whatever mode it is in (and hands it
         back in that mode). With `async_scheduling` the record and completions returned are those of the step the
         last call launched, and the next step is left running on the device."""
-        self._check_open()
-        with self._serving(full=False):  # the modules as the last `add_requests` listed them
-            return self._step()
+        with self._one_call():
+            self._check_open()
+            with self._serving(full=False):  # the modules as the last `add_requests` listed them
+                return self._step()
 
     def invalidate_graphs(self) -> None:
         """Capture the CUDA graphs again at the next call. The graphs follow what they can see by themselves (weights

@@ -94,7 +94,9 @@ class StepTimer:
             e.max_batch_size // self.num_prompts + (i < e.max_batch_size % self.num_prompts)
             for i in range(self.num_prompts)
         ]
-        room = self.num_speculative_tokens + 2  # one full-width step after the first token: each is restored after
+        # the first token, a full-width step (K drafts and the bonus) and one more: a timed step never brings a row to
+        # its length cap (a finished row would be released, the rows behind it moved, and the snapshot no longer fit)
+        room = self.num_speculative_tokens + 3
         params = [
             SamplingParams(n=n, temperature=1.0, max_new_tokens=room, seed=0, ignore_eos=True) for n in per_prompt
         ]

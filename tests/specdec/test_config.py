@@ -79,3 +79,15 @@ def test_draft_with_another_vocabulary_is_refused():
     draft = make_model("llama", vocab_size=101)
     with pytest.raises(ValueError, match=r"draft model's vocabulary \(101 tokens\) differs from the target's \(97\)"):
         Generator(target, spec=SpecConfig(method="draft_model", model=draft))
+
+
+def test_rejection_sampling_under_the_auto_policy_warns_that_runs_will_differ():
+    """Its uniforms are drawn by count, and auto's K follows measured times: the same seed gives other samples."""
+    import warnings
+
+    with pytest.warns(UserWarning, match="the same seed gives other samples from run to run"):
+        SpecConfig(method="ngram", verification="rejection", num_speculative_tokens_per_batch_size="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SpecConfig(method="ngram", verification="rejection")  # static K: reproducible
+        SpecConfig(method="ngram", num_speculative_tokens_per_batch_size="auto")  # exact: reproducible

@@ -160,6 +160,20 @@ def test_warm_up_profiles_each_batch_size_and_k_once_and_leaves_no_trace(method)
     assert not gen.policy.step_times.measured.size  # nothing measured yet: the rollout's steps come next
 
 
+@pytest.mark.parametrize("method", ["draft_model", ["suffix", "draft_model"]], ids=["draft", "cascade"])
+def test_the_warm_up_survives_rows_that_accept_every_draft(method):
+    """A draft model that agrees with the target on some rows, not all: a timed step accepts K drafts and the bonus
+    there. The rows keep room for one more token, so none reaches its length cap and leaves the rows (the warm-up
+    restores every row to its snapshot before each timed step; a released row moved the others, and it failed)."""
+    model = make_model("qwen2", seed=2, vocab_size=23)
+    draft = make_model("qwen2", seed=3, num_hidden_layers=1, vocab_size=23)
+    spec = SpecConfig(
+        method=method, model=draft, num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto"
+    )
+    gen = Generator(model, max_batch_size=4, max_seq_len=80, spec=spec, kv_layout="slots")
+    assert gen.warm_up_seconds > 0 and gen.last_trace == [] and gen.num_active == 0
+
+
 def test_each_decode_step_records_the_time_its_k_policy_took():
     """`policy_seconds`: the policy's choice (inside the step's `seconds`) and its learning from the step (after it),
     so that a run shows what the policy costs beside the forward (it once cost 1.8 ms a step after 4,000 steps)."""

@@ -239,7 +239,7 @@ class ServingEngine:
         for request in batch:
             try:
                 check_prompts([request.prompt_ids], gen.vocab_size, gen.max_seq_len)
-                check_params(request.params, 1, gen.spec.methods if gen.spec is not None else ())
+                check_params(request.params, 1, gen.spec.methods if gen.spec is not None else (), gen.vocab_size)
             except ValueError as error:
                 request.future.set_exception(error)
                 continue
