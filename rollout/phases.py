@@ -80,7 +80,8 @@ def summarize(steps: Iterable[dict]) -> dict:
 
 
 def summarize_ranks(steps: Iterable[dict], wall_seconds: list[list[float]]) -> dict:
-    """`summarize` for a data-parallel run: steps carry their `rank`, `wall_seconds[r]` lists rank r's wall time of
+    """`summarize` for a data-parallel run: steps carry their `rank` (a step without one, from a part of the run made
+    by one process before a resume on several, counts as rank 0's), `wall_seconds[r]` lists rank r's wall time of
     each rollout.
 
     Per phase and in total, `tokens`, `num_steps` and the means are over every rank's steps, `tokens_per_s` is the
@@ -90,7 +91,7 @@ def summarize_ranks(steps: Iterable[dict], wall_seconds: list[list[float]]) -> d
     """
     steps = list(steps)
     num_ranks = len(wall_seconds)
-    own = [summarize([s for s in steps if s["rank"] == rank]) for rank in range(num_ranks)]
+    own = [summarize([s for s in steps if s.get("rank", 0) == rank]) for rank in range(num_ranks)]
     combined = summarize(steps)
     for phase in (*PHASES, None):
         parts = [s["total"] if phase is None else s["phases"][phase] for s in own]

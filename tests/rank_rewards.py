@@ -18,6 +18,13 @@ def killed_on_rank_one(completions, **kwargs):
     return [0.0] * len(completions)
 
 
+def terminated_on_rank_one(completions, **kwargs):
+    """Sends SIGTERM to rank 1's own process only, as a scheduler stopping one worker would."""
+    if os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return [0.0] * len(completions)
+
+
 _calls = []
 
 

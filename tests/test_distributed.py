@@ -265,6 +265,47 @@ def test_a_failing_rank_stops_the_run_with_one_line_and_an_incomplete_summary(tm
         [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def test_a_signal_to_one_rank_is_said_by_that_rank(tmp_path):
+    """SIGTERM to rank 1 alone: rank 1 says so in the one line, naming itself, and the summary names it; rank 0, whose
+    connection to it closes, stays quiet (it used to report the closed connection as its own failure)."""
+    out = tmp_path / "run"
+    reward = "rewards=[{name: 'rank_rewards:terminated_on_rank_one'}]"
+    result = launch(2, ["run", QUICKSTART, *SMALL, reward, f"output_dir={out}"])
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("rollout run:")]
+    assert ours == [
+        "rollout run: rank 1 of 2: terminated (SIGTERM): what finished is in the output folder; resume=true continues "
+        "the run"
+    ], result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is False and summary["incomplete_reason"] == "rank 1: terminated (SIGTERM)"
+
+
+def test_the_summary_and_the_report_of_a_run_resumed_on_another_number_of_ranks(tmp_path, capsys):
+    """Steps written by one process carry no rank: under several ranks they count as rank 0's (a resume on 2 processes
+    of a run begun on one failed on them); a ranked folder without summary.json is reported per rank, its tokens/s
+    the ranks' sum (the steps' seconds were summed over the ranks)."""
+    from rollout.cli.main import main
+    from rollout.phases import summarize_ranks
+
+    step = dict(
+        kind="decode", batch_size=4, num_draft_tokens=0, num_drafted=0, num_accepted=0, num_emitted=4, elapsed=1.0
+    )
+    steps = [
+        {**step, "seconds": 1.0, "phase": "bulk"},
+        *({**step, "seconds": 0.5, "phase": "bulk", "rank": r} for r in (0, 1)),
+    ]
+    summary = summarize_ranks(steps, [[2.0], [1.0]])
+    assert [r["total"]["tokens"] for r in summary["ranks"]] == [8, 4]
+    assert summary["total"]["tokens_per_s"] == pytest.approx(8 / 1.5 + 4 / 0.5)
+    run = tmp_path / "ranked"
+    run.mkdir()
+    (run / "steps.jsonl").write_text("".join(json.dumps({**s, "rank": r}) + "\n" for s in steps[1:] for r in (0, 1)))
+    assert main(["report", str(run)]) == 0
+    total = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("total"))
+    assert f"{2 * (8 / 1.0):.1f}" in total.split()  # each rank 8 tokens in 1.0 s: 16 tokens/s, not 8
+
+
 @pytest.mark.parametrize("share", [True, False])
 def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share):
     """`rollout train` under accelerate: TRL's GRPOTrainer on 2 processes, each generating its own 2 prompts x 2

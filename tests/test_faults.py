@@ -150,6 +150,22 @@ def test_resume_takes_the_same_run_however_its_folder_is_spelt(tmp_path, monkeyp
         check_resumable("run", other)
 
 
+def test_a_signal_while_wandb_starts_leaves_an_incomplete_summary(tmp_path, monkeypatch):
+    """The folder is the run's once its files are made; W&B starts after (an offline run takes about a second): Ctrl-C
+    there still leaves summary.json saying the run is incomplete, and why."""
+    from rollout.cli.tracking import RunTracker
+
+    def interrupted(self, *args):
+        raise KeyboardInterrupt  # what the SIGINT handler raises at that point
+
+    monkeypatch.setattr(RunTracker, "_start_wandb", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        RunTracker(tmp_path / "run", {"sampling": {"n": 2}}, wandb_mode="offline")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["complete"] is False and summary["incomplete_reason"] == "interrupted (SIGINT)"
+    assert summary["num_samples"] == 0 and (tmp_path / "run" / "config.yaml").is_file()
+
+
 def in_warm_up(frame) -> bool:
     """Whether `frame` runs inside the generator's making (model load and warm-up), before the run's folder exists.
     How many compiled-kernel callbacks the warm-up makes depends on its timing (a stalled step is timed again)."""

@@ -155,7 +155,7 @@ def _bench(args: argparse.Namespace) -> None:
 def _report(args: argparse.Namespace) -> None:
     from rollout.cli.plots import plot_steps
     from rollout.cli.tracking import PLOT_NAME
-    from rollout.phases import format_table, summarize
+    from rollout.phases import format_table, summarize, summarize_ranks
 
     folder = pathlib.Path(args.output_dir)
     steps_path = folder / "steps.jsonl"
@@ -175,8 +175,13 @@ def _report(args: argparse.Namespace) -> None:
             summary = json.loads(summary_path.read_text())
         except json.JSONDecodeError:  # damaged: the steps say the same
             summary = None
-    if not isinstance(summary, dict) or "phases" not in summary:
-        summary = summarize(steps)
+    if not isinstance(summary, dict) or "phases" not in summary:  # from the steps: each rank's own under ranks
+        num_ranks = 1 + max(s.get("rank", 0) for s in steps)
+        if num_ranks > 1:  # (each rank's wall time taken as its steps' time: the steps hold no other)
+            own = [[sum(s["seconds"] for s in steps if s.get("rank", 0) == r)] for r in range(num_ranks)]
+            summary = summarize_ranks(steps, own)
+        else:
+            summary = summarize(steps)
     print(format_table(summary))
     if "reward_mean" in summary:
         print(f"reward mean {summary['reward_mean']:.3f}")
@@ -278,11 +283,22 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
-    """Ctrl-C (130) or SIGTERM (143): one line saying what stopped the run and that what finished was kept."""
+    """Ctrl-C (130) or SIGTERM (143): one line saying what stopped the run and that what finished was kept. Under
+    several ranks the first rank a signal stopped records it and speaks, naming itself (a signal may reach one rank
+    or all): the others, stopped by it (its closed connection) or by the same signal, stay quiet."""
     terminated = isinstance(err, Terminated)
+    code = 143 if terminated else 130
+    ranks = args.ranks
     if _stopped_by_another(args):
-        return 1
-    if args.ranks.is_main:  # a signal reaches every rank: one of them speaks
+        return code if _by_a_signal(ranks.failure()) else 1
+    speaks, rank = ranks.is_main, ""
+    if ranks.distributed:
+        from rollout.cli.tracking import stop_reason
+
+        with signals_ignored():  # the claim and the line are not broken off by the launcher's SIGTERM
+            speaks = ranks.claim_failure(stop_reason(err))
+        rank = f"rank {ranks.rank} of {ranks.world_size}: "
+    if speaks:
         what = "terminated (SIGTERM)" if terminated else "interrupted"
         kept = ""
         if args.command == "run":
@@ -292,8 +308,13 @@ def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
                 kept = ": what finished is in the output folder; resume=true continues the run"
             else:
                 kept = " before the run began: nothing was written; run the same command again"
-        print(f"rollout {args.command}: {what}{kept}", file=sys.stderr)
-    return 143 if terminated else 130
+        print(f"rollout {args.command}: {rank}{what}{kept}", file=sys.stderr)
+    return code
+
+
+def _by_a_signal(failure: str | None) -> bool:
+    """Whether a rank's recorded failure ("rank R: cause") is a signal that stopped it."""
+    return failure is not None and failure.endswith(("(SIGTERM)", "(SIGINT)"))
 
 
 def _fail(args: argparse.Namespace, err: BaseException, status: int, with_type: bool) -> int:

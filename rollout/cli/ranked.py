@@ -27,9 +27,8 @@ from rollout.cli.runs import (
     make_tracker,
     on_rank_device,
     recipe_spec,
-    stop_reason,
 )
-from rollout.cli.tracking import RunTracker
+from rollout.cli.tracking import RunTracker, stop_reason
 from rollout.distributed import (
     OutputLengths,
     Ranks,
@@ -39,6 +38,7 @@ from rollout.distributed import (
     group_costs,
     prompt_key,
     shard_groups,
+    signal_behind,
     signals_ignored,
 )
 
@@ -162,6 +162,8 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
         progress.close()
         with signals_ignored():  # the launcher's SIGTERM follows a peer's failure: let the summary be written first
             cause = ranks.stop_cause()
+            if cause is None and signal_behind(err) is not None:  # a signal stopped this rank: say so to the others
+                ranks.claim_failure(stop_reason(err))
             if tracker is not None:
                 tracker.finish(complete=False, reason=cause or f"rank {ranks.rank}: {stop_reason(err)}")
         raise

@@ -10,8 +10,8 @@ import torch
 from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe, recipe_dict, spec_config
 from rollout.cli.sources import draft_model_spec, load_dataset, load_model
-from rollout.cli.tracking import RunTracker
-from rollout.distributed import Ranks, signal_behind
+from rollout.cli.tracking import RunTracker, stop_reason
+from rollout.distributed import Ranks
 from rollout.engine.memory_plan import fitting_batch_size
 from rollout.engine.requests import check_prompts, length_cap_note
 from rollout.loop import Rollout
@@ -219,11 +219,3 @@ def make_tracker(recipe: Recipe) -> RunTracker:
         resume=recipe.resume,
         group_size=recipe.sampling.n,
     )
-
-
-def stop_reason(err: BaseException) -> str:
-    """What stopped a run, for its incomplete summary."""
-    interrupt = signal_behind(err)
-    if interrupt is not None:
-        return "terminated (SIGTERM)" if type(interrupt).__name__ == "Terminated" else "interrupted (SIGINT)"
-    return f"{type(err).__name__}: {' '.join(str(err).split())}"

@@ -35,6 +35,7 @@ from rollout.cli.files import append_lines, check_resumable, prepare_output_dir,
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.plots import plot_steps
 from rollout.cli.recipe import WANDB_MODES
+from rollout.distributed import signal_behind
 from rollout.phases import PHASES, SUMMARY_KEYS, straggler_ratio, summarize, summarize_ranks
 from rollout.rewards import mean_reward
 
@@ -101,7 +102,12 @@ class RunTracker:
         self.sharing: list[dict] = []  # and each rollout's history all-gather: seconds, bytes, responses held
         if resume:
             self._load_finished(group_size)
-        self.wandb_run = self._start_wandb(os.environ.get("WANDB_MODE") or wandb_mode, project, run_name)
+        self.wandb_run = None
+        try:
+            self.wandb_run = self._start_wandb(os.environ.get("WANDB_MODE") or wandb_mode, project, run_name)
+        except BaseException as err:  # a signal while W&B starts: the folder is this run's already, and says so
+            self.finish(complete=False, reason=stop_reason(err))
+            raise
 
     def _load_finished(self, group_size: int | None) -> None:
         """Keep the complete groups of the run on disk (rewriting rollouts.jsonl without cut ones) and its steps."""
@@ -292,6 +298,14 @@ class RunTracker:
             self.wandb_run.finish(exit_code=0 if complete else 1)
             self.wandb_run = None
         return summary
+
+
+def stop_reason(err: BaseException) -> str:
+    """What stopped a run, for its incomplete summary."""
+    interrupt = signal_behind(err)
+    if interrupt is not None:
+        return "terminated (SIGTERM)" if type(interrupt).__name__ == "Terminated" else "interrupted (SIGINT)"
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def _numeric_fields(record: dict, prefix: str) -> dict:

@@ -27,8 +27,8 @@ from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.preflight import preflight
 from rollout.cli.recipe import Recipe, recipe_dict
-from rollout.cli.runs import length_warning, load_inputs, on_rank_device, recipe_spec, stop_reason
-from rollout.cli.tracking import start_wandb_run
+from rollout.cli.runs import length_warning, load_inputs, on_rank_device, recipe_spec
+from rollout.cli.tracking import start_wandb_run, stop_reason
 from rollout.distributed import Ranks, RankStopped, signals_ignored
 from rollout.rewards import WeightedReward, build_rewards, score
 
