@@ -57,7 +57,7 @@ class Generator(Admission, DecodeStep):
             too small for every row at once admits fewer rows, and preempts the latest admitted when rows outgrow it.
         cuda_graphs: "auto" (on with the paged layout on a GPU), True or False: chain decode and verification
             forwards replay CUDA graphs captured here, one per padded row count and width
-            (`rollout.engine.graph_runner`); token trees, prefills and autocast run eagerly.
+            (`rollout.engine.graph_runner`), under the policy's autocast; token trees and prefills run eagerly.
         async_scheduling: "auto" (on a GPU), True or False: the host one step ahead of the device, a one-token
             decode step launched from the last step's samples before it reads them, so that its bookkeeping overlaps
             the device's work (`rollout.engine.run_ahead`); the same samples either way. With speculation, only the

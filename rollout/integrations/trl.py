@@ -64,8 +64,9 @@ def trl_rollout_func(
         spec: speculative decoding settings; None decodes without drafts.
         max_batch_size: generator slots; None takes the number of completions of the first call (at most 512),
             lowered to what the device's free memory holds.
-        max_seq_len: prompt + completion tokens a sequence may hold; None sizes it from the first call's longest
-            prompt plus `max_completion_length` (rounded up to a power of two) and grows it if a longer prompt comes.
+        max_seq_len: prompt + completion tokens a sequence may hold; None sizes it from the longest prompt of the
+            trainer's `train_dataset` (or of the first call, where the data set's prompts cannot be listed) plus
+            `max_completion_length`, rounded up to a power of two, and grows it if a longer prompt comes.
         tail_fraction: decode steps below this fraction of the peak batch are the `tail` phase in the metrics.
         log_metrics: add the per-phase metrics (`rollout/<phase>/tokens_per_s`, ...) to the trainer's logs.
         share_history: with several processes (TRL under `accelerate launch`), all-gather each rollout's finished
