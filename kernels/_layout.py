@@ -78,6 +78,8 @@ def check_logits(logits: object) -> None:
     if logits.dtype not in LOGIT_DTYPES:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in LOGIT_DTYPES)
         raise ValueError(f"logits has dtype {logits.dtype}, expected one of: {allowed}")
+    if logits.shape[1] < 1:  # (the block sizes are powers of two of the vocabulary: 0 has none)
+        raise ValueError(f"logits (shape {tuple(logits.shape)}) must hold a vocabulary of at least one token")
     if logits.shape[1] > 1 and logits.stride(1) != 1:
         raise ValueError(f"logits (shape {tuple(logits.shape)}) must have a contiguous vocabulary: stride(1) == 1")
 

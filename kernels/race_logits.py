@@ -9,7 +9,9 @@ normalised copy) and draws
 the race `argmax_t p_t / E_t` in log space: `ln p_t = x_t / T - lse` and the row's constant `lse` moves no argmax. A
 token's score is a function of its own logit, T and its noise only, so the vocabulary splits over many programs per race
 with nothing to rescale between them; a second stage keeps the largest score (the lowest token id on ties, as
-`torch.argmax`) and turns the online log-sum-exp of each split into the token's log-probability `x_t / T - lse`.
+`torch.argmax`) and turns the online log-sum-exp of each split into the token's log-probability
+`(x_t / T - M) - ln sum_t e^(x_t / T - M)` (M: the row's largest x_t / T; subtracted first, so that a large x / T at a
+small T never rounds the logarithm away, as `x_t / T - (M + ln sum)` did).
 
 Exact where it matters: the score takes float64 (`x` widened exactly, an IEEE division by T, the noise's series
 logarithm twice, a subtraction; launched with `enable_fp_fusion=False`), so the kernel and `race_logits_ref` draw the
@@ -125,7 +127,7 @@ def _race_logits_split_kernel(
 
 
 # Stage 2, program r: the best split (the lowest token among equal scores: splits hold disjoint id ranges), then
-# lse = M + ln(sum_s sum_s e^(max_s - M)) and the token's log-probability x_t / T - lse.
+# the token's log-probability (x_t / T - M) - ln(sum_s sum_s e^(max_s - M)).
 @triton.jit
 def _race_logits_combine_kernel(
     logits_ptr,  # [num_logit_rows, logits_stride]
@@ -155,12 +157,13 @@ def _race_logits_combine_kernel(
     sums = tl.load(split_sum_ptr + at, mask=valid, other=0.0)
     top = tl.max(maxima, axis=0)
     total = tl.sum(tl.where(maxima > float("-inf"), sums * tl.exp(maxima - top), 0.0), axis=0)
-    lse = top + tl.log(total)
+    log_total = tl.log(total)
     temperature = tl.load(temperatures_ptr + race).to(COMPUTE_DTYPE)
     divisor = tl.where(temperature == 0.0, 1.0, temperature)
     x = tl.load(logits_ptr + tl.load(logit_rows_ptr + race) * logits_stride + token).to(COMPUTE_DTYPE)
     tl.store(token_ids_ptr + race, token)
-    tl.store(logprobs_ptr + race, (x / divisor - lse).to(tl.float64))
+    # x / T - M first: both as stage 1 computed them, so the drawn top token's difference is exactly 0
+    tl.store(logprobs_ptr + race, ((x / divisor - top) - log_total).to(tl.float64))
 
 
 def race_logits(
@@ -338,7 +341,7 @@ def race_logits_ref(
         top = scaled.amax(dim=1)
         top = torch.where(top > float("-inf"), top, 0.0)  # a row of -inf: any finite shift
         shifted = torch.exp(scaled - top[:, None])  # [n, vocab] p_t e^(lse - top), 0 where cut
-        lse = top + shifted.sum(dim=1).log()  # [n]
+        log_total = shifted.sum(dim=1).log()  # [n] lse - top
         # the bounds, shifted: e^(x/T - top) / room >= e^(x/T - ln E - top), room from the hash two rounds into mixing
         mixed = keys[races, None] + token_offsets
         scratch = torch.empty_like(mixed)
@@ -376,7 +379,7 @@ def race_logits_ref(
             first[greedy_rows] = x[greedy_rows].argmax(dim=1)
         token_ids[races] = first
         drawn = scaled.gather(1, first[:, None])[:, 0]
-        logprobs[races] = (drawn - lse).to(torch.float64)
+        logprobs[races] = ((drawn - top) - log_total).to(torch.float64)
     return token_ids, logprobs
 
 

@@ -85,6 +85,27 @@ def test_kernel_matches_reference_at_a_real_vocabulary_size():
         torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.01, 1e-4])
+def test_log_probabilities_stay_accurate_at_small_temperatures(temperature):
+    """Logits of 20 at T = 1e-4 put x / T near 2e5, where float32 numbers are 1/64 apart: the log-probability is formed
+    as (x / T - M) - ln(sum), never M + ln(sum) rounded there (it gave -0.6875 for ln 1/2). Two tied top tokens (split
+    over two programs) and a third far below: the drawn one has log-probability -ln 2 in float32, as in float64."""
+    logits = torch.full((1, 2048), -5.0)
+    logits[0, [7, 1500]] = 20.0
+    case = dict(
+        logits=logits,
+        logit_rows=torch.zeros(1, dtype=torch.int64),
+        temperatures=torch.tensor([temperature]),
+        seeds=torch.tensor([123]),
+        positions=torch.tensor([0]),
+    )
+    truth = -torch.log(torch.tensor(2.0, dtype=torch.float64))
+    for op in (race_logits, race_logits_ref):
+        token_ids, logprobs = op(**case) if op is race_logits_ref else op(**case, split_size=1024)
+        assert token_ids.item() in (7, 1500)
+        torch.testing.assert_close(logprobs[0], truth, atol=1e-6, rtol=0)
+
+
 def test_ties_go_to_the_lowest_token_across_programs():
     """Greedy races over equal maxima in different splits and in one block: the lowest id wins, as torch.argmax."""
     vocab_size = 4096
@@ -190,3 +211,5 @@ def test_bad_inputs_are_named():
         race_logits(**{**case, "logits": torch.zeros(11, 12).t()})
     with pytest.raises(ValueError, match="keep_min and keep_last come together"):
         race_logits(**case, keep_min=torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"shape \(2, 0\)\) must hold a vocabulary of at least one token"):
+        race_logits(**{**case, "logits": torch.zeros(2, 0)})
