@@ -128,11 +128,17 @@ def make_rollout(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None, 
         system_prompt=d.system_prompt,
         tail_fraction=recipe.rollout.tail_fraction,
         non_finite_rewards_as_null=recipe.rollout.non_finite_rewards_as_null,
-        kv_layout=recipe.rollout.kv_layout,
-        cuda_graphs=recipe.rollout.cuda_graphs,
-        async_scheduling=recipe.rollout.async_scheduling,
-        compile_forward=recipe.rollout.compile_forward,
+        **engine_options(recipe),
     )
+
+
+def engine_options(recipe: Recipe) -> dict:
+    """The generator's engine settings from the recipe's rollout section (`Generator`'s keyword arguments)."""
+    r = recipe.rollout
+    return dict(
+        kv_layout=r.kv_layout, cuda_graphs=r.cuda_graphs, async_scheduling=r.async_scheduling,
+        compile_forward=r.compile_forward,
+    )  # fmt: skip
 
 
 def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:

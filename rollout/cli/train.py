@@ -27,7 +27,7 @@ from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.preflight import preflight
 from rollout.cli.recipe import Recipe, recipe_dict
-from rollout.cli.runs import length_warning, load_inputs, on_rank_device, recipe_spec
+from rollout.cli.runs import engine_options, length_warning, load_inputs, on_rank_device, recipe_spec
 from rollout.cli.tracking import start_wandb_run, stop_reason
 from rollout.distributed import Ranks, RankStopped, signals_ignored
 from rollout.rewards import WeightedReward, build_rewards, score
@@ -87,10 +87,7 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
         max_seq_len=inputs.max_seq_len,
         tail_fraction=recipe.rollout.tail_fraction,
         share_history=recipe.distributed.share_history,
-        kv_layout=recipe.rollout.kv_layout,
-        cuda_graphs=recipe.rollout.cuda_graphs,
-        async_scheduling=recipe.rollout.async_scheduling,
-        compile_forward=recipe.rollout.compile_forward,
+        **engine_options(recipe),
         stop_token_ids=recipe.sampling.stop_token_ids,
         ignore_eos=recipe.sampling.ignore_eos,
     )
