@@ -13,7 +13,7 @@ from rollout.cli.sources import draft_model_spec, load_dataset, load_model
 from rollout.cli.tracking import RunTracker, stop_reason
 from rollout.distributed import Ranks
 from rollout.engine.memory_plan import fitting_batch_size
-from rollout.engine.requests import check_prompts, length_cap_note
+from rollout.engine.requests import check_prompts, check_stop_ids, length_cap_note
 from rollout.loop import Rollout
 from rollout.prompts import PromptFormatter, check_prompt_column
 from rollout.rewards import build_rewards
@@ -61,12 +61,7 @@ def load_inputs(recipe: Recipe) -> RecipeInputs:
     # what the generator would refuse at its first call, refused before the output folder is made
     vocab_size = model.get_output_embeddings().weight.shape[0]
     check_prompts(prompt_ids, vocab_size, max_seq_len)
-    outside = [t for t in recipe.sampling.stop_token_ids or () if t >= vocab_size]
-    if outside:
-        raise ValueError(
-            f"sampling.stop_token_ids holds {outside[0]}, outside the model's vocabulary [0, {vocab_size}): give "
-            "the model's own token ids"
-        )
+    check_stop_ids(recipe.sampling.stop_token_ids, vocab_size, "sampling.stop_token_ids")
     return RecipeInputs(model, tokenizer, data, prompts, prompt_ids, max_seq_len)
 
 

@@ -69,12 +69,8 @@ def check_params(
     for index, p in enumerate(per_prompt):
         if not isinstance(p, SamplingParams):
             raise ValueError(f"params[{index}] ({p!r:.60}) must be a SamplingParams")
-        outside = [t for t in p.stop_token_ids or () if vocab_size is not None and t >= vocab_size]
-        if outside:  # it would never be sampled: the request would run to its length cap
-            raise ValueError(
-                f"params[{index}].stop_token_ids holds {outside[0]}, outside the model's vocabulary [0, {vocab_size}): "
-                "give the model's own token ids (tokenizer.convert_tokens_to_ids)"
-            )
+        if vocab_size is not None:
+            check_stop_ids(p.stop_token_ids, vocab_size, f"params[{index}].stop_token_ids")
         method = p.spec.method
         if method is not None and method not in methods:
             raise ValueError(
@@ -82,6 +78,17 @@ def check_params(
                 f"{list(methods) or 'no speculation'}; name one of those or leave method None"
             )
     return list(per_prompt)
+
+
+def check_stop_ids(stop_token_ids: list[int] | None, vocab_size: int, name: str) -> None:
+    """Stop ids of the model's vocabulary: one outside it would never be sampled, and its request would run to its
+    length cap. `name` is how the caller's user spells them."""
+    outside = [t for t in stop_token_ids or () if t >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"{name} holds {outside[0]}, outside the model's vocabulary [0, {vocab_size}): give the model's own token "
+            "ids (tokenizer.convert_tokens_to_ids)"
+        )
 
 
 def make_sequences(

@@ -257,12 +257,8 @@ class SuffixTries(Proposer):
     def _restart_rows(self, slots: np.ndarray) -> None:
         """Rows rolled back (`Generator.restore`, the warm-up's probes) start their responses over: what they had taken
         in leaves the tries (it is text no row holds any more), and each starts again behind a separator."""
-        keys = [self._slot_prompt[s] for s in slots.tolist()]
-        roots = [self.prompts[key].root for key in keys]
-        responses = [self._responses[s, : self._num_inserted[s] - self._prompt_len[s]].copy() for s in slots.tolist()]
-        self._apply(roots, responses, -1)
-        self._dead_tokens += sum(len(r) for r in responses)
-        self._frontiers[:, slots] = self._start_responses(np.array(roots))
+        keys = self._take_out(slots)
+        self._frontiers[:, slots] = self._start_responses(np.array([self.prompts[key].root for key in keys]))
         self._num_inserted[slots] = self._prompt_len[slots]
 
     def flush(self) -> None:
@@ -310,14 +306,20 @@ class SuffixTries(Proposer):
 
     def _remove_rows(self, slots: np.ndarray) -> None:
         """Take rows in flight out of the tries (their response so far) without keeping them as history."""
+        keys = self._take_out(slots)
+        self._in_flight[slots] = False
+        for key in keys:
+            self.prompts[key].num_rows -= 1
+            self._drop_if_unused(key)
+
+    def _take_out(self, slots: np.ndarray) -> list[bytes]:
+        """The responses the rows have taken in so far leave the tries (their tokens are dead); returns the rows'
+        prompt keys."""
         keys = [self._slot_prompt[s] for s in slots.tolist()]
         responses = [self._responses[s, : self._num_inserted[s] - self._prompt_len[s]] for s in slots.tolist()]
-        self._apply([self.prompts[k].root for k in keys], responses, -1)
-        self._in_flight[slots] = False
-        for key, response in zip(keys, responses):
-            self.prompts[key].num_rows -= 1
-            self._dead_tokens += len(response)
-            self._drop_if_unused(key)
+        self._apply([self.prompts[key].root for key in keys], responses, -1)
+        self._dead_tokens += sum(len(r) for r in responses)
+        return keys
 
     def _drop_if_unused(self, key: bytes) -> None:
         entry = self.prompts.get(key)
