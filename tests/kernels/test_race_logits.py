@@ -166,7 +166,8 @@ def test_logarithm_of_the_noise_is_the_reference_bit_for_bit_and_accurate():
     x = x.clamp_min(2.0**-54)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted on the CPU
     out = torch.empty_like(x, device=device)
-    _log_kernel[(triton.cdiv(len(x), 1024),)](x.to(device), out, len(x), BLOCK_SIZE=1024)
+    # launched as the library launches its kernels: a fused multiply-add rounds once where the reference rounds twice
+    _log_kernel[(triton.cdiv(len(x), 1024),)](x.to(device), out, len(x), BLOCK_SIZE=1024, enable_fp_fusion=False)
     out = out.cpu()
     assert torch.equal(out, _log_ref(x)), "the kernel's ln(x) differs from the reference's"
     assert float((out - torch.log(x)).abs().max()) < 1e-14
