@@ -216,7 +216,10 @@ class AutoPolicy:
                 batch_size, widths, np.zeros(len(ks)), context
             )
         seconds = seconds.tolist()
-        rate = [e / max(t, 1e-9) for e, t in zip(emitted, seconds)]
+        # leaving K = 0 where plain steps run ahead of the device: the plain step after the drafting ones cannot
+        # (nothing was launched while they computed), so the first drafting step is priced with that step's extra time
+        refill = self.step_times.refill_seconds(batch_size, seconds[0], context) if not self.current else 0.0
+        rate = [e / max(t + (refill if k else 0.0), 1e-9) for k, (e, t) in enumerate(zip(emitted, seconds))]
         best = max(range(usable + 1), key=rate.__getitem__)  # the first of equal rates, as argmax
         current = min(self.current, usable)
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
@@ -236,16 +239,22 @@ class AutoPolicy:
                 best, measuring = best + 1, True
             elif phase == self.explore_every // 2:  # a width less
                 best, measuring = best - 1, True
-        elif phase == 0 and usable > 0 and self._one_draft_could_pay(groups, seconds, rate[0]):
+        elif phase == 0 and usable > 0 and self._one_draft_could_pay(groups, seconds, rate[0], batch_size, context):
             # K = 0 rests on acceptance measured while drafting, which may be stale (docs/design/dynamic-k.md)
             best, measuring = 1, True
         return Decision(best, rate[best] / rate[0], measuring)
 
-    def _one_draft_could_pay(self, groups: dict[str, list[int]], seconds: list[float], plain_rate: float) -> bool:
+    def _one_draft_could_pay(
+        self, groups: dict[str, list[int]], seconds: list[float], plain_rate: float, batch_size: int, context: int
+    ) -> bool:
         """Whether a step of one draft a row would beat a plain one if the drafts were accepted at the prior's rate
-        (`groups`: each route's rows per cap; rows capped at 0 draft nothing)."""
+        (`groups`: each route's rows per cap; rows capped at 0 draft nothing). The trial is priced with what it costs
+        the plain step after it: where plain steps run ahead of the device, that one cannot (nothing was launched
+        while the trial computed), and on an H200 a trial every 20 steps at the prior's rate, priced without it, cost
+        the tail 5% where drafts accept little."""
         emitted = sum(sum(rows) + self.stats[route].prior_rate * sum(rows[1:]) for route, rows in groups.items())
-        return emitted / max(seconds[1], 1e-9) > plain_rate
+        refill = self.step_times.refill_seconds(batch_size, seconds[0], context)
+        return emitted / max(seconds[1] + refill, 1e-9) > plain_rate
 
     def calibrate(self, timer: StepTimerProtocol, short_context: int = 32) -> None:
         """Fill the step-time table with timed steps: B over powers of four up to the slot count, K over 0, 1, K/2 and

@@ -10,9 +10,15 @@ Repeated timings of one grid point keep the fastest.
 
 Steps measured during the run then correct the table: the prediction is `ratio(B, W) * table(B, W, L)`, where
 `ratio(B, W)` is the measured-over-tabled time of recent steps near B fed W tokens per row, shrunk toward the ratio of
-all recent steps near B where few were fed W. Other processes share the machine and the warm-up's random text is not
-the run's: the level follows the measured steps (half of a lasting change within about `half_life` steps), and the
-price of a K as soon as steps at that K were measured. Without a warm-up, the recent measured steps are the table.
+the recent steps near B of W's group where few were fed W. The groups are plain steps (W = 1) and drafting steps
+(W > 1): the warm-up times every step in lockstep with the device, but in the run a plain step may be launched while
+the previous one computes (`rollout.engine.run_ahead`) and cost only the longer of the host's and the device's time,
+where a drafting step waits for the tokens its drafts follow and costs both. On an H200 a plain step ran at 0.5-0.8x
+of its warm-up time and a drafting one at about 1x, so the drafting widths, priced at the plain steps' ratio, looked
+1.3-2x cheaper than they were and auto ran at 0.77-0.84x of no speculation; each group now follows its own steps.
+Other processes share the machine and the warm-up's random text is not the run's: the level follows the measured
+steps (half of a lasting change within about `half_life` steps), and the price of a K as soon as steps at that K were
+measured. Without a warm-up, the recent measured steps are the table.
 
 The correction is kept as decayed sums per (batch-size bin, width), a quarter octave per bin, so that a prediction
 costs the same after 100 steps as after 100,000: the policy runs between every two steps, and its time is the step's.
@@ -53,23 +59,27 @@ class _Samples:
 class _Correction:
     """Measured and tabled seconds of the measured steps, summed with their weights per (batch-size bin, width): bins
     a quarter octave apart, every sum faded by `decay` per step. A step's weight is set when it is added: 1, divided by
-    1 + (log(r) / 0.35)^4 where r is its measured-over-tabled time over the recent level near its batch size (r = 1.4:
-    half; r = 2: 1/20), so that one stall of the process does not reprice its width. The recent level is the ratio of
-    the raw sums of the last ~16 steps (`REFERENCE_HALF_LIFE`), every step counted in full: a lasting change of speed
-    moves it within a few dozen steps, after which the new steps weigh in full; before any step near that batch size
-    it is 1, the warm-up's own timing, so that a first step that stalled is judged too."""
+    1 + (log(r) / 0.35)^4 where r is its measured-over-tabled time over the recent level of its group (plain or
+    drafting steps) near its batch size (r = 1.4: half; r = 2: 1/20), so that one stall of the process does not reprice
+    its width. The recent level is the ratio of the raw sums of the group's last ~16 steps (`REFERENCE_HALF_LIFE`, all
+    steps counted in time), every step counted in full: a lasting change of speed moves it within a few dozen steps,
+    after which the new steps weigh in full; before any step of the group near that batch size it is 1, the warm-up's
+    own timing, so that a first step that stalled is judged too. A group is never judged by the other's level: a
+    drafting step after a run of plain steps launched ahead of the device costs 1.5-2.5x their ratio (it waits for the
+    device, they did not), which is its price, not a stall."""
 
     BINS_PER_OCTAVE = 4
     NUM_BINS = 20 * BINS_PER_OCTAVE + 1  # batch sizes up to 2^20
     REFERENCE_HALF_LIFE = 16.0  # steps
 
-    def __init__(self, bandwidth: float, decay: float, shrinkage: float):
+    def __init__(self, bandwidth: float, decay: float, shrinkage: float, plain_prior: float = 1.0):
         self.bandwidth = bandwidth
         self.decay = decay
         self.shrinkage = shrinkage
+        self.plain_prior = plain_prior
         self.centres = np.arange(self.NUM_BINS) / self.BINS_PER_OCTAVE  # log2 of each bin's batch size
         self.sums = np.zeros((3, self.NUM_BINS, 0))  # weight, weight x measured, weight x tabled; per bin, width
-        self.recent = np.zeros((3, self.NUM_BINS))  # steps, measured, tabled: unweighted, fading fast, all widths
+        self.recent = np.zeros((3, self.NUM_BINS, 2))  # steps, measured, tabled: unweighted, fading fast; per group
         self.recent_decay = 0.5 ** (1.0 / self.REFERENCE_HALF_LIFE)
         self._kernels: dict[int, np.ndarray] = {}
 
@@ -84,9 +94,10 @@ class _Correction:
     def add(self, batch_size: int, width: int, seconds: float, tabled: float) -> None:
         if width >= self.sums.shape[2]:
             self.sums = np.concatenate([self.sums, np.zeros((3, self.NUM_BINS, width + 1 - self.sums.shape[2]))], 2)
+        group = int(width > 1)
         weight = 1.0
         if tabled > 0:
-            ratio = seconds / (tabled * self.recent_level(batch_size))
+            ratio = seconds / (tabled * self.recent_level(batch_size, group))
             weight = 1.0 / (1.0 + (math.log(max(ratio, 1e-12)) / 0.35) ** 4)
         row = min(max(round(math.log2(max(batch_size, 1)) * self.BINS_PER_OCTAVE), 0), self.NUM_BINS - 1)
         self.sums *= self.decay
@@ -94,32 +105,36 @@ class _Correction:
         self.sums[1, row, width] += weight * seconds
         self.sums[2, row, width] += weight * tabled
         self.recent *= self.recent_decay
-        self.recent[0, row] += 1.0
-        self.recent[1, row] += seconds
-        self.recent[2, row] += tabled
+        self.recent[0, row, group] += 1.0
+        self.recent[1, row, group] += seconds
+        self.recent[2, row, group] += tabled
 
-    def recent_level(self, batch_size: int) -> float:
-        """Measured over tabled time of the last ~16 steps near `batch_size`, all widths, every step in full; 1
-        before any (the warm-up's own timing)."""
-        steps, measured, tabled = self.recent @ self.kernel(batch_size)
+    def recent_level(self, batch_size: int, group: int) -> float:
+        """Measured over tabled time of the last ~16 steps of `group` (0: plain, 1: drafting) near `batch_size`, every
+        step in full; 1 before any (the warm-up's own timing)."""
+        steps, measured, tabled = (self.recent[:, :, group] @ self.kernel(batch_size)).tolist()
         return measured / tabled if steps >= 0.5 and tabled > 0 else 1.0
 
     def ratios(self, batch_size: int, widths: np.ndarray) -> np.ndarray:
-        """Per width: measured over tabled time near `batch_size`, shrunk toward that of all widths where few steps
-        were fed that width (1 before any step)."""
+        """Per width: measured over tabled time near `batch_size`, shrunk toward that of all widths of its group (plain
+        or drafting) where few steps were fed that width; before any step of the group, 1 for drafting widths and
+        `plain_prior` for the plain one."""
         near = np.einsum("b,sbw->sw", self.kernel(batch_size), self.sums)  # weight, measured, tabled per width
-        total_weight, total_measured, total_tabled = near.sum(axis=1).tolist()
         widths = widths.tolist() if isinstance(widths, np.ndarray) else list(widths)
-        if total_weight < 1e-3 or total_tabled <= 0:
-            return np.ones(len(widths))
-        overall = total_measured / total_tabled
-        mean_tabled = total_tabled / total_weight
-        _, measured, tabled = near.tolist()
         # Python numbers over a few widths: numpy's calls cost more than the arithmetic (the policy runs every step)
-        prior_measured, prior_tabled = self.shrinkage * overall * mean_tabled, self.shrinkage * mean_tabled
+        weights, measured, tabled = near.tolist()
         missing = [0.0] * (max(widths, default=0) + 1 - len(measured))  # 0 for a width never fed
-        measured, tabled = measured + missing, tabled + missing
-        return np.array([(measured[w] + prior_measured) / (tabled[w] + prior_tabled) for w in widths])
+        weights, measured, tabled = weights + missing, measured + missing, tabled + missing
+        priors = []  # per group: (pseudo-measured, pseudo-tabled) seconds standing behind each width's own
+        for group, unmeasured in ((range(0, 2), self.plain_prior), (range(2, len(tabled)), 1.0)):
+            group_weight = sum(weights[w] for w in group)
+            group_measured, group_tabled = sum(measured[w] for w in group), sum(tabled[w] for w in group)
+            if group_weight < 1e-3 or group_tabled <= 0:
+                priors.append((unmeasured, 1.0))  # seconds that swamp the few measured ones: the ratio is the prior
+                continue
+            mean_tabled = group_tabled / group_weight
+            priors.append((self.shrinkage * group_measured / group_weight, self.shrinkage * mean_tabled))
+        return np.array([(measured[w] + priors[w > 1][0]) / (tabled[w] + priors[w > 1][1]) for w in widths])
 
 
 def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
@@ -207,16 +222,28 @@ class StepTimeTable:
         half_life: measured steps after which a step weighs half as much.
         capacity: measured steps kept for a run without a warm-up, whose table is the latest 256 (the latest of each
             grid point among them).
-        shrinkage: pseudo-steps of the all-widths ratio behind each width's own ratio.
+        shrinkage: pseudo-steps of the group's ratio (plain or drafting widths) behind each width's own ratio.
+        plain_prior: measured-over-tabled time of a plain step near a batch size where none was measured yet. 1 where
+            the run's steps run as the warm-up's did; 0.5 where plain steps may be launched ahead of the device (the
+            warm-up times them in lockstep): the least a step that overlaps host and device work can cost, so that an
+            unmeasured plain step is never priced above what it may cost, and the policy runs it (and so measures it)
+            unless drafting beats even that.
     """
 
-    def __init__(self, bandwidth: float = 0.75, half_life: float = 200.0, capacity: int = 512, shrinkage: float = 2.0):
+    def __init__(
+        self,
+        bandwidth: float = 0.75,
+        half_life: float = 200.0,
+        capacity: int = 512,
+        shrinkage: float = 2.0,
+        plain_prior: float = 1.0,
+    ):
         self.bandwidth = bandwidth
         self.decay = 0.5 ** (1.0 / half_life)
         self.shrinkage = shrinkage
         self.profile: dict[Key, dict[int, float]] = {}
         self.measured = _Samples(capacity)  # the table when there is no warm-up
-        self.correction = _Correction(bandwidth, self.decay, shrinkage)
+        self.correction = _Correction(bandwidth, self.decay, shrinkage, plain_prior)
         self._table: _Table | None = None
         self._memo: dict[tuple[int, int, bool, int], float] = {}  # the table's answers, until the profile changes
 
@@ -255,6 +282,16 @@ class StepTimeTable:
         if not self.profile:
             return self._tabled(batch_size, widths, num_draft_passes, context)
         return self._tabled(batch_size, widths, num_draft_passes, context) * self.correction.ratios(batch_size, widths)
+
+    def refill_seconds(self, batch_size: int, plain_seconds: float, context: int = 0) -> float:
+        """What a plain step that waits for the one before it (as the one after a drafting step does, where plain
+        steps run ahead of the device) costs over `plain_seconds`, a plain step's predicted time: the warm-up's
+        lockstep time at the drafting steps' measured-over-tabled ratio (they run in lockstep too), less
+        `plain_seconds`. 0 where plain steps run as the warm-up's (`plain_prior` 1) or without a warm-up."""
+        if not self.profile or self.correction.plain_prior >= 1.0:
+            return 0.0
+        tabled = float(self._tabled(batch_size, [1], [0], context)[0])
+        return max(0.0, tabled * float(self.correction.ratios(batch_size, np.array([2]))[0]) - plain_seconds)
 
     def _tabled(self, batch_size: int, widths, num_draft_passes, context: int) -> np.ndarray:
         # Python numbers, read one by one below (numpy's broadcasting costs more than the lookups, run every step)

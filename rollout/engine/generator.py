@@ -99,7 +99,9 @@ class Generator(Admission, DecodeStep):
         self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
         self._methods = spec.methods if spec else ()
         self._default_route = default_route(spec) if spec else ""
-        self.policy = build_policy(spec, max_batch_size, self.proposers) if spec else None
+        # plain steps launched ahead of a device (`_decision_ahead`) overlap its work: on a CPU there is none to overlap
+        plain_ahead = self.config.async_scheduling and self.config.exact and self.device.type == "cuda"
+        self.policy = build_policy(spec, max_batch_size, self.proposers, plain_ahead) if spec else None
         # every sampled token is the exponential race's at its position, unless rejection sampling was asked for
         self.exact = self.config.exact
         # every row's tokens, lengths, settings and random stream; proposers read the tokens without a transfer

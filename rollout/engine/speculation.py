@@ -14,6 +14,7 @@ from specdec.proposers.draft_model import DraftModelProposer
 from specdec.proposers.multi import ProposerSet
 from specdec.proposers.ngram import NgramAdapter
 from specdec.proposers.suffix import SuffixProposer
+from specdec.step_time import StepTimeTable
 
 
 def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_positions: int) -> ProposerSet:
@@ -44,7 +45,10 @@ def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_p
     return ProposerSet(proposers, max_k=spec.num_speculative_tokens)
 
 
-def build_policy(spec: SpecConfig, max_batch_size: int, proposers: ProposerSet):
+def build_policy(spec: SpecConfig, max_batch_size: int, proposers: ProposerSet, plain_ahead: bool = False):
+    """The K policy the spec names. `plain_ahead`: plain steps may be launched ahead of the device (async scheduling
+    with exact verification), so that auto prices a plain step it has not measured at half its warm-up time (the warm-up
+    times steps in lockstep; `StepTimeTable`'s `plain_prior`)."""
     table = spec.num_speculative_tokens_per_batch_size
     if table is None:
         return StaticPolicy(spec.num_speculative_tokens)
@@ -55,7 +59,8 @@ def build_policy(spec: SpecConfig, max_batch_size: int, proposers: ProposerSet):
     passes[route] = "draft_model" in spec.methods
     # a cascade that starts with a model-free proposer runs the draft model only in the steps where it pays
     optional = frozenset([route] if passes[route] and spec.methods[0] != "draft_model" else [])
-    return AutoPolicy(spec.num_speculative_tokens, passes, optional_passes=optional)
+    step_times = StepTimeTable(plain_prior=0.5 if plain_ahead else 1.0)
+    return AutoPolicy(spec.num_speculative_tokens, passes, step_times, optional_passes=optional)
 
 
 def default_route(spec: SpecConfig) -> str:
