@@ -43,6 +43,12 @@
 # ahead where it drafts nothing) beside `suffix_verify_after` (verified after the replay, as before), `draft`,
 # `suffix_lockstep` and `none_lockstep`, with mean K and the share of steps run ahead per phase, within a 260 s
 # budget, 60 s a row (rows past it are skipped, last first). About 9 minutes with the install.
+#
+#   COMMIT=<hash> bash scripts/gpu_session.sh auto "$OUT"    # there: the auto policy against none, for a short lease
+#
+# `auto` writes test_kernels.log (the two logarithm tests, compiled) and bench.log / bench_gpu.json: `none` and
+# `suffix` at auto K, both with graphs, at $SIZES (64x8,256x8), first and second rollout, within a 150 s budget. About
+# 3 minutes with the install.
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -53,7 +59,7 @@ wheels)
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $WHEELS
     ls .whl
     ;;
-run | policy | kernels | engine | spec | open)
+run | policy | kernels | engine | spec | open | auto)
     mode=$1 out=${2:?give the output folder}; shift 2
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -112,6 +118,12 @@ run | policy | kernels | engine | spec | open)
             --rows none suffix suffix_verify_after draft suffix_lockstep none_lockstep
         lap bench
         ;;
+    auto)
+        tests test_kernels.log 90 tests/kernels/test_race_logits.py tests/kernels/test_race_sample.py -k logarithm
+        lap tests
+        bench 180 12 --sizes "${SIZES:-64x8,256x8}" --budget-s 150 --row-cap-s 60 --rows none suffix
+        lap bench
+        ;;
     spec)
         tests test_gpu.log 150 tests/test_gpu.py -k "graphs_sample_what_the_eager or reads_the_device_once"
         lap tests
@@ -143,7 +155,7 @@ run | policy | kernels | engine | spec | open)
     ;;
 *)
     echo "usage: bash scripts/gpu_session.sh wheels | run OUT [bench_gpu.py args] | policy OUT | kernels OUT | engine OUT" \
-        "| spec OUT | open OUT" >&2
+        "| spec OUT | open OUT | auto OUT" >&2
     exit 2
     ;;
 esac
