@@ -98,6 +98,8 @@ class Admission:
         """Take `rows` (ascending) out of flight: the last active rows move into the holes (a paged cache moves their
         block tables, a slot cache their KV), and the slots left behind hold nothing."""
         s, num_active = self.slots, self.scheduler.num_active
+        if self.proposers is not None:  # their rows' tokens change below their counts (refilled, moved)
+            self.proposers.wait()
         remaining = num_active - len(rows)
         leaving = set(rows)
         holes = [i for i in rows if i < remaining]
@@ -169,6 +171,8 @@ class Admission:
         with self._one_call():
             self._check_no_step_in_flight()
             self._ahead.decision, self._ahead.last_finish = None, 0.0  # the rows are not those the last step read
+            if self.proposers is not None:  # the rows' tokens are rolled back
+                self.proposers.wait()
             with torch.inference_mode():
                 self.slots.restore(rows)
             self.scheduler.num_active = len(rows)

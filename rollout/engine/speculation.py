@@ -33,6 +33,8 @@ def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_p
                 max_spec_factor=spec.suffix_decoding_max_spec_factor,
                 min_token_prob=spec.suffix_decoding_min_token_prob,
                 num_candidates=spec.num_candidates,
+                # a GPU's plain steps are host-bound (they run ahead of the device): take tokens in on a thread
+                background=target.device.type == "cuda",
             )
         else:
             draft = load_draft_model(spec.model, target)

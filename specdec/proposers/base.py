@@ -93,6 +93,10 @@ class Proposer:
     def reset(self) -> None:
         """Forget everything learned so far (the warm-up's synthetic rows)."""
 
+    def wait(self) -> None:
+        """Finish any work left running in the background (a suffix proposer taking tokens in): the generator calls it
+        before it changes rows' tokens below their counts (rows removed or rolled back)."""
+
     def propose(self, batch: ProposalBatch) -> Drafts:
         raise NotImplementedError
 

@@ -82,6 +82,10 @@ class ProposerSet(Proposer):
         for proposer in self.proposers.values():
             proposer.begin()
 
+    def wait(self) -> None:
+        for proposer in self.proposers.values():
+            proposer.wait()
+
     def reset(self) -> None:
         for proposer in self.proposers.values():
             proposer.reset()

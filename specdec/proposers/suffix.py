@@ -44,8 +44,9 @@ class SuffixProposer(SuffixTries):
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
         num_candidates: int = 1,
+        background: bool = False,
     ):
-        super().__init__(vocab_size, num_slots, num_positions, max_tree_depth, max_cached_requests)
+        super().__init__(vocab_size, num_slots, num_positions, max_tree_depth, max_cached_requests, background)
         self.num_speculative_tokens = num_speculative_tokens
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
@@ -59,6 +60,7 @@ class SuffixProposer(SuffixTries):
     def propose(self, batch: ProposalBatch) -> Drafts:
         """Take in the tokens each row gained, then draft: a chain per asked row, or with `num_candidates > 1` a
         token tree of at most K nodes."""
+        self.wait()
         num_rows = len(batch.num_tokens)
         self._sync(self._all_rows[:num_rows], batch.token_ids.numpy(), np.asarray(batch.num_tokens, dtype=np.int64))
         asked = np.asarray(batch.num_asked, dtype=np.int64)

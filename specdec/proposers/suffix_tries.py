@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import pathlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,6 +46,11 @@ class SuffixTries(Proposer):
         num_positions: tokens a row may hold (prompt + completion).
         max_tree_depth: longest n-gram counted (`suffix_decoding_max_tree_depth`).
         max_cached_requests: finished responses kept as history (`suffix_decoding_max_cached_requests`); 0 = none.
+        background: take in a step's tokens without drafts (`update`) on a thread of its own, while the caller goes
+            on (the compiled insertion releases the GIL); every other call waits for it first, so the tries, and the
+            drafts, are those of taking the tokens in at once. For a host that is the bottleneck of a step (a GPU's
+            plain steps run ahead) and has a core to spare. The caller must not change the rows' tokens it handed
+            over, at positions below their counts, before the next call (`wait`).
     """
 
     needs_prefill = True
@@ -57,6 +63,7 @@ class SuffixTries(Proposer):
         num_positions: int,
         max_tree_depth: int = 24,
         max_cached_requests: int = 10000,
+        background: bool = False,
     ):
         if vocab_size >= 1 << 21:  # the trie keys hold a token (or the separator, vocab_size) in 21 bits
             raise ValueError(f"method 'suffix' handles vocabularies of up to {(1 << 21) - 1} tokens, got {vocab_size}")
@@ -67,12 +74,22 @@ class SuffixTries(Proposer):
         from specdec.proposers import suffix_sync_kernels  # numba: imported with the first suffix proposer
 
         self._sync_kernels = suffix_sync_kernels
+        self.background = background
+        self._executor: ThreadPoolExecutor | None = None  # one thread, started by the first background `update`
+        self._taking_in: Future | None = None  # the background insertion in progress
         self.clear()
 
     # ---- history: what a user keeps, inspects, saves and loads ---------------------------------------------------
 
+    def wait(self) -> None:
+        """Finish taking in the tokens a background `update` handed over (its error, if any, is raised here)."""
+        taking_in, self._taking_in = self._taking_in, None
+        if taking_in is not None:
+            taking_in.result()
+
     def clear(self) -> None:
         """Forget every response and every row in flight."""
+        self.wait()
         depth, slots = self.max_tree_depth, self._num_slots
         self.index = self.index_class(depth)
         self.global_root = self.index.new_root()
@@ -106,6 +123,7 @@ class SuffixTries(Proposer):
     def add_responses(self, prompts: list[list[int]], responses: list[list[int]]) -> None:
         """Add responses made elsewhere (an earlier run, another model) to the history, oldest first:
         `responses[i]` answers `prompts[i]` (token ids). Past `max_cached_requests` the oldest are evicted."""
+        self.wait()
         if not isinstance(prompts, (list, tuple)) or not isinstance(responses, (list, tuple)):
             raise ValueError("prompts and responses must be lists of token-id lists")
         if len(prompts) != len(responses):
@@ -131,6 +149,7 @@ class SuffixTries(Proposer):
 
     def save(self, path: str | pathlib.Path) -> None:
         """Write the cached responses (oldest first, each with its prompt) to an `.npz` file."""
+        self.wait()
         keys = [k for k, _ in self.history]
         number = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct prompt once
         prompts = [np.frombuffer(k, dtype=np.int32) for k in number]
@@ -146,6 +165,7 @@ class SuffixTries(Proposer):
 
     def load(self, path: str | pathlib.Path) -> None:
         """Replace the history by the responses saved in `path` (rows in flight are dropped)."""
+        self.wait()
         try:
             data = np.load(path)
             if len(data["response_lens"]) == 0:
@@ -185,6 +205,7 @@ class SuffixTries(Proposer):
             self._add_history(history)
 
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
+        self.wait()
         rows = np.arange(row_start, row_start + len(states))
         groups = host(group_of).numpy()
         entries = self._prompt_tries([np.asarray(p, dtype=np.int32) for p in prompts])
@@ -197,6 +218,7 @@ class SuffixTries(Proposer):
         self._in_flight[rows] = True
 
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
+        self.wait()
         src, dst = host(src).numpy(), host(dst).numpy()  # the engine's row indices, on the host
         self._frontiers[:, dst] = self._frontiers[:, src]
         for array in (self._num_inserted, self._prompt_len, self._in_flight):
@@ -212,6 +234,7 @@ class SuffixTries(Proposer):
     def finish(self, rows: list[int], token_ids: Tensor, num_tokens: list[int]) -> None:
         """Rows finished: keep their responses as history. Their last tokens go into the tries with the next step's
         (one insertion per step instead of two; before anything drafts, counts or evicts)."""
+        self.wait()
         rows_np = np.asarray(rows, dtype=np.int64)
         self._sync(rows_np, token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64), defer=True)
         finished = []
@@ -227,7 +250,14 @@ class SuffixTries(Proposer):
         self._evict()
 
     def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
-        self._sync(self._all_rows[: len(num_tokens)], token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64))
+        self.wait()
+        args = (self._all_rows[: len(num_tokens)], token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64))
+        if not self.background:
+            self._sync(*args)
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="suffix-take-in")
+        self._taking_in = self._executor.submit(self._sync, *args)
 
     # ---- keeping the tries in step with the rows -------------------------------------------------------------------
 
@@ -264,6 +294,7 @@ class SuffixTries(Proposer):
     def flush(self) -> None:
         """Insert the finished rows' last tokens now (`finish` defers them to the next step's insertion): the tries
         then hold exactly the cached responses and the rows in flight."""
+        self.wait()
         if self._pending_status[0]:
             self._sync(self._all_rows[:0], np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
         self._deferred_responses = 0

@@ -481,3 +481,66 @@ def test_short_drafts_go_on_from_the_context_they_end_in(max_spec_factor, vocab)
         assert drafts.scores.numpy() == pytest.approx(first_scores + ends * np.array(extra))
         extended += sum(len(g) > len(f) for g, f in zip(got, first))
     assert extended >= 8  # drafts went on: the comparison is not vacuous
+
+
+def _run_with_background(background: bool) -> tuple[list, list, dict, Generator]:
+    model = make_model("llama")
+    # K = 0 while 5 or more rows are in flight (the tokens go in through `update`), drafts below
+    spec = SpecConfig(
+        method="suffix", num_speculative_tokens=3, num_speculative_tokens_per_batch_size=[[1, 4, 3], [5, 8, 0]]
+    )
+    gen = Generator(model, max_batch_size=8, max_seq_len=96, spec=spec)
+    gen.draft_history.background = background
+    prompts = [p * 3 for p in random_prompts(3, max_len=5, seed=21)] + random_prompts(3, seed=22)
+    outputs, traces = [], []
+    for temperature in (0.0, 1.0):  # the second call drafts from the first's responses
+        params = SamplingParams(temperature=temperature, max_new_tokens=40, n=2, seed=5)
+        outputs.append([(o.token_ids, o.logprobs) for o in gen.generate(prompts, params)])
+        traces.append([(r.batch_size, r.num_drafted, r.num_accepted) for r in gen.last_trace])
+    gen.add_requests(random_prompts(2, seed=23), SamplingParams(n=2, temperature=1.0, max_new_tokens=30, seed=7))
+    for _ in range(3):
+        gen.step()
+    saved = gen.snapshot()
+    for _ in range(4):
+        gen.step()
+    gen.restore(saved)  # rolled back while a background insertion may run
+    while gen.has_unfinished:
+        gen.step()
+    return outputs, traces, gen.draft_history.stats(), gen
+
+
+def test_tokens_taken_in_on_a_background_thread_draft_and_sample_alike():
+    """`background=True` (on a GPU) inserts a step's tokens on a thread while the generator goes on; every other call
+    waits for it first, so the drafts and samples, step by step, are those of inserting at once, through finishing
+    rows moved, a second call drafting from the first and a restore."""
+    at_once, threaded = _run_with_background(False), _run_with_background(True)
+    assert threaded[0] == at_once[0]  # tokens and log-probs
+    assert threaded[1] == at_once[1] and sum(d for trace in threaded[1] for _, d, _ in trace) > 0
+    assert threaded[2] == at_once[2]
+    assert threaded[3].draft_history._executor is not None  # the thread did take tokens in
+    assert_counts_exact(threaded[3].draft_history)
+
+
+def test_a_background_update_takes_the_tokens_in_before_the_next_call_reads_the_tries():
+    proposer = SuffixProposer(3, vocab_size=SEP, num_slots=2, num_positions=32, background=True)
+    proposer.prefill(0, [[1, 2, 3]], torch.zeros(2, dtype=torch.long), [{}, {}])
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 0], [1, 2, 3, 5, 4, 5]])
+    proposer.update(tokens, [5, 6])
+    assert proposer._taking_in is not None  # handed to the thread
+    proposer.wait()
+    assert proposer._num_inserted.tolist() == [5, 6]
+    assert_counts_exact(proposer)
+
+
+def test_an_error_taking_tokens_in_on_the_background_thread_is_raised_by_the_next_call():
+    proposer = SuffixProposer(3, vocab_size=SEP, num_slots=2, num_positions=32, background=True)
+    proposer.prefill(0, [[1, 2, 3]], torch.zeros(2, dtype=torch.long), [{}, {}])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("insertion failed")
+
+    proposer._sync = broken
+    tokens = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5]])
+    proposer.update(tokens, [4, 4])  # returns: the insertion runs on the thread
+    with pytest.raises(RuntimeError, match="insertion failed"):
+        proposer.wait()
