@@ -82,10 +82,16 @@ class SuffixTries(Proposer):
     # ---- history: what a user keeps, inspects, saves and loads ---------------------------------------------------
 
     def wait(self) -> None:
-        """Finish taking in the tokens a background `update` handed over (its error, if any, is raised here)."""
-        taking_in, self._taking_in = self._taking_in, None
-        if taking_in is not None:
+        """Finish taking in the tokens a background `update` handed over (its error, if any, is raised here). A signal
+        that interrupts the wait leaves the insertion to be waited for by the next call."""
+        taking_in = self._taking_in
+        if taking_in is None:
+            return
+        try:
             taking_in.result()
+        finally:
+            if taking_in.done():
+                self._taking_in = None
 
     def clear(self) -> None:
         """Forget every response and every row in flight."""

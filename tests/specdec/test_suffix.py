@@ -544,3 +544,24 @@ def test_an_error_taking_tokens_in_on_the_background_thread_is_raised_by_the_nex
     proposer.update(tokens, [4, 4])  # returns: the insertion runs on the thread
     with pytest.raises(RuntimeError, match="insertion failed"):
         proposer.wait()
+
+
+def test_a_signal_during_the_wait_leaves_the_insertion_to_be_waited_for_again():
+    """Ctrl-C while the generator waits for the background insertion: the insertion runs on (a thread cannot be
+    interrupted), so the next call must wait for it again before it touches the tries."""
+    from concurrent.futures import Future
+
+    class Interrupted(Future):
+        def result(self, timeout=None):
+            if not self.done():
+                raise KeyboardInterrupt
+            return super().result(timeout)
+
+    proposer = SuffixProposer(3, vocab_size=SEP, num_slots=2, num_positions=32, background=True)
+    proposer._taking_in = pending = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        proposer.wait()
+    assert proposer._taking_in is pending  # still to be waited for
+    pending.set_result(None)
+    proposer.wait()
+    assert proposer._taking_in is None
