@@ -23,8 +23,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoints", type=int, nargs="+", default=[300, 4000, 20000])
     parser.add_argument("--calls", type=int, default=2000, help="timed calls at each checkpoint")
+    parser.add_argument(
+        "--plain-prior",
+        type=float,
+        default=1.0,
+        help="StepTimeTable's plain_prior: 0.5 as on a GPU (plain steps ahead)",
+    )
     args = parser.parse_args()
-    table = StepTimeTable()
+    table = StepTimeTable(plain_prior=args.plain_prior)
     for batch_size in (1, 4, 16, 64):
         for width in (1, 2, 3, 5):
             for context in (32, 700):

@@ -218,8 +218,15 @@ class AutoPolicy:
         seconds = seconds.tolist()
         # leaving K = 0 where plain steps run ahead of the device: the plain step after the drafting ones cannot
         # (nothing was launched while they computed), so the first drafting step is priced with that step's extra time
-        refill = self.step_times.refill_seconds(batch_size, seconds[0], context) if not self.current else 0.0
-        rate = [e / max(t + (refill if k else 0.0), 1e-9) for k, (e, t) in enumerate(zip(emitted, seconds))]
+        # (`refill`: the extra time of that plain step; also what prices the one-draft trial at K = 0 below. A step
+        # mixing draft passes in and out is read against the table without them: its extra time errs high)
+        exploring = bool(self.explore_every) and (self.num_steps + 1) % self.explore_every == 0
+        refill = 0.0
+        if max_k > 0 and (not self.current or exploring):
+            drafting_passes = passes[1] if share >= 1.0 else 0
+            refill = self.step_times.refill_seconds(batch_size, seconds[0], seconds[1], drafting_passes, context)
+        leaving = 0.0 if self.current else refill
+        rate = [e / max(t + (leaving if k else 0.0), 1e-9) for k, (e, t) in enumerate(zip(emitted, seconds))]
         best = max(range(usable + 1), key=rate.__getitem__)  # the first of equal rates, as argmax
         current = min(self.current, usable)
         if best != current and rate[best] <= rate[current] * (1.0 + self.hysteresis):
@@ -239,21 +246,20 @@ class AutoPolicy:
                 best, measuring = best + 1, True
             elif phase == self.explore_every // 2:  # a width less
                 best, measuring = best - 1, True
-        elif phase == 0 and usable > 0 and self._one_draft_could_pay(groups, seconds, rate[0], batch_size, context):
+        elif phase == 0 and usable > 0 and self._one_draft_could_pay(groups, seconds, rate[0], refill):
             # K = 0 rests on acceptance measured while drafting, which may be stale (docs/design/dynamic-k.md)
             best, measuring = 1, True
         return Decision(best, rate[best] / rate[0], measuring)
 
     def _one_draft_could_pay(
-        self, groups: dict[str, list[int]], seconds: list[float], plain_rate: float, batch_size: int, context: int
+        self, groups: dict[str, list[int]], seconds: list[float], plain_rate: float, refill: float
     ) -> bool:
         """Whether a step of one draft a row would beat a plain one if the drafts were accepted at the prior's rate
         (`groups`: each route's rows per cap; rows capped at 0 draft nothing). The trial is priced with what it costs
         the plain step after it: where plain steps run ahead of the device, that one cannot (nothing was launched
         while the trial computed), and on an H200 a trial every 20 steps at the prior's rate, priced without it, cost
-        the tail 5% where drafts accept little."""
+        the tail 5% where drafts accept little (`refill`: that step's extra time)."""
         emitted = sum(sum(rows) + self.stats[route].prior_rate * sum(rows[1:]) for route, rows in groups.items())
-        refill = self.step_times.refill_seconds(batch_size, seconds[0], context)
         return emitted / max(seconds[1] + refill, 1e-9) > plain_rate
 
     def calibrate(self, timer: StepTimerProtocol, short_context: int = 32) -> None:

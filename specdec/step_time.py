@@ -283,15 +283,19 @@ class StepTimeTable:
             return self._tabled(batch_size, widths, num_draft_passes, context)
         return self._tabled(batch_size, widths, num_draft_passes, context) * self.correction.ratios(batch_size, widths)
 
-    def refill_seconds(self, batch_size: int, plain_seconds: float, context: int = 0) -> float:
+    def refill_seconds(
+        self, batch_size: int, plain_seconds: float, drafting_seconds: float, drafting_passes: int = 0, context: int = 0
+    ) -> float:
         """What a plain step that waits for the one before it (as the one after a drafting step does, where plain
         steps run ahead of the device) costs over `plain_seconds`, a plain step's predicted time: the warm-up's
-        lockstep time at the drafting steps' measured-over-tabled ratio (they run in lockstep too), less
-        `plain_seconds`. 0 where plain steps run as the warm-up's (`plain_prior` 1) or without a warm-up."""
+        lockstep time at the measured-over-tabled ratio of `drafting_seconds`, the predicted time of a step of two
+        tokens a row (`drafting_passes` draft passes; it runs in lockstep too), less `plain_seconds`. 0 where plain
+        steps run as the warm-up's (`plain_prior` 1) or without a warm-up. From the caller's predictions: a second
+        reading of the correction cost the policy 13 us a step."""
         if not self.profile or self.correction.plain_prior >= 1.0:
             return 0.0
-        tabled = float(self._tabled(batch_size, [1], [0], context)[0])
-        return max(0.0, tabled * float(self.correction.ratios(batch_size, np.array([2]))[0]) - plain_seconds)
+        plain_tabled, drafting_tabled = self._tabled(batch_size, [1, 2], [0, drafting_passes], context).tolist()
+        return max(0.0, plain_tabled * drafting_seconds / max(drafting_tabled, 1e-12) - plain_seconds)
 
     def _tabled(self, batch_size: int, widths, num_draft_passes, context: int) -> np.ndarray:
         # Python numbers, read one by one below (numpy's broadcasting costs more than the lookups, run every step)
