@@ -561,6 +561,9 @@ class Lockstep(Proposer):
     def reset(self) -> None:
         self._both("reset")
 
+    def wait(self) -> None:
+        self._both("wait")
+
     def propose(self, batch: ProposalBatch) -> Drafts:
         got, expected = self._both("propose", batch)
         step = f"step {self.num_steps}"
@@ -575,7 +578,9 @@ class Lockstep(Proposer):
 
     @classmethod
     def replacing(cls, new: SuffixProposer) -> Lockstep:
-        """A lockstep of `new` (fresh, as the generator built it) and a reference built alike."""
+        """A lockstep of `new` (fresh, as the generator built it) and a reference built alike. `new` takes tokens in
+        at once (not on a thread, as on a GPU), so that each call's time is its own."""
+        new.background = False
         ref = SuffixProposerRef(
             new.num_speculative_tokens,
             vocab_size=new.separator,
