@@ -77,7 +77,17 @@ DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
                 hf_batch_size=8, max_batch_size=1024, budget_s=600.0, row_cap_s=120.0, trl_prompts=2,
                 standard_seqs=6, standard_lengths="8-40"),
 }  # fmt: skip
-TRACE_FIELDS = ("rows", "K", "tokens emitted", "ms", "ran ahead", "phase (p/b/t)", "predicted gain")  # a row's trace
+TRACE_FIELDS = (  # a row's trace
+    "rows",
+    "K",
+    "tokens emitted",
+    "ms",
+    "ran ahead",
+    "phase (p/b/t)",
+    "predicted gain",
+    "launch ms",
+    "wait ms",
+)
 RESERVE_S = 10.0  # of the budget, kept for the table and the JSON
 SYNC_WARNING = "synchroniz"  # torch's sync-debug warning reads "called a synchronizing CUDA operation"
 
@@ -425,7 +435,8 @@ def step_metrics(steps: list[dict], ctx) -> dict:
         "num_steps": len(steps),
         # every decode step, for reading the K policy's choices against the step times (`TRACE_FIELDS`)
         "trace": [[s["batch_size"], s["num_draft_tokens"], s["num_emitted"], round(1e3 * s["seconds"], 3),
-                   int(s.get("ran_ahead", False)), s["phase"][0], round(s.get("predicted_gain") or 0.0, 3)]
+                   int(s.get("ran_ahead", False)), s["phase"][0], round(s.get("predicted_gain") or 0.0, 3),
+                   round(1e3 * s.get("launch_seconds", 0.0), 3), round(1e3 * s.get("wait_seconds", 0.0), 3)]
                   for s in decode],
     }  # fmt: skip
 

@@ -82,7 +82,7 @@ class DecodeStep:
         return LaunchedStep(
             start, num_rows, context, decision, asked, routes, served or [None] * num_rows, drafts is not None,
             layout, propose_seconds, result, read, base_positions, advanced, policy_seconds=policy_seconds,
-            behind=after is not None,
+            behind=after is not None, launch_seconds=time.perf_counter() - start,
         )  # fmt: skip
 
     def _finish_decode(self, step: LaunchedStep) -> tuple[StepRecord, StepObservation | None]:
@@ -92,7 +92,9 @@ class DecodeStep:
         # rows moved since the launch: only a one-token chain without drafts (the results are remapped, the launch's
         # per-row records are not: they say that no row drafted, whichever row it is now)
         assert step.row_of is None or (layout.width == 1 and not step.drafted), "a remapped step"
+        wait_start = time.perf_counter()
         packed = step.read.wait()
+        wait_seconds = time.perf_counter() - wait_start
         source = step.source_rows(self.scheduler.num_active)
         if source is not None:  # rows released since the launch: the others' results, in today's row order
             packed = packed[torch.from_numpy(source)]
@@ -148,6 +150,8 @@ class DecodeStep:
             measuring=decision.measuring,
             ran_ahead=step.behind,
             rows_by_method=_count_by(step.served, drafting),
+            launch_seconds=step.launch_seconds,
+            wait_seconds=wait_seconds,
         )
         return record, observation
 

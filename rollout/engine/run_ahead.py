@@ -54,6 +54,7 @@ class LaunchedStep:
     row_of: np.ndarray | None = None  # [rows] the row each launched row is now (-1: released); None: unchanged
     policy_seconds: float = 0.0  # host time the K policy took: choosing at the launch, learning added at the finish
     behind: bool = False  # launched behind another step, before that one was read
+    launch_seconds: float = 0.0  # host time of the launch (drafting, inputs, the forward and verification queued)
 
     def rows_moved(self, num_active: int, leaving: list[int], movers: list[int], holes: list[int]) -> None:
         """Rows `leaving` were released and rows `movers` moved into `holes` (of `num_active` rows then)."""

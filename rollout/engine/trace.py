@@ -28,6 +28,8 @@ class StepRecord:
     num_preempted: int = 0  # paged KV: rows sent back to the queue before this step, short of blocks
     kv_blocks_used: int | None = None  # paged KV: blocks rows hold after the step (None: the slot layout)
     kv_blocks_allocated: int | None = None  # paged KV: blocks in the pool (it grows on a CPU up to its plan)
+    launch_seconds: float = 0.0  # decode: host time of its launch (drafting, inputs, the forward queued)
+    wait_seconds: float = 0.0  # decode: time the host waited for its results (the device still computing)
 
     def to_dict(self) -> dict:
         return asdict(self)
