@@ -16,6 +16,7 @@ frontier: its trie nodes for its last 0..depth-1 tokens, the match lengths draft
 from __future__ import annotations
 
 import collections
+import os
 import pathlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,25 @@ from torch import Tensor
 from rollout_kernels.device_io import host
 from specdec.proposers.base import Proposer
 from specdec.suffix_index import SuffixIndex
+
+_TAKING_IN: ThreadPoolExecutor | None = None  # the one thread every background insertion runs on, made by the first
+
+
+def _taking_in_thread() -> ThreadPoolExecutor:
+    """The process's one thread for background insertions (shared: a trainer that builds and keeps many generators
+    holds one idle thread, not one per proposer; insertions of two proposers run one after the other)."""
+    global _TAKING_IN
+    if _TAKING_IN is None:
+        _TAKING_IN = ThreadPoolExecutor(max_workers=1, thread_name_prefix="suffix-take-in")
+    return _TAKING_IN
+
+
+def _forget_thread_in_child() -> None:
+    global _TAKING_IN
+    _TAKING_IN = None  # a forked child has none of its parent's threads: work handed to that one would never run
+
+
+os.register_at_fork(after_in_child=_forget_thread_in_child)
 
 
 @dataclass
@@ -75,8 +95,7 @@ class SuffixTries(Proposer):
 
         self._sync_kernels = suffix_sync_kernels
         self.background = background
-        self._executor: ThreadPoolExecutor | None = None  # one thread, started by the first background `update`
-        self._taking_in: Future | None = None  # the background insertion in progress
+        self._taking_in: Future | None = None  # the background insertion in progress (`_taking_in_thread`)
         self.clear()
 
     # ---- history: what a user keeps, inspects, saves and loads ---------------------------------------------------
@@ -261,9 +280,7 @@ class SuffixTries(Proposer):
         if not self.background:
             self._sync(*args)
             return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="suffix-take-in")
-        self._taking_in = self._executor.submit(self._sync, *args)
+        self._taking_in = _taking_in_thread().submit(self._sync, *args)
 
     # ---- keeping the tries in step with the rows -------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -509,15 +510,22 @@ def _run_with_background(background: bool) -> tuple[list, list, dict, Generator]
     return outputs, traces, gen.draft_history.stats(), gen
 
 
-def test_tokens_taken_in_on_a_background_thread_draft_and_sample_alike():
+def test_tokens_taken_in_on_a_background_thread_draft_and_sample_alike(monkeypatch):
     """`background=True` (on a GPU) inserts a step's tokens on a thread while the generator goes on; every other call
     waits for it first, so the drafts and samples, step by step, are those of inserting at once, through finishing
     rows moved, a second call drafting from the first and a restore."""
-    at_once, threaded = _run_with_background(False), _run_with_background(True)
+    from specdec.proposers import suffix_tries
+
+    handed_over = []
+    thread = suffix_tries._taking_in_thread
+    monkeypatch.setattr(suffix_tries, "_taking_in_thread", lambda: handed_over.append(1) or thread())
+    at_once = _run_with_background(False)
+    assert not handed_over
+    threaded = _run_with_background(True)
     assert threaded[0] == at_once[0]  # tokens and log-probs
     assert threaded[1] == at_once[1] and sum(d for trace in threaded[1] for _, d, _ in trace) > 0
     assert threaded[2] == at_once[2]
-    assert threaded[3].draft_history._executor is not None  # the thread did take tokens in
+    assert len(handed_over) > 10  # the thread did take tokens in
     assert_counts_exact(threaded[3].draft_history)
 
 
@@ -565,3 +573,18 @@ def test_a_signal_during_the_wait_leaves_the_insertion_to_be_waited_for_again():
     pending.set_result(None)
     proposer.wait()
     assert proposer._taking_in is None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_starts_its_own_insertion_thread():
+    """A child forked after the parent started the insertion thread has no such thread: work handed to the parent's
+    would never run (and the child's `wait` would hang), so the child makes its own."""
+    from specdec.proposers import suffix_tries
+
+    assert suffix_tries._taking_in_thread().submit(int, 1).result() == 1
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 only if its insertion thread runs work
+        ok = suffix_tries._TAKING_IN is None and suffix_tries._taking_in_thread().submit(int, 2).result(timeout=10) == 2
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
