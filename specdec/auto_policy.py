@@ -216,13 +216,14 @@ class AutoPolicy:
                 batch_size, widths, np.zeros(len(ks)), context
             )
         seconds = seconds.tolist()
+        # this step's place in the exploration cycle (0: one position more, or the one-draft trial at K = 0)
+        phase = (self.num_steps + 1) % self.explore_every if self.explore_every else None
         # leaving K = 0 where plain steps run ahead of the device: the plain step after the drafting ones cannot
         # (nothing was launched while they computed), so the first drafting step is priced with that step's extra time
         # (`refill`: the extra time of that plain step; also what prices the one-draft trial at K = 0 below. A step
         # mixing draft passes in and out is read against the table without them: its extra time errs high)
-        exploring = bool(self.explore_every) and (self.num_steps + 1) % self.explore_every == 0
         refill = 0.0
-        if max_k > 0 and (not self.current or exploring):
+        if max_k > 0 and (not self.current or phase == 0):
             drafting_passes = passes[1] if share >= 1.0 else 0
             refill = self.step_times.refill_seconds(batch_size, seconds[0], seconds[1], drafting_passes, context)
         leaving = 0.0 if self.current else refill
@@ -240,7 +241,6 @@ class AutoPolicy:
         best = min(best, climb_to)
         self.current = best
         self.num_steps += 1
-        phase = self.num_steps % self.explore_every if self.explore_every else None
         if best > 0:  # exploration, while drafting pays
             if phase == 0 and best < usable:  # the next position's acceptance, and a width more
                 best, measuring = best + 1, True
