@@ -87,6 +87,27 @@ def test_graphs_under_a_trainers_bf16_autocast_compute_in_bf16():
     assert [o.logprobs for o in plain] != [o.logprobs for o in eager]
 
 
+def test_graphs_dropped_by_a_change_are_captured_again_and_replayed():
+    """A change of the policy drops the graphs; the steps after it capture them again, into a new memory pool (torch
+    refuses to capture into one whose graphs are all gone: on torch 2.11 a capture there failed and decoding went on
+    eagerly for good), and replay them: the same samples, no fallback."""
+    model = make_model("llama", dtype=torch.float32).cuda()
+    prompts = random_prompts(6, max_len=14, seed=6)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=3)
+    gen = Generator(model, max_batch_size=16, max_seq_len=64, cuda_graphs=True)
+    graphs = gen.runner.graphs
+    first = gen.generate(prompts, params)
+    pools = [graphs.pool]
+    for _ in range(2):
+        gen.invalidate_graphs()  # (any change does the same: adapters switched, autocast, weights replaced)
+        again = gen.generate(prompts, params)
+        assert graphs.error is None, f"the graphs were not captured again: {graphs.error}"
+        assert graphs.graphs and graphs.pool not in pools
+        assert equal_samples(first, again) >= len(first) - 1
+        pools.append(graphs.pool)
+    assert graphs.recaptures == ["epoch", "epoch"]
+
+
 SPECS = {
     "ngram tree": lambda: SpecConfig(method="ngram", num_speculative_tokens=4, num_candidates=3, prompt_lookup_min=1),
     "suffix tree": lambda: SpecConfig(method="suffix", num_speculative_tokens=4, num_candidates=2),

@@ -24,9 +24,10 @@ under the autocast the policy's forward computes in (a trainer's bf16 over float
 computes in the precision of the eager prefills and trees. What a graph depends on besides its shape (the weights'
 and KV pools' addresses, the adapters' state, the autocast dtype, the training flag, a user counter) is one
 `GraphKey` (`rollout.engine.graph_key`), compared by `refresh` (whole once per `generate` or `add_requests` call,
-its cheap part every `step`): a changed key drops the graphs, and each shape is captured again when a step first
-needs it. A step in train mode, a prefill, a tree, and rows or widths past the largest bucket run eagerly.
-`capture=False` runs the same padded forward without capturing (how a CPU tests the padding and buffers).
+its cheap part every `step`): a changed key drops the graphs and their pool, and each shape is captured again, into
+a new pool, when a step first needs it. A step in train mode, a prefill, a tree, and rows or widths past the largest
+bucket run eagerly. `capture=False` runs the same padded forward without capturing (how a CPU tests the padding
+and buffers).
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ class GraphRunner:
         self.recaptures: list[str] = []  # what changed, each time `refresh` dropped the graphs
         # the persistent buffers, then what the captures hold
         buffers = (self.ids, self.meta, self.hidden, self.logits, self.packed)
-        self.memory_bytes = sum(t.numel() * t.element_size() for t in buffers if t is not None)
+        self._buffer_bytes = sum(t.numel() * t.element_size() for t in buffers if t is not None)
+        self.memory_bytes = self._buffer_bytes
         self.capture_seconds = 0.0
         self.error: str | None = None  # a failed capture: the reason, and the graphs are off
         config = model.config.get_text_config()
@@ -154,10 +156,23 @@ class GraphRunner:
             self._layers = tuner_layers(self.model)
             key = self._key(epoch)
         if changed:
-            self.graphs.clear()
+            self.drop_graphs()
             self.recaptures.append(", ".join(changed))
             self.key = key
         return changed
+
+    def drop_graphs(self) -> None:
+        """Drop every graph (each shape is captured again when a step first needs it) and their memory pool: the next
+        capture takes a new pool. torch's allocators refuse to capture into a pool whose graphs are all gone (an
+        internal assert on the pool's use count: on torch 2.11 the pinned-host allocator's, `CachingHostAllocator.h`,
+        even after `empty_cache`), and the old pool's blocks go back to the device here, before the new graphs need as
+        much again."""
+        had_graphs = bool(self.graphs)
+        self.graphs.clear()
+        self.pool = None
+        if had_graphs and self.capture:
+            torch.cuda.empty_cache()
+        self.memory_bytes = self._buffer_bytes
 
     def _key(self, epoch: int, full: bool = True) -> GraphKey:
         previous = None if full else self.key
@@ -336,9 +351,9 @@ class GraphRunner:
                     graph.capture_end()
         except Exception as err:  # noqa: BLE001 - any capture failure: run eagerly, said once
             self.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
-            self.graphs.clear()
-            self.pool = None
             torch.cuda.current_stream(self.device).wait_stream(stream)
+            del graph
+            self.drop_graphs()
             torch.cuda.empty_cache()  # what the captures held goes back to the eager steps (an OOM left it held)
             warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", RuntimeWarning, stacklevel=2)
             return None
