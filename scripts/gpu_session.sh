@@ -37,7 +37,7 @@
 #
 # `open` writes test_gpu.log (every CUDA test of tests/test_gpu.py: graphs in eval mode, graphs with speculation
 # against the eager engine, a replayed verifying graph against its eager body, one device read a step, the race
-# kernels compiled against their references),
+# kernels compiled against their references; and graphs captured again after a change of the policy),
 # test_kernels.log (the paged attention, top-k / top-p and race kernels' tests compiled; on 2026-11-27 the race tests
 # alone took the 120 s then given, so the others go first now) and bench.log / bench_gpu.json at $SIZES (64x8,256x8):
 # `none` with graphs, `suffix` at auto K (verifying in the replay, running ahead where it drafts nothing), `draft`,
@@ -46,9 +46,9 @@
 #
 #   COMMIT=<hash> bash scripts/gpu_session.sh auto "$OUT"    # there: the auto policy against none, for a short lease
 #
-# `auto` writes test_kernels.log (the two logarithm tests, compiled) and bench.log / bench_gpu.json: `none` and
-# `suffix` at auto K, both with graphs, at $SIZES (64x8,256x8), first and second rollout, within a 150 s budget. About
-# 3 minutes with the install.
+# `auto` writes test_gpu_policy.log (graphs dropped by a change of the policy are captured again, into a new pool)
+# and bench.log / bench_gpu.json: `none` and `suffix` at auto K, both with graphs, at $SIZES (64x8,256x8), first and
+# second rollout, within a 180 s budget, 75 s a row. About 5 minutes with the install.
 set -o pipefail
 WHEELS="transformers==5.24.0 datasets==5.2.0 trl==1.16.0 peft==0.21.2 omegaconf==2.4.0 dill==0.4.1 multiprocess==0.70.19"
 
@@ -109,7 +109,8 @@ run | policy | kernels | engine | spec | open | auto)
         ;;
     open)
         python3 -c "import torch, triton, numba; print('torch', torch.__version__, 'triton', triton.__version__, 'numba', numba.__version__)"
-        tests test_gpu.log 130 tests/test_gpu.py --durations=0
+        tests test_gpu.log 150 tests/test_gpu.py --durations=0 \
+            tests/test_gpu_policy.py::test_graphs_dropped_by_a_change_are_captured_again_and_replayed
         lap tests
         tests test_kernels.log 170 tests/kernels/test_paged_attention.py tests/kernels/test_keep_threshold.py \
             tests/kernels/test_race_logits.py tests/kernels/test_race_sample.py
@@ -119,9 +120,9 @@ run | policy | kernels | engine | spec | open | auto)
         lap bench
         ;;
     auto)
-        tests test_kernels.log 90 tests/kernels/test_race_logits.py tests/kernels/test_race_sample.py -k logarithm
+        tests test_gpu_policy.log 60 tests/test_gpu_policy.py -k "captured_again or disable_adapter"
         lap tests
-        bench 180 12 --sizes "${SIZES:-64x8,256x8}" --budget-s 150 --row-cap-s 60 --rows none suffix
+        bench 210 12 --sizes "${SIZES:-64x8,256x8}" --budget-s 180 --row-cap-s 75 --rows none suffix
         lap bench
         ;;
     spec)
