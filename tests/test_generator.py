@@ -220,6 +220,35 @@ def test_trace_counts_add_up():
     assert all(r.seconds > 0 for r in trace)
 
 
+def test_a_steps_proposer_time_includes_releasing_and_moving_its_rows():
+    """`propose_seconds` counts the proposers' part of releasing the step's finished rows (finishing them, moving the
+    last rows into their holes), not only drafting: the proposer's share of a rollout is all of its host time."""
+    import time
+
+    model = make_model("llama")
+    gen = Generator(model, max_batch_size=6, max_seq_len=64, spec=SpecConfig(method="suffix", num_speculative_tokens=2))
+    pause = 0.02
+    for hook in ("finish", "copy_rows"):  # the real calls, each made slower by a known pause
+        real = getattr(gen.proposers, hook)
+
+        def slowed(*args, real=real):
+            time.sleep(pause)
+            return real(*args)
+
+        setattr(gen.proposers, hook, slowed)
+    gen.add_requests(random_prompts(3, seed=12), [SamplingParams(n=2, max_new_tokens=m, seed=0) for m in (3, 5, 8)])
+    releases = []
+    while gen.has_unfinished:
+        out = gen.step()
+        if out.finished:
+            releases.append(out.record)
+    assert len(releases) == 3 and all(r.kind == "decode" for r in releases)
+    # the 3-token request's rows finish first and the last rows move into their holes (finish + copy_rows); then the
+    # others, the last rows then (finish)
+    seconds = [r.propose_seconds for r in releases]
+    assert seconds[0] >= 2 * pause and all(s >= pause for s in seconds[1:]), seconds
+
+
 def test_max_seq_len_caps_completions_and_says_so():
     model = make_model("qwen2")
     prompt = random_prompts(1, min_len=10, max_len=10, seed=11)[0]

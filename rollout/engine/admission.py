@@ -8,6 +8,7 @@ A mixin over the `Generator`'s state (scheduler, slots, runner, proposers); the 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 
@@ -69,6 +70,10 @@ class Admission:
     def _postprocess(self, record: StepRecord, observation: StepObservation | None) -> StepOutput:
         """Release the finished rows (the rows in flight stay packed) and append the step's record to the trace."""
         finished = self._release_finished()
+        # the proposers' part of releasing and preempting rows (waits, finishing, moving rows) counts as this step's
+        # proposing: its read is taken before it, so under async scheduling it falls in the next step's seconds
+        record.propose_seconds += self._release_propose_seconds
+        self._release_propose_seconds = 0.0
         if self.scheduler.num_active == 0:
             self._ahead.drop()  # a step launched ahead holds only rows that have finished since
         if self.runner.paged:
@@ -90,16 +95,27 @@ class Admission:
             seq.finish_reason = "stop" if bool(s.stopped[row]) else "length"
             done.append(seq.completion())
         if self.proposers is not None:
-            self.proposers.finish(finished, s.token_ids, s.num_tokens[finished].tolist())
+            with self._proposers_timed():
+                self.proposers.finish(finished, s.token_ids, s.num_tokens[finished].tolist())
         self._remove_rows(finished)
         return done
+
+    @contextlib.contextmanager
+    def _proposers_timed(self):
+        """Add the host time of the proposers' calls inside to the next step record's `propose_seconds`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._release_propose_seconds += time.perf_counter() - start
 
     def _remove_rows(self, rows: list[int]) -> None:
         """Take `rows` (ascending) out of flight: the last active rows move into the holes (a paged cache moves their
         block tables, a slot cache their KV), and the slots left behind hold nothing."""
         s, num_active = self.slots, self.scheduler.num_active
         if self.proposers is not None:  # their rows' tokens change below their counts (refilled, moved)
-            self.proposers.wait()
+            with self._proposers_timed():
+                self.proposers.wait()
         remaining = num_active - len(rows)
         leaving = set(rows)
         holes = [i for i in rows if i < remaining]
@@ -110,7 +126,8 @@ class Admission:
             src, dst = torch.tensor(movers), torch.tensor(holes)  # host: the caches and proposers take them there
             self.runner.copy_rows(src, dst, num_positions=longest)
             if self.proposers is not None:
-                self.proposers.copy_rows(src, dst, longest)
+                with self._proposers_timed():
+                    self.proposers.copy_rows(src, dst, longest)
             s.move(movers, holes, longest)
         if self._ahead.in_flight is not None:  # a step launched ahead: its results go to the rows where they are now
             self._ahead.in_flight.rows_moved(num_active, rows, movers, holes)

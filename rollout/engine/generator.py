@@ -97,6 +97,7 @@ class Generator(Admission, DecodeStep):
         num_positions = self.config.num_positions
         # a draft model's runner takes the target's layout and graphs
         self.proposers = build_proposers(spec, self.runner, max_batch_size, num_positions) if spec else None
+        self._release_propose_seconds = 0.0  # the proposers' part of releasing rows, for the step's record
         self._methods = spec.methods if spec else ()
         self._default_route = default_route(spec) if spec else ""
         # plain steps launched ahead of a device (`_decision_ahead`) overlap its work: on a CPU there is none to overlap

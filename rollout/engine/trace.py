@@ -17,7 +17,9 @@ class StepRecord:
     num_accepted: int  # draft tokens accepted, all rows
     num_emitted: int  # tokens appended to completions (accepted + one recovered/bonus per row, after stops)
     seconds: float
-    propose_seconds: float = 0.0  # decode: host time the proposers took (inside `seconds`)
+    # host time the proposers took: drafting and taking in text (inside a decode step's `seconds`), and releasing the
+    # step's finished rows (after its read: under async scheduling inside the next step's `seconds`)
+    propose_seconds: float = 0.0
     policy_seconds: float = 0.0  # decode: host time the K policy took, choosing (inside `seconds`) and learning (after)
     drafted_per_position: list[int] = field(default_factory=list)  # rows that had a draft at position j
     accepted_per_position: list[int] = field(default_factory=list)  # rows whose draft j was accepted
