@@ -8,7 +8,12 @@ Prints ms per decode step over the steps with at least half the slots busy; with
 that took the most host time (cProfile self time, outside the model; the profiler itself slows Python code, so take
 the shares, not the times, from such a run).
 
+`--padded` runs a GPU's decode path: the paged KV layout and the graph runner's padded forward, not captured (a CPU
+cannot), the verification of chains inside it. Its "forward" is the padded body (what a replay runs on a GPU:
+the decoder, the LM head and the verification); host time is the rest, the host's part of a GPU step.
+
     .venv/bin/python scripts/profile_step.py
+    .venv/bin/python scripts/profile_step.py --padded --num-prompts 8 --batch-size 32 --only none suffix
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 import torch
 
 from rollout import Generator, SamplingParams
+from rollout.engine.graph_runner import GraphRunner
 from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
 from specdec import SpecConfig
@@ -40,14 +46,36 @@ def timed_forward(model: torch.nn.Module, spent: list[float]) -> None:
     model.forward = forward
 
 
+def timed_body(spent: list[float]):
+    """Wrap the graph runners' padded body with a timer that adds to `spent[0]`; returns the undo."""
+    inner = GraphRunner._body
+
+    def body(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    GraphRunner._body = body
+    return lambda: setattr(GraphRunner, "_body", inner)
+
+
 def profile(name: str, spec: SpecConfig | None, args, prompts: list[list[int]], model) -> dict:
-    gen = Generator(model, max_batch_size=args.batch_size, max_seq_len=args.max_seq_len, spec=spec)
+    layout = "paged" if args.padded else "auto"
+    gen = Generator(model, max_batch_size=args.batch_size, max_seq_len=args.max_seq_len, spec=spec, kv_layout=layout)
+    if args.padded:
+        for runner in gen._runners():  # the target's, and a draft model's
+            runner.use_graphs(gen.max_width, capture=False)
     params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
     gen.generate(prompts[:4], SamplingParams(n=2, max_new_tokens=8, seed=0))  # warm-up
     spent = [0.0]
     per_step: list[float] = []
     drafts = [p.runner.model for p in gen.proposers.proposers.values() if hasattr(p, "runner")] if spec else []
     models = [model, *drafts]
+    undo = None
+    if args.padded:  # the decode steps' forward is the padded body; prefills run the model's forward
+        undo = timed_body(spent)
     for m in models:
         timed_forward(m, spent)
     last = [0.0, 0.0]
@@ -68,6 +96,8 @@ def profile(name: str, spec: SpecConfig | None, args, prompts: list[list[int]], 
         profiler.disable()
     for m in models:
         del m.forward  # back to the class's forward
+    if undo is not None:
+        undo()
     steps = [(r, f, w) for r, f, w in zip(gen.last_trace, per_step, loop) if r.kind != "prefill"]
     bulk = [(r, f, w) for r, f, w in steps if r.batch_size >= args.batch_size // 2]
     step_ms = 1e3 * sum(w for _, _, w in bulk) / len(bulk)
@@ -103,6 +133,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12, help="host functions listed per configuration")
     parser.add_argument("--only", nargs="+", help="configurations whose names start with one of these")
     parser.add_argument("--profile", action="store_true", help="also list the top host functions (cProfile: slower)")
+    parser.add_argument("--padded", action="store_true", help="a GPU's decode path: paged, the padded graph forward")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, tokenizer = zoo.load_model("tiny-target")
@@ -127,7 +158,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
-            f"| {r['name']} | {r['bulk_steps']} | {r['step_ms']:.1f} | {r['forward_ms']:.1f} | {r['host_ms']:.1f} "
+            f"| {r['name']} | {r['bulk_steps']} | {r['step_ms']:.1f} | {r['forward_ms']:.1f} | {r['host_ms']:.2f} "
             f"| {100 * r['host_share']:.1f}% |"
         )
 

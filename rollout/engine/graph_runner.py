@@ -91,14 +91,16 @@ class GraphRunner:
         with torch.inference_mode(False):  # written by steps inside and outside inference mode
             self.ids = torch.zeros(cells, dtype=torch.long, device=self.device)
             # positions, slot mapping, block tables, cache lengths, query starts, query counts, and for verification
-            # the rows' seeds, race positions and temperatures (float32 bits): one int64 buffer
+            # the rows' seeds, race positions and temperatures (float32 bits): one int64 buffer (`_regions`)
             rows = self.max_rows
-            self._sizes = (cells, cells, rows * self.table_width, rows, rows, rows, rows, rows, rows)
-            self.meta = torch.zeros(sum(self._sizes), dtype=torch.long, device=self.device)
+            size = 2 * cells + rows * self.table_width + 6 * rows
+            self.meta = torch.zeros(size, dtype=torch.long, device=self.device)
             # two host buffers, used in turn: a step launched ahead stages its metadata while the last step's copies
-            # may still be queued behind the device's work
+            # may still be queued behind the device's work (filled through numpy views of the same memory)
             pinned = self.device.type == "cuda"
-            self._staging = [torch.zeros(sum(self._sizes), dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+            self._staging = [torch.zeros(size, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+            self._staging_host = [staging.numpy() for staging in self._staging]
+            self._region_cache: dict[tuple[int, int], list[tuple[int, int, tuple[int, ...]]]] = {}
             hidden_size = model.config.get_text_config().hidden_size
             self.hidden = torch.zeros(cells, hidden_size, dtype=next(model.parameters()).dtype, device=self.device)
             head = self.lm_head
@@ -234,35 +236,42 @@ class GraphRunner:
 
     # ---- the captured part ----------------------------------------------------------------------------------------
 
+    def _regions(self, rows: int, width: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(offset, size, shape) of each part of the `rows` x `width` metadata in the buffers, in `_views` order and
+        back to back from 0, so that a step's parts go to the device in one copy (each shape has its own layout: a
+        graph reads the views of its shape)."""
+        regions = self._region_cache.get((rows, width))
+        if regions is None:
+            shapes = [(rows, width), (rows, width), (rows, self.table_width)] + [(rows,)] * 6
+            regions, offset = [], 0
+            for shape in shapes:
+                size = int(np.prod(shape))
+                regions.append((offset, size, shape))
+                offset += size
+            self._region_cache[(rows, width)] = regions
+        return regions
+
     def _views(self, rows: int, width: int) -> list[Tensor]:
         """The metadata buffer's views for `rows` x `width`: positions, slot mapping, tables, lengths, starts,
-        counts, then the race's seeds, positions and temperature bits (each region holds the largest shape; a smaller
-        one takes its prefix, contiguous)."""
-        shapes = [(rows, width), (rows, width), (rows, self.table_width)] + [(rows,)] * 6
-        views, offset = [], 0
-        for size, shape in zip(self._sizes, shapes):
-            views.append(self.meta[offset : offset + int(np.prod(shape))].view(shape))
-            offset += size
-        return views
+        counts, then the race's seeds, positions and temperature bits."""
+        return [self.meta[offset : offset + size].view(shape) for offset, size, shape in self._regions(rows, width)]
 
     def _stage(self, rows: int, width: int, parts: list) -> None:
-        """Fill the metadata buffer's `rows` x `width` views from host arrays (`parts`, in `_views` order, each of the
-        real rows only; the views past the last part are left as they are): padding rows get no queries and slot -1,
-        then one asynchronous copy per view."""
+        """Fill the metadata buffer's `rows` x `width` views from host arrays or tensors (`parts`, in `_views` order,
+        each of the real rows only; the views past the last part are left as they are): padding rows get no queries
+        and slot -1, then one asynchronous copy of them all."""
         turn, self._turn = self._turn, 1 - self._turn
         copied = self._copied[turn]
         if copied is not None and not copied.query():
             copied.synchronize()  # the copies of two steps back still read this buffer (rarely: a step syncs)
-        offset, targets = 0, []
-        for region, (size, view, part) in enumerate(zip(self._sizes, self._views(rows, width), parts)):
-            staged = self._staging[turn][offset : offset + view.numel()].view(view.shape)
-            part = torch.as_tensor(part)
+        staging, end = self._staging_host[turn], 0
+        for region, ((offset, size, shape), part) in enumerate(zip(self._regions(rows, width), parts)):
+            staged = staging[offset : offset + size].reshape(shape)
+            part = np.asarray(part)
             staged[: len(part)] = part
             staged[len(part) :] = -1 if region == 1 else 0  # padding: slot -1 (nothing stored), all else 0
-            targets.append((view, staged))
-            offset += size
-        for view, staged in targets:
-            upload_into(view, staged)
+            end = offset + size
+        upload_into(self.meta[:end], self._staging[turn][:end])
         if self.device.type == "cuda":
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record()

@@ -148,8 +148,15 @@ class PagedKVCache:
         lens, count = batch.cache_lens.numpy(), batch.num_queries.numpy()
         end = lens + count
         writing = count > 0
-        self.reserve(rows[writing], end[writing], lens[writing])  # new blocks, and room for the shared ones copied
-        sources, targets = self.manager.writable(rows[writing], lens[writing], end[writing])
+        rows_w, lens_w, end_w = rows[writing], lens[writing], end[writing]
+        # new blocks, and room for the shared ones copied; nothing to do where every row holds its blocks and the pool
+        # has a free block for each block the rows write into (a decode step, after the scheduler's reserve): that is
+        # checked without counting the shared ones, which costs the host more
+        touched = int(((end_w - 1) // self.block_size - lens_w // self.block_size + 1).sum())
+        manager = self.manager
+        if touched > manager.num_free or (manager.blocks_for(end_w) > manager.num_row_blocks[rows_w]).any():
+            self.reserve(rows_w, end_w, lens_w)
+        sources, targets = manager.writable(rows_w, lens_w, end_w)
         if len(sources):
             src = upload(torch.from_numpy(sources), self.device)
             dst = upload(torch.from_numpy(targets), self.device)

@@ -86,12 +86,15 @@ class SlotState:
         self.finished = torch.zeros(num_slots, dtype=torch.bool)
         self.stopped = torch.zeros(num_slots, dtype=torch.bool)  # finished on a stop id (else on the length cap)
         self.sequences: list[Sequence | None] = [None] * num_slots
+        # the last `row_sampling` (rows, device, settings), until rows are admitted or moved: the same every step
+        self._sampling: tuple[tuple, RowSampling] | None = None
 
     # ---- admit and move ---------------------------------------------------------------------------------------
 
     def admit(self, row_start: int, sequences: list[Sequence]) -> None:
         """Write `sequences` into rows `[row_start, row_start + len(sequences))`: prompt, lengths, settings, seed."""
         rows = slice(row_start, row_start + len(sequences))
+        self._sampling = None
         width = max(len(s.stop_ids) for s in sequences)
         if width > self.stop_ids.shape[1]:
             grown = torch.full((self.num_slots, width), -1, dtype=torch.long)
@@ -120,6 +123,7 @@ class SlotState:
     def move(self, src: list[int], dst: list[int], num_positions: int) -> None:
         """Copy rows `src` into rows `dst` (the first `num_positions` tokens of each)."""
         s, d = torch.tensor(src), torch.tensor(dst)
+        self._sampling = None
         self.token_ids[d, :num_positions] = self.token_ids[s, :num_positions]
         self.logprobs[d, :num_positions] = self.logprobs[s, :num_positions]
         for field in (self.num_tokens, self.prompt_len, self.cache_len, self.max_num_tokens, self.spec_cap):
@@ -144,10 +148,14 @@ class SlotState:
         return torch.minimum(self.spec_cap[:num_rows], room)
 
     def row_sampling(self, rows: slice, device: torch.device) -> RowSampling:
-        """The rows' sampling settings as tensors on `device`, with the flags decided here on the host."""
+        """The rows' sampling settings as tensors on `device`, with the flags decided here on the host; the same
+        tensors (not to be changed) until rows are admitted or moved: a step's uploads are spared."""
+        key = (rows.start, rows.stop, device)
+        if self._sampling is not None and self._sampling[0] == key:
+            return self._sampling[1]
         temperature, top_k, top_p = self.temperature[rows], self.top_k[rows], self.top_p[rows]
         greedy = temperature == 0
-        return RowSampling(
+        sampling = RowSampling(
             temperature=upload(temperature, device),
             top_k=upload(top_k, device),
             top_p=upload(top_p, device),
@@ -155,6 +163,8 @@ class SlotState:
             all_greedy=bool(greedy.all()),
             any_greedy=bool(greedy.any()),
         )
+        self._sampling = (key, sampling)
+        return sampling
 
     def uniforms(self, rows: slice, asked: Tensor) -> Tensor:
         """`[rows, 2K + 1]` float64 from each row's own stream, K = max(asked): `asked[i]` for drafting, `asked[i]`
