@@ -97,10 +97,17 @@ class PagedKVCache:
         """Blocks for the first `num_positions[i]` positions of each row, growing the pool if it must (with
         `write_from`, also for the copies of shared blocks the rows will write from there on); raises OutOfBlocks
         (nothing changed) past the planned size."""
-        needed = self.manager.needed(rows, num_positions, write_from)
-        if needed > self.manager.num_free:
-            self._grow(self.manager.num_blocks - self.manager.num_free + needed)
-        self.manager.allocate(rows, num_positions)
+        manager = self.manager
+        # a bound first, at least what `needed` counts: the new blocks, and with `write_from` one copy for each block
+        # the rows write into, shared or not (counting the shared ones costs the host more; the pool rarely lacks room)
+        bound = int(np.maximum(manager.blocks_for(num_positions) - manager.num_row_blocks[rows], 0).sum())
+        if write_from is not None:
+            bound += int(((num_positions - 1) // self.block_size - write_from // self.block_size + 1).sum())
+        if bound > manager.num_free:
+            needed = manager.needed(rows, num_positions, write_from)
+            if needed > manager.num_free:
+                self._grow(manager.num_blocks - manager.num_free + needed)
+        manager.allocate(rows, num_positions)
 
     def _grow(self, wanted: int) -> None:
         if wanted > self.max_blocks:
@@ -149,14 +156,8 @@ class PagedKVCache:
         end = lens + count
         writing = count > 0
         rows_w, lens_w, end_w = rows[writing], lens[writing], end[writing]
-        # new blocks, and room for the shared ones copied; nothing to do where every row holds its blocks and the pool
-        # has a free block for each block the rows write into (a decode step, after the scheduler's reserve): that is
-        # checked without counting the shared ones, which costs the host more
-        touched = int(((end_w - 1) // self.block_size - lens_w // self.block_size + 1).sum())
-        manager = self.manager
-        if touched > manager.num_free or (manager.blocks_for(end_w) > manager.num_row_blocks[rows_w]).any():
-            self.reserve(rows_w, end_w, lens_w)
-        sources, targets = manager.writable(rows_w, lens_w, end_w)
+        self.reserve(rows_w, end_w, lens_w)  # new blocks, and room for the shared ones copied (a decode step's: there)
+        sources, targets = self.manager.writable(rows_w, lens_w, end_w)
         if len(sources):
             src = upload(torch.from_numpy(sources), self.device)
             dst = upload(torch.from_numpy(targets), self.device)
