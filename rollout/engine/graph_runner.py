@@ -13,8 +13,8 @@ most) changes every step with the batch, so a graph is captured per width and pe
   step fills: its tokens, and its metadata in one asynchronous copy from pinned memory; it ends with the LM head (a
   plain bias-free linear layer in the hidden states' dtype) writing every position's logits into one persistent
   `[cells, vocab]` buffer, which a step reads before the next replay (stream order); no graph keeps an output of its
-  own. An LM head of
-  another kind runs eagerly after the replay, over the real rows, from a persistent buffer of hidden states;
+  own. An LM head of another kind runs eagerly after the replay, over the real rows, from a persistent buffer of
+  hidden states;
 - a verifying graph (`forward_verified`: chains under exact verification) goes on with the step's verification,
   `specdec.verify.verify_padded_chains` over every cell, the rows' race keys and temperatures staged with the
   metadata, and packs its results into one persistent buffer for the step's read. Other steps verify eagerly after a
