@@ -164,6 +164,30 @@ def test_padding_rows_write_no_kv():
         assert changed and changed <= held
 
 
+def test_a_steps_metadata_lands_in_the_views_its_graph_reads():
+    """A shape's metadata lies back to back in one buffer and goes up in one copy: what a step stages for a shape is
+    what that shape's views (those its graph reads) hold, padding rows with no queries and slot -1, whatever shape was
+    staged before; a forward-only step stages the first six parts."""
+    spec = SpecConfig(method="ngram", num_speculative_tokens=2)  # steps up to 3 tokens wide
+    gen = padded_generator(make_model("llama"), True, max_batch_size=8, max_seq_len=48, spec=spec)
+    graphs = gen.runner.graphs
+    assert graphs.max_width == 3
+    rng = np.random.default_rng(0)
+    for rows, width, real, num_parts in ((8, 3, 5, 9), (4, 2, 4, 9), (2, 1, 1, 6), (8, 3, 8, 9), (4, 3, 3, 6)):
+        parts = [
+            torch.from_numpy(rng.integers(1, 999, (real, width))),  # positions: a host tensor
+            rng.integers(0, 999, (real, width)),  # the slot mapping: a numpy array
+            rng.integers(0, 999, (real, graphs.table_width)),
+        ] + [torch.from_numpy(rng.integers(1, 999, real)) for _ in range(6)]
+        graphs._stage(rows, width, parts[:num_parts])
+        views = graphs._views(rows, width)
+        offsets = [view.data_ptr() for view in views]
+        assert offsets == sorted(offsets), "the regions in order"
+        for region, (view, part) in enumerate(zip(views[:num_parts], parts)):
+            assert torch.equal(view[:real], torch.as_tensor(part)), f"region {region} of {rows} x {width}"
+            assert (view[real:] == (-1 if region == 1 else 0)).all(), f"region {region}'s padding"
+
+
 @pytest.mark.parametrize("race_every_node", [True, False])
 @pytest.mark.parametrize("seed", range(4))
 def test_the_static_walk_draws_what_the_shrinking_walk_draws(seed, race_every_node):

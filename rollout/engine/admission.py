@@ -145,6 +145,7 @@ class Admission:
     def _abort(self) -> None:
         self.scheduler.queue.clear()
         self._ahead.reset()
+        self._release_propose_seconds = 0.0  # (a step that raised after removing rows)
         if self._closed:
             return
         # every slot, not only those in flight: a restore to fewer rows left the others holding their blocks

@@ -166,15 +166,13 @@ class GraphRunner:
 
     def drop_graphs(self) -> None:
         """Drop every graph (each shape is captured again when a step first needs it) and their memory pool: the next
-        capture takes a new pool. torch's allocators refuse to capture into a pool whose graphs are all gone (an
-        internal assert on the pool's use count: on torch 2.11 the pinned-host allocator's, `CachingHostAllocator.h`,
-        even after `empty_cache`), and the old pool's blocks go back to the device here, before the new graphs need as
-        much again."""
+        capture takes a new pool (torch refuses to capture into one whose graphs are all gone), and the old pool's
+        device memory goes back here, before the new graphs need as much again."""
         had_graphs = bool(self.graphs)
         self.graphs.clear()
         self.pool = None
         if had_graphs and self.capture:
-            torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # (waits for the device: a policy change is rare, not a step's cost)
         self.memory_bytes = self._buffer_bytes
 
     def _key(self, epoch: int, full: bool = True) -> GraphKey:
@@ -363,8 +361,8 @@ class GraphRunner:
             self.error = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             torch.cuda.current_stream(self.device).wait_stream(stream)
             del graph
-            self.drop_graphs()
-            torch.cuda.empty_cache()  # what the captures held goes back to the eager steps (an OOM left it held)
+            self.drop_graphs()  # what the captures held goes back to the eager steps (an OOM left it held)
+            torch.cuda.empty_cache()  # (the failed capture's own, where it was the first)
             warnings.warn(f"CUDA graph capture failed, decoding eagerly: {self.error}", RuntimeWarning, stacklevel=2)
             return None
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -102,7 +102,8 @@ class PagedKVCache:
         # the rows write into, shared or not (counting the shared ones costs the host more; the pool rarely lacks room)
         bound = int(np.maximum(manager.blocks_for(num_positions) - manager.num_row_blocks[rows], 0).sum())
         if write_from is not None:
-            bound += int(((num_positions - 1) // self.block_size - write_from // self.block_size + 1).sum())
+            written = (num_positions - 1) // self.block_size - write_from // self.block_size + 1
+            bound += int(np.maximum(written, 0).sum())
         if bound > manager.num_free:
             needed = manager.needed(rows, num_positions, write_from)
             if needed > manager.num_free:

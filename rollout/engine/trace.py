@@ -17,8 +17,9 @@ class StepRecord:
     num_accepted: int  # draft tokens accepted, all rows
     num_emitted: int  # tokens appended to completions (accepted + one recovered/bonus per row, after stops)
     seconds: float
-    # host time the proposers took: drafting and taking in text (inside a decode step's `seconds`), and releasing the
-    # step's finished rows (after its read: under async scheduling inside the next step's `seconds`)
+    # host time the proposers took: drafting and taking in text (inside a decode step's `seconds`), and removing rows:
+    # the step's finished ones (after its read) and preempted ones (before its launch); those parts fall inside some
+    # step's `seconds` under async scheduling only (the next step's), outside every step's in lockstep
     propose_seconds: float = 0.0
     policy_seconds: float = 0.0  # decode: host time the K policy took, choosing (inside `seconds`) and learning (after)
     drafted_per_position: list[int] = field(default_factory=list)  # rows that had a draft at position j
