@@ -32,9 +32,6 @@ def draft_chains(nodes, branching, table, frontiers, asked, sources, max_spec_fa
     walked = np.empty(max(width, 1), dtype=np.int64)
     node_counts = np.empty(depth, dtype=np.int64)
     limits = np.empty(depth, dtype=np.int64)
-    match_limits = np.zeros(depth, dtype=np.int64)  # a match of m tokens drafts at most these, whatever the row asked
-    for m in range(1, depth):
-        match_limits[m] = min(np.int64(np.floor(m * max_spec_factor)), depth - m)
     for r in range(num_rows):
         if asked[r] <= 0:
             continue
@@ -43,7 +40,7 @@ def draft_chains(nodes, branching, table, frontiers, asked, sources, max_spec_fa
             for m in range(1, depth):
                 node = frontiers[s, r, m]
                 node_counts[m] = nodes[node, 0] if node >= 0 else 0
-                limits[m] = min(asked[r], match_limits[m])
+                limits[m] = min(asked[r], np.int64(np.floor(m * max_spec_factor)), depth - m)
             for m in range(1, depth):
                 # a node seen once is the row's own occurrence: nothing followed it yet
                 if node_counts[m] < 2 or limits[m] < 1:

@@ -123,25 +123,15 @@ def _bits(size):
     return bits
 
 
-try:  # one instruction (count trailing zeros) where this numba has it
-    from numba.cpython.unsafe.numbers import trailing_zeros
-
-    @numba.njit(cache=True, inline="always")
-    def _log2(size):
-        """log2 of a power of two."""
-        return np.int64(trailing_zeros(np.uint64(size)))
-
-except ImportError:  # pragma: no cover - numba moved it
-
-    @numba.njit(cache=True, inline="always")
-    def _log2(size):
-        """log2 of a power of two, in 6 steps."""
-        bits = 0
-        for step in (32, 16, 8, 4, 2, 1):
-            if size >= np.int64(1) << step:
-                size >>= step
-                bits += step
-        return bits
+@numba.njit(cache=True, inline="always")
+def _log2(size):
+    """log2 of a power of two, in 6 steps."""
+    bits = 0
+    for step in (32, 16, 8, 4, 2, 1):
+        if size >= np.int64(1) << step:
+            size >>= step
+            bits += step
+    return bits
 
 
 @numba.njit(cache=True)
