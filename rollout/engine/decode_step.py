@@ -234,14 +234,12 @@ class DecodeStep:
     ) -> Tensor:
         """`[rows, width]` on the device: the pending tokens (the slots', or `pending [rows, 1]` on the device), then
         the drafts (0 past a row's last)."""
-        if pending is None and layout.width > 1 and drafts.token_ids.device.type == "cpu":  # host drafts: one upload
+        input_ids = self.slots.pending(num_rows)[:, None] if pending is None else pending
+        if layout.width > 1:  # joined where the drafts are (a draft model's on the device: no round trip; a host
+            # proposer's on the host, going up with the pending tokens in one upload)
             draft_ids = drafts.token_ids[:, : layout.width - 1].clamp(min=0)
-            return upload(torch.cat([self.slots.pending(num_rows)[:, None], draft_ids], dim=1), self.device)
-        input_ids = upload(self.slots.pending(num_rows)[:, None], self.device) if pending is None else pending
-        if layout.width > 1:  # drafts stay where the proposer made them (a draft model's on the device): no round trip
-            draft_ids = upload(drafts.token_ids[:, : layout.width - 1], self.device).clamp(min=0)
-            input_ids = torch.cat([input_ids, draft_ids], dim=1)
-        return input_ids
+            input_ids = torch.cat([upload(input_ids, draft_ids.device), draft_ids], dim=1)
+        return upload(input_ids, self.device)
 
     def _verified_in_graph(self, num_rows: int, layout: DraftLayout, sampling, race: RaceKeys | None) -> bool:
         """Whether the step's verification replays with its forward (`ModelRunner.decode_verified`): chains under
