@@ -36,6 +36,9 @@ def check_bookkeeping(m: BlockManager) -> None:
         f"expected the free list to be the unheld blocks {np.nonzero(counts == 0)[0]}, got {sorted(free)}"
     )
     assert (m.num_row_blocks <= m.tables.shape[1]).all()
+    for row in range(len(m.tables)):  # past `shared_below` a row's blocks are its own: writes there copy nothing
+        alone = m.tables[row, m.shared_below[row] : m.num_row_blocks[row]]
+        assert (m.refs[alone] == 1).all(), f"row {row}: a block past shared_below={m.shared_below[row]} is shared"
 
 
 class DenseModel:
@@ -58,6 +61,7 @@ class DenseModel:
         m = self.manager
         need = m.needed(rows, end, start)
         need_alloc = m.needed(rows, end)
+        copies_bound = m.copies_bound(rows, end, start)  # what reserve trusts without reading reference counts
         if self.rng.random() < 0.3 and need_alloc > m.num_free:  # allocation refused: nothing may change
             before = (m.tables.copy(), m.refs.copy(), m.free.copy(), m.num_free, m.num_row_blocks.copy())
             with pytest.raises(OutOfBlocks):
@@ -75,6 +79,7 @@ class DenseModel:
         assert len(sources) == len(targets) == len(set(targets.tolist())), "expected one fresh block per copy"
         assert set(targets.tolist()) <= free_before | set(sources.tolist()), "a copy went into a block in use"
         assert len(sources) + need_alloc <= need, f"needed() said {need}, the write took more"
+        assert len(sources) <= copies_bound, f"copies_bound() said {copies_bound}, the write copied {len(sources)}"
         bs = m.block_size
         if len(sources):  # every source read before any target is written (as PagedKVCache.prepare copies)
             src = (sources[:, None] * bs + np.arange(bs)).ravel()

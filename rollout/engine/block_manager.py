@@ -34,6 +34,9 @@ class BlockManager:
         # unused entries hold block 0, a valid index (a reader masks them out by length)
         self.tables = np.zeros((num_slots, max_blocks_per_row), dtype=np.int64)
         self.num_row_blocks = np.zeros(num_slots, dtype=np.int64)
+        # a row's blocks at table columns >= shared_below[row] are held by that row alone (those below may be shared):
+        # a write past it copies nothing, so a step's bookkeeping looks up no reference count there
+        self.shared_below = np.zeros(num_slots, dtype=np.int64)
         self.grow(num_blocks)
 
     @property
@@ -106,7 +109,7 @@ class BlockManager:
 
     def _needed(self, refs: np.ndarray, rows, num_positions, write_from) -> int:
         total = int(np.maximum(self.blocks_for(num_positions) - self.num_row_blocks[rows], 0).sum())
-        if write_from is not None:
+        if write_from is not None and self.may_copy(rows, write_from):
             for owners, column in self._written_columns(rows, write_from, num_positions):
                 total += int((refs[self.tables[owners, column]] > 1).sum())
         return total
@@ -116,21 +119,31 @@ class BlockManager:
         tables, counts = self.tables[src].copy(), self.num_row_blocks[src].copy()
         held = np.arange(tables.shape[1])[None, :] < counts[:, None]
         np.add.at(self.refs, tables[held], 1)  # before dropping: a row may share with itself
+        self.shared_below[src] = counts  # every block of a source is shared now
         self.release(dst)
         self.tables[dst] = tables
         self.num_row_blocks[dst] = counts
+        self.shared_below[dst] = counts
 
     def release(self, rows: np.ndarray) -> None:
         """Rows `rows` hold no block any more."""
         held = np.arange(self.tables.shape[1])[None, :] < self.num_row_blocks[rows][:, None]
         self._drop(self.tables[rows][held])
         self.num_row_blocks[rows] = 0
+        self.shared_below[rows] = 0
 
     def writable(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Make the blocks holding positions `[start[i], end[i])` of each row its own: a block another row also holds
         is replaced by a fresh one. Returns (source blocks, fresh blocks) whose contents the caller copies. Blocks
         must be allocated already."""
         first, last = start // self.block_size, (end - 1) // self.block_size
+        # columns [first, last] are the rows' own after this; where nothing past them may be shared, the shared ones
+        # end below `first` now (a row's writes move forward: after its first, no column it writes is shared)
+        below = self.shared_below[rows]
+        self.shared_below[rows] = np.where(below <= last + 1, np.minimum(below, first), below)
+        if not (first < below).any():  # no row writes a column that may be shared
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        last = np.minimum(last, below - 1)
         span = int((last - first).max(initial=-1)) + 1
         sources, targets = [], []
         for offset in range(span):
@@ -152,11 +165,25 @@ class BlockManager:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         return np.concatenate(sources), np.concatenate(targets)
 
+    def may_copy(self, rows: np.ndarray, write_from: np.ndarray) -> bool:
+        """Whether a write from positions `write_from[i]` on may meet a block shared with another row (False: it
+        copies nothing)."""
+        return bool((write_from // self.block_size < self.shared_below[rows]).any())
+
+    def copies_bound(self, rows: np.ndarray, num_positions: np.ndarray, write_from: np.ndarray) -> int:
+        """At least the copies `writable(rows, write_from, num_positions)` makes, without reading a reference count:
+        one per column written below each row's `shared_below`."""
+        first = write_from // self.block_size
+        last = np.minimum((num_positions - 1) // self.block_size, self.shared_below[rows] - 1)
+        return int(np.maximum(last - first + 1, 0).sum())
+
     def _written_columns(self, rows: np.ndarray, start: np.ndarray, end: np.ndarray):
-        """The held blocks a write of positions `[start[i], end[i])` of each row touches: per column offset, the rows
-        concerned and their table column (`[owners]`, `[owners]`)."""
+        """The held blocks a write of positions `[start[i], end[i])` of each row touches where they may be shared
+        (below `shared_below`): per column offset, the rows concerned and their table column (`[owners]`,
+        `[owners]`)."""
         first = start // self.block_size
         last = np.minimum((end - 1) // self.block_size, self.num_row_blocks[rows] - 1)
+        last = np.minimum(last, self.shared_below[rows] - 1)
         for offset in range(int((last - first).max(initial=-1)) + 1):
             column = first + offset
             inside = column <= last

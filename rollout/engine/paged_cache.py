@@ -99,11 +99,10 @@ class PagedKVCache:
         (nothing changed) past the planned size."""
         manager = self.manager
         # a bound first, at least what `needed` counts: the new blocks, and with `write_from` one copy for each block
-        # the rows write into, shared or not (counting the shared ones costs the host more; the pool rarely lacks room)
+        # the rows write into below where their blocks may be shared (counting the shared ones reads reference counts)
         bound = int(np.maximum(manager.blocks_for(num_positions) - manager.num_row_blocks[rows], 0).sum())
         if write_from is not None:
-            written = (num_positions - 1) // self.block_size - write_from // self.block_size + 1
-            bound += int(np.maximum(written, 0).sum())
+            bound += manager.copies_bound(rows, num_positions, write_from)
         if bound > manager.num_free:
             needed = manager.needed(rows, num_positions, write_from)
             if needed > manager.num_free:
