@@ -192,8 +192,10 @@ class SlotState:
         num_rows, width = token_ids.shape
         rows = slice(row_start, row_start + num_rows)
         num_tokens = self.num_tokens[rows].clone()
-        col = torch.arange(width)[None, :]
         room = self.max_num_tokens[rows] - num_tokens
+        if width == 1 and bool((torch.minimum(num_emitted, room) == 1).all()):  # a token a row, every row keeps it
+            return self._commit_one(rows, num_tokens, num_emitted, token_ids[:, 0], logprobs[:, 0], in_cache)
+        col = torch.arange(width)[None, :]
         is_stop = (token_ids[:, :, None] == self.stop_ids[rows][:, None, :]).any(-1) & (col < num_emitted[:, None])
         first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1) + 1, width + 1)
         kept = torch.minimum(torch.minimum(num_emitted, room), first_stop)
@@ -209,6 +211,22 @@ class SlotState:
         self.stopped[rows] = stopped
         self.finished[rows] = stopped | (num_tokens + kept >= self.max_num_tokens[rows])
         return kept
+
+    def _commit_one(
+        self, rows: slice, num_tokens: Tensor, num_emitted: Tensor, token_ids: Tensor, logprobs: Tensor, in_cache: bool
+    ) -> Tensor:
+        """`commit` of one token a row (`token_ids [rows]`) that every row keeps (a plain step's, a prefill's): the
+        same updates without the masks a step of several tokens a row needs."""
+        row_index = torch.arange(rows.start, rows.stop)
+        self.token_ids[row_index, num_tokens] = token_ids
+        self.logprobs[row_index, num_tokens] = logprobs
+        if in_cache:
+            self.cache_len[rows] += num_emitted
+        self.num_tokens[rows] = num_tokens + 1
+        stopped = (token_ids[:, None] == self.stop_ids[rows]).any(1)
+        self.stopped[rows] = stopped
+        self.finished[rows] = stopped | (num_tokens + 1 >= self.max_num_tokens[rows])
+        return num_emitted
 
     def completion_of(self, row: int) -> tuple[list[int], list[float]]:
         """Row `row`'s completion tokens and their log-probabilities."""
