@@ -70,7 +70,8 @@ class SlotState:
 
     def __init__(self, num_slots: int, num_positions: int):
         self.num_slots = num_slots
-        self.token_ids = torch.zeros(num_slots, num_positions, dtype=torch.long)  # prompt + completion, pending last
+        # prompt + completion, pending last; past a row's count: anything (a commit writes past it)
+        self.token_ids = torch.zeros(num_slots, num_positions, dtype=torch.long)
         self.logprobs = torch.zeros(num_slots, num_positions, dtype=torch.float64)  # of each completion token
         self.num_tokens = torch.zeros(num_slots, dtype=torch.long)  # prompt + completion tokens
         self.prompt_len = torch.zeros(num_slots, dtype=torch.long)
@@ -199,11 +200,12 @@ class SlotState:
         is_stop = (token_ids[:, :, None] == self.stop_ids[rows][:, None, :]).any(-1) & (col < num_emitted[:, None])
         first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1) + 1, width + 1)
         kept = torch.minimum(torch.minimum(num_emitted, room), first_stop)
-        keep = col < kept[:, None]
-        positions = (num_tokens[:, None] + col)[keep]
-        row_index = torch.arange(row_start, row_start + num_rows)[:, None].expand(-1, width)[keep]
-        self.token_ids[row_index, positions] = token_ids[keep]
-        self.logprobs[row_index, positions] = logprobs[keep]
+        # every column goes in, those past a row's kept tokens too: they land past its new count, where nothing is
+        # read (in bounds: a row holds at most max_seq_len tokens, and its positions one step's width more)
+        positions = num_tokens[:, None] + col
+        row_index = torch.arange(row_start, row_start + num_rows)[:, None]
+        self.token_ids[row_index, positions] = token_ids
+        self.logprobs[row_index, positions] = logprobs
         if in_cache:
             self.cache_len[rows] += num_emitted
         self.num_tokens[rows] = num_tokens + kept
