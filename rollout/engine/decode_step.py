@@ -44,7 +44,7 @@ class DecodeStep:
         context = int(self.slots.cache_len[:num_rows].max())  # rows attend over the longest row's cache (padded)
         if after is None:
             observed = self.policy is not None  # a policy learns from the step
-            routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]] if observed else []
+            routes = self._routes(num_rows) if observed else []
             decision, asked, policy_seconds = self._schedule(num_rows, context, routes)
         else:
             decision, policy_seconds, routes = ahead
@@ -109,7 +109,8 @@ class DecodeStep:
             step.propose_seconds += self._take_in_text(num_rows)
         if accepted_nodes is not None:  # move accepted paths next to their roots (a chain's path is in place already)
             self.runner.compact_paths(torch.arange(num_rows), step.base_positions, accepted_nodes)  # host: no read
-        accepted = accepted_per_row.tolist()
+        plain = step.decision.num_draft_tokens == 0  # no row was asked for drafts: every per-row count below is 0
+        accepted = [0] * step.num_rows if plain else accepted_per_row.tolist()
         now = time.perf_counter()
         # a step launched ahead counts from the last read (it started before it). With the host ahead of the device
         # (async_scheduling) a step in lockstep counts from it too, so that a drafting step is priced with the
@@ -121,8 +122,8 @@ class DecodeStep:
         self._ahead.last_finish = now
         if step.drafted:  # a cascade learns which proposer earns what, at what cost
             self.proposers.observe(accepted, seconds, emitted_ids)
-        asked_list = step.asked.tolist()
-        drafting = [k > 0 for k in asked_list]
+        asked_list = accepted if plain else step.asked.tolist()
+        drafting = [False] * step.num_rows if plain else [k > 0 for k in asked_list]
         observation = None
         if step.routes:
             observation = self._observation(
@@ -131,8 +132,12 @@ class DecodeStep:
             observe_start = time.perf_counter()
             self.policy.observe(observation)
             step.policy_seconds += time.perf_counter() - observe_start
-        depths = layout.node_counts - 1 if layout.is_chain else torch.tensor(layout.row_depths)
-        position = torch.arange(layout.max_depth)
+        drafted_per_position, accepted_per_position = [], []  # rows that reached / accepted draft j
+        if not plain:
+            depths = layout.node_counts - 1 if layout.is_chain else torch.tensor(layout.row_depths)
+            position = torch.arange(layout.max_depth)
+            drafted_per_position = (depths[:, None] > position).sum(0).tolist()
+            accepted_per_position = (accepted_per_row[:, None] > position).sum(0).tolist()
         decision = step.decision
         record = StepRecord(
             "decode",
@@ -144,8 +149,8 @@ class DecodeStep:
             seconds,
             step.propose_seconds,
             step.policy_seconds,
-            drafted_per_position=(depths[:, None] > position).sum(0).tolist(),
-            accepted_per_position=(accepted_per_row[:, None] > position).sum(0).tolist(),
+            drafted_per_position=drafted_per_position,
+            accepted_per_position=accepted_per_position,
             predicted_gain=decision.predicted_gain,
             measuring=decision.measuring,
             ran_ahead=step.behind,
@@ -187,7 +192,7 @@ class DecodeStep:
             return None
         num_rows = self.scheduler.num_active
         context = int(self.slots.cache_len[:num_rows].max())
-        routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]]
+        routes = self._routes(num_rows)
         decision, asked, seconds = self._schedule(num_rows, context, routes)
         if int(asked.max()) == 0:
             return decision, seconds, routes
@@ -312,6 +317,17 @@ class DecodeStep:
         accepted_nodes = packed[:, 1 + 2 * width :].contiguous() if tree else None
         kept = self.slots.commit(row_start, num_emitted, tokens, logprobs, in_cache)
         return int(kept.sum()), num_emitted - 1, tokens, accepted_nodes
+
+    def _routes(self, num_rows: int) -> list[str]:
+        """Each of the first `num_rows` rows' route (`_route`), worked out again only after rows were admitted or
+        moved (a list over every row each step cost 0.1-0.2 ms at 256-512 rows); the caller does not change it."""
+        cached = self._routes_cache
+        if cached is not None and cached[0] == self.slots.version and len(cached[1]) >= num_rows:
+            routes = cached[1]
+            return routes if len(routes) == num_rows else routes[:num_rows]
+        routes = [self._route(seq) for seq in self.slots.sequences[:num_rows]]
+        self._routes_cache = (self.slots.version, routes)
+        return routes
 
     def _route(self, seq: Sequence) -> str:
         """Where a row's drafts come from: the proposer its request names, or the configured cascade."""

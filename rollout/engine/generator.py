@@ -100,6 +100,7 @@ class Generator(Admission, DecodeStep):
         self._release_propose_seconds = 0.0  # the proposers' part of releasing rows, for the step's record
         self._methods = spec.methods if spec else ()
         self._default_route = default_route(spec) if spec else ""
+        self._routes_cache: tuple[int, list[str]] | None = None  # (slots' version, the rows' routes): `_routes`
         # plain steps launched ahead of a device (`_decision_ahead`) overlap its work: on a CPU there is none to overlap
         plain_ahead = self.config.async_scheduling and self.config.exact and self.device.type == "cuda"
         self.policy = build_policy(spec, max_batch_size, self.proposers, plain_ahead) if spec else None

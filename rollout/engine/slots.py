@@ -89,6 +89,7 @@ class SlotState:
         self.sequences: list[Sequence | None] = [None] * num_slots
         # the last `row_sampling` (rows, device, settings), until rows are admitted or moved: the same every step
         self._sampling: tuple[tuple, RowSampling] | None = None
+        self.version = 0  # raised whenever rows are admitted or moved (what a row holds changes only then)
 
     # ---- admit and move ---------------------------------------------------------------------------------------
 
@@ -96,6 +97,7 @@ class SlotState:
         """Write `sequences` into rows `[row_start, row_start + len(sequences))`: prompt, lengths, settings, seed."""
         rows = slice(row_start, row_start + len(sequences))
         self._sampling = None
+        self.version += 1
         width = max(len(s.stop_ids) for s in sequences)
         if width > self.stop_ids.shape[1]:
             grown = torch.full((self.num_slots, width), -1, dtype=torch.long)
@@ -125,6 +127,7 @@ class SlotState:
         """Copy rows `src` into rows `dst` (the first `num_positions` tokens of each)."""
         s, d = torch.tensor(src), torch.tensor(dst)
         self._sampling = None
+        self.version += 1
         self.token_ids[d, :num_positions] = self.token_ids[s, :num_positions]
         self.logprobs[d, :num_positions] = self.logprobs[s, :num_positions]
         for field in (self.num_tokens, self.prompt_len, self.cache_len, self.max_num_tokens, self.spec_cap):

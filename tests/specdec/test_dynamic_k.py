@@ -63,6 +63,29 @@ def test_greedy_with_every_policy_equals_plain_greedy(method, table):
         assert any(len(r.rows_by_method) == 2 for r in decode_steps(gen))
 
 
+def test_each_steps_routes_are_its_rows_as_they_come_and_go():
+    """The rows' routes (their request's proposer, or the configured order) are worked out again only when rows are
+    admitted or moved: at every step of a batch whose rows finish, move into the holes and are refilled from the
+    queue with requests of other methods, the cached list must be what the rows hold."""
+    model = make_model("qwen2")
+    draft = make_model("qwen2", seed=1, num_hidden_layers=1)
+    methods = [None, "ngram", "draft_model", None, "draft_model", "ngram", "ngram", None, "draft_model", None]
+    params = [
+        SamplingParams(temperature=1.0, max_new_tokens=4 + 3 * (i % 4), seed=i, spec=SpecDecodeParams(method=m))
+        for i, m in enumerate(methods)
+    ]
+    gen = Generator(model, max_batch_size=4, max_seq_len=96, spec=SpecConfig(method=BOTH, model=draft))
+    gen.add_requests(random_prompts(len(methods), seed=4), params)
+    seen = set()
+    while gen.has_unfinished:
+        num_rows = gen.scheduler.num_active
+        want = [seq.params.spec.method or "+".join(BOTH) for seq in gen.slots.sequences[:num_rows]]
+        assert gen._routes(num_rows) == want
+        seen.add(tuple(want))
+        gen.step()
+    assert len(seen) > 4, f"expected the rows to change many times, got {seen}"
+
+
 def test_mixed_per_request_settings_in_one_batch_stay_exact():
     model = make_model("qwen2")
     draft = make_model("qwen2", seed=1, num_hidden_layers=1)
