@@ -193,5 +193,5 @@ class BlockManager:
         """`[rows, S]` the pool slot of each `positions[i, s]` of row `rows[i]`; -1 where the position is < 0."""
         valid = positions >= 0
         safe = np.where(valid, positions, 0)
-        blocks = np.take_along_axis(self.tables[rows], safe // self.block_size, axis=1)
+        blocks = self.tables[rows[:, None], safe // self.block_size]  # (not the rows' whole tables, then a gather)
         return np.where(valid, blocks * self.block_size + safe % self.block_size, -1)
