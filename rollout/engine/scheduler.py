@@ -142,8 +142,12 @@ class Scheduler:
         if not self.runner.paged or num_rows < 2:
             return []
         cache = self.runner.cache
-        lens = self.slots.cache_len[:num_rows].numpy()
         growth = cache.max_blocks - cache.manager.num_blocks  # blocks the pool may still grow by
+        # a row's full-width step writes at most this many block columns, each a new block or a shared one copied
+        columns = (self.max_width - 1) // cache.block_size + 2
+        if cache.manager.num_free + growth >= num_rows * columns:
+            return []  # room whatever the rows hold (no per-row count)
+        lens = self.slots.cache_len[:num_rows].numpy()
         if cache.manager.needed(np.arange(num_rows), lens + self.max_width, lens) <= cache.manager.num_free + growth:
             return []  # the common case: every row fits
         latest_first = sorted(range(num_rows), key=lambda row: self.slots.sequences[row].admitted_at, reverse=True)
