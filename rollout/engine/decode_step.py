@@ -55,10 +55,7 @@ class DecodeStep:
         propose_start = time.perf_counter()
         drafts, served = self._propose(num_rows, asked, sampling, uniforms, race) if after is None else (None, [])
         propose_seconds = time.perf_counter() - propose_start
-        layout = layout_drafts(
-            drafts.num_drafted if drafts is not None else [0] * num_rows,
-            drafts.parents if drafts is not None else None,
-        )
+        layout = self._plain_layout(num_rows) if drafts is None else layout_drafts(drafts.num_drafted, drafts.parents)
         self.scheduler.reserve(layout.node_counts)  # blocks before the forward that writes them
         pending = after.next_input_ids(num_rows, self.device) if after is not None else None
         input_ids = self._input_ids(num_rows, drafts, layout, pending)
@@ -317,6 +314,13 @@ class DecodeStep:
         accepted_nodes = packed[:, 1 + 2 * width :].contiguous() if tree else None
         kept = self.slots.commit(row_start, num_emitted, tokens, logprobs, in_cache)
         return int(kept.sum()), num_emitted - 1, tokens, accepted_nodes
+
+    def _plain_layout(self, num_rows: int) -> DraftLayout:
+        """The layout of a step without drafts (one node a row), made once per row count: nothing changes it."""
+        layout = self._plain_layouts.get(num_rows)
+        if layout is None:
+            layout = self._plain_layouts[num_rows] = layout_drafts([0] * num_rows, None)
+        return layout
 
     def _routes(self, num_rows: int) -> list[str]:
         """Each of the first `num_rows` rows' route (`_route`), worked out again only after rows were admitted or

@@ -39,6 +39,7 @@ from rollout.engine.step_timer import warm_up
 from rollout.engine.trace import StepOutput, StepRecord
 from specdec.config import SpecConfig
 from specdec.proposers.suffix import SuffixProposer
+from specdec.tree import DraftLayout
 
 
 class Generator(Admission, DecodeStep):
@@ -101,6 +102,7 @@ class Generator(Admission, DecodeStep):
         self._methods = spec.methods if spec else ()
         self._default_route = default_route(spec) if spec else ""
         self._routes_cache: tuple[int, list[str]] | None = None  # (slots' version, the rows' routes): `_routes`
+        self._plain_layouts: dict[int, DraftLayout] = {}  # a step without drafts' layout, by rows (`_plain_layout`)
         # plain steps launched ahead of a device (`_decision_ahead`) overlap its work: on a CPU there is none to overlap
         plain_ahead = self.config.async_scheduling and self.config.exact and self.device.type == "cuda"
         self.policy = build_policy(spec, max_batch_size, self.proposers, plain_ahead) if spec else None
