@@ -266,7 +266,7 @@ class GraphRunner:
         staging, end = self._staging_host[turn], 0
         for region, ((offset, size, shape), part) in enumerate(zip(self._regions(rows, width), parts)):
             staged = staging[offset : offset + size].reshape(shape)
-            part = np.asarray(part)
+            part = part.numpy() if isinstance(part, torch.Tensor) else np.asarray(part)  # (not Tensor.__array__)
             staged[: len(part)] = part
             staged[len(part) :] = -1 if region == 1 else 0  # padding: slot -1 (nothing stored), all else 0
             end = offset + size
