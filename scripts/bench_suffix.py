@@ -24,7 +24,7 @@ its numpy reference (`specdec/proposers/suffix_ref.py`) in lockstep on the same 
 static K = 4; a first rollout, then a second whose history holds the first), drafts checked identical at every step:
 us per row-step of each over the bulk steps, and their ratio, median over `--repeats`.
 
-    .venv/bin/python scripts/bench_suffix.py --out bench_suffix            # the three scenarios (~25 min)
+    .venv/bin/python scripts/bench_suffix.py --out outputs/bench_suffix    # the three scenarios (~25 min)
     .venv/bin/python scripts/bench_suffix.py --cost --memory 10000         # cost per batch size, memory
     .venv/bin/python scripts/bench_suffix.py --kernels --repeats 3          # compiled vs numpy reference (~5 min)
     python3 scripts/bench_suffix.py --device cuda --ks --scenarios first second   # on a GPU, auto K rows only
@@ -410,7 +410,7 @@ def main() -> None:
     parser.add_argument("--memory", type=int, default=0, help="history size at this many cached responses")
     parser.add_argument("--depth", type=int, default=24, help="--cost: suffix_decoding_max_tree_depth")
     parser.add_argument("--kernels", action="store_true", help="compiled proposer vs its numpy reference, lockstep")
-    parser.add_argument("--out", default="bench_suffix")
+    parser.add_argument("--out", default="outputs/bench_suffix")
     parser.add_argument("--device", default="cpu", help="where the models run, e.g. cuda")
     args = parser.parse_args()
     torch.set_num_threads(1)
