@@ -140,8 +140,9 @@ class BlockManager:
         # columns [first, last] are the rows' own after this; where nothing past them may be shared, the shared ones
         # end below `first` now (a row's writes move forward: after its first, no column it writes is shared)
         below = self.shared_below[rows]
-        self.shared_below[rows] = np.where(below <= last + 1, np.minimum(below, first), below)
+        lowered = np.where(below <= last + 1, np.minimum(below, first), below)
         if not (first < below).any():  # no row writes a column that may be shared
+            self.shared_below[rows] = lowered
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         last = np.minimum(last, below - 1)
         span = int((last - first).max(initial=-1)) + 1
@@ -161,6 +162,7 @@ class BlockManager:
             self._drop(old)
             sources.append(old)
             targets.append(fresh)
+        self.shared_below[rows] = lowered  # after the copies: a write short of blocks leaves them as they were
         if not sources:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         return np.concatenate(sources), np.concatenate(targets)
