@@ -25,7 +25,7 @@ DATED = re.compile(r"\b20\d\d-\d\d\b|this CPU", re.IGNORECASE)
 SETUP_COMMANDS = (  # CI's .ci/run executes exactly these (with pip's -q)
     "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 '.[dev,trl]' && "
     ".venv/bin/rollout run recipes/quickstart.yaml",
-    ".venv/bin/python -m pytest -q",
+    ".venv/bin/python -m pytest -q -n 2",
 )
 
 
