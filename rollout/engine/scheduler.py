@@ -122,7 +122,7 @@ class Scheduler:
         if not self.runner.paged:
             return count
         cache = self.runner.cache
-        per_step = -(-self.max_width // cache.block_size) + 1  # a full-width step, and a shared block copied
+        per_step = self._step_blocks(cache.block_size)
         budget = cache.free_blocks_after_growth() - self.num_active * per_step
         admitted, previous = 0, None
         for seq in itertools.islice(self.queue, count):
@@ -134,6 +134,11 @@ class Scheduler:
             previous = seq.prompt_index
         return admitted if admitted or self.num_active else 1  # nothing in flight: try one, a pool too small says so
 
+    def _step_blocks(self, block_size: int) -> int:
+        """The most blocks a row's full-width step takes: it writes at most this many block columns, each a new block
+        or a shared one copied."""
+        return -(-self.max_width // block_size) + 1
+
     def preemption_victims(self) -> list[int]:
         """The rows a decode step gives up first, latest admitted first: the fewest (never every row) after whose
         release the paged pool gives every other row blocks for a full-width step (its new blocks and the copies of
@@ -143,9 +148,7 @@ class Scheduler:
             return []
         cache = self.runner.cache
         growth = cache.max_blocks - cache.manager.num_blocks  # blocks the pool may still grow by
-        # a row's full-width step writes at most this many block columns, each a new block or a shared one copied
-        columns = (self.max_width - 1) // cache.block_size + 2
-        if cache.manager.num_free + growth >= num_rows * columns:
+        if cache.manager.num_free + growth >= num_rows * self._step_blocks(cache.block_size):
             return []  # room whatever the rows hold (no per-row count)
         lens = self.slots.cache_len[:num_rows].numpy()
         if cache.manager.needed(np.arange(num_rows), lens + self.max_width, lens) <= cache.manager.num_free + growth:
