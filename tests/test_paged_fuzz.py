@@ -62,6 +62,7 @@ class DenseModel:
         need = m.needed(rows, end, start)
         need_alloc = m.needed(rows, end)
         copies_bound = m.copies_bound(rows, end, start)  # what reserve trusts without reading reference counts
+        assert m.needed_bound(rows, end, start) == need_alloc + copies_bound >= need, "expected a bound of needed()"
         if (m.num_row_blocks[rows] * m.block_size >= start).all():  # rows hold their blocks below the write (a step)
             # what the scheduler trusts without counting: a block column written is a new block or a copy, not both
             columns = (end - start - 1) // m.block_size + 2

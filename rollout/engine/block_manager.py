@@ -107,8 +107,19 @@ class BlockManager:
         freed = len(np.unique(blocks[refs[blocks] == 0]))
         return self._needed(refs, rows, num_positions, write_from), self.num_free + freed
 
+    def needed_bound(self, rows: np.ndarray, num_positions: np.ndarray, write_from: np.ndarray | None = None) -> int:
+        """At least `needed(rows, num_positions, write_from)`, without reading a reference count: the new blocks, and
+        with `write_from` the copies' bound (`copies_bound`)."""
+        bound = self._new_blocks(rows, num_positions)
+        if write_from is not None:
+            bound += self.copies_bound(rows, num_positions, write_from)
+        return bound
+
+    def _new_blocks(self, rows: np.ndarray, num_positions: np.ndarray) -> int:
+        return int(np.maximum(self.blocks_for(num_positions) - self.num_row_blocks[rows], 0).sum())
+
     def _needed(self, refs: np.ndarray, rows, num_positions, write_from) -> int:
-        total = int(np.maximum(self.blocks_for(num_positions) - self.num_row_blocks[rows], 0).sum())
+        total = self._new_blocks(rows, num_positions)
         if write_from is not None and self.may_copy(rows, write_from):
             for owners, column in self._written_columns(rows, write_from, num_positions):
                 total += int((refs[self.tables[owners, column]] > 1).sum())

@@ -98,12 +98,8 @@ class PagedKVCache:
         `write_from`, also for the copies of shared blocks the rows will write from there on); raises OutOfBlocks
         (nothing changed) past the planned size."""
         manager = self.manager
-        # a bound first, at least what `needed` counts: the new blocks, and with `write_from` one copy for each block
-        # the rows write into below where their blocks may be shared (counting the shared ones reads reference counts)
-        bound = int(np.maximum(manager.blocks_for(num_positions) - manager.num_row_blocks[rows], 0).sum())
-        if write_from is not None:
-            bound += manager.copies_bound(rows, num_positions, write_from)
-        if bound > manager.num_free:
+        # a bound first (counting the shared blocks a write copies reads reference counts; the bound does not)
+        if manager.needed_bound(rows, num_positions, write_from) > manager.num_free:
             needed = manager.needed(rows, num_positions, write_from)
             if needed > manager.num_free:
                 self._grow(manager.num_blocks - manager.num_free + needed)
