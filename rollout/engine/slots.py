@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -190,48 +191,41 @@ class SlotState:
     def commit(
         self, row_start: int, num_emitted: Tensor, token_ids: Tensor, logprobs: Tensor, in_cache: bool
     ) -> Tensor:
-        """Append each row's first `num_emitted[i]` tokens of `token_ids [rows, W]`, up to and including the first stop
-        id and never past the length cap; mark the rows that finished. `in_cache`: the fed tokens (pending +
-        accepted drafts, `num_emitted` of them) now have KV in the cache. Returns `[rows]` the tokens kept."""
-        num_rows, width = token_ids.shape
-        rows = slice(row_start, row_start + num_rows)
-        num_tokens = self.num_tokens[rows].clone()
-        room = self.max_num_tokens[rows] - num_tokens
-        if width == 1 and bool((torch.minimum(num_emitted, room) == 1).all()):  # a token a row, every row keeps it
-            return self._commit_one(rows, num_tokens, num_emitted, token_ids[:, 0], logprobs[:, 0], in_cache)
-        col = torch.arange(width)[None, :]
-        is_stop = (token_ids[:, :, None] == self.stop_ids[rows][:, None, :]).any(-1) & (col < num_emitted[:, None])
-        first_stop = torch.where(is_stop.any(1), is_stop.to(torch.int8).argmax(1) + 1, width + 1)
-        kept = torch.minimum(torch.minimum(num_emitted, room), first_stop)
-        # every column goes in, those past a row's kept tokens too: they land past its new count, where nothing is
-        # read (in bounds: a row holds at most max_seq_len tokens, and its positions one step's width more)
-        positions = num_tokens[:, None] + col
-        row_index = torch.arange(row_start, row_start + num_rows)[:, None]
-        self.token_ids[row_index, positions] = token_ids
-        self.logprobs[row_index, positions] = logprobs
-        if in_cache:
-            self.cache_len[rows] += num_emitted
-        self.num_tokens[rows] = num_tokens + kept
-        stopped = first_stop <= kept
-        self.stopped[rows] = stopped
-        self.finished[rows] = stopped | (num_tokens + kept >= self.max_num_tokens[rows])
-        return kept
+        """Append each row's first `num_emitted[i]` tokens of `token_ids [rows, W]` (host tensors), up to and including
+        the first stop id and never past the length cap; mark the rows that finished. `in_cache`: the fed tokens
+        (pending + accepted drafts, `num_emitted` of them) now have KV in the cache. Returns `[rows]` the tokens kept.
 
-    def _commit_one(
-        self, rows: slice, num_tokens: Tensor, num_emitted: Tensor, token_ids: Tensor, logprobs: Tensor, in_cache: bool
-    ) -> Tensor:
-        """`commit` of one token a row (`token_ids [rows]`) that every row keeps (a plain step's, a prefill's): the
-        same updates without the masks a step of several tokens a row needs."""
-        row_index = torch.arange(rows.start, rows.stop)
-        self.token_ids[row_index, num_tokens] = token_ids
-        self.logprobs[row_index, num_tokens] = logprobs
+        On numpy views of the rows' tensors (the same memory): a numpy call costs a few times less than a torch one,
+        and at a small batch the commit is its calls' fixed cost."""
+        emitted, tokens, values = num_emitted.numpy(), token_ids.numpy(), logprobs.numpy()
+        num_rows, width = tokens.shape
+        rows = slice(row_start, row_start + num_rows)
+        num_tokens = self.num_tokens.numpy()[rows].copy()
+        max_num_tokens = self.max_num_tokens.numpy()[rows]
+        room = max_num_tokens - num_tokens
+        stop_ids = self.stop_ids.numpy()[rows]
+        row_index = np.arange(row_start, row_start + num_rows)
+        if width == 1 and (np.minimum(emitted, room) == 1).all():  # a token a row, every row keeps it
+            self.token_ids.numpy()[row_index, num_tokens] = tokens[:, 0]
+            self.logprobs.numpy()[row_index, num_tokens] = values[:, 0]
+            kept, stopped = emitted, (tokens[:, :1] == stop_ids).any(1)
+        else:
+            col = np.arange(width)
+            is_stop = (tokens[:, :, None] == stop_ids[:, None, :]).any(2) & (col < emitted[:, None])
+            first_stop = np.where(is_stop.any(1), is_stop.argmax(1) + 1, width + 1)
+            kept = np.minimum(np.minimum(emitted, room), first_stop)
+            # every column goes in, those past a row's kept tokens too: they land past its new count, where nothing is
+            # read (in bounds: a row holds at most max_seq_len tokens, and its positions one step's width more)
+            positions = num_tokens[:, None] + col
+            self.token_ids.numpy()[row_index[:, None], positions] = tokens
+            self.logprobs.numpy()[row_index[:, None], positions] = values
+            stopped = first_stop <= kept
         if in_cache:
-            self.cache_len[rows] += num_emitted
-        self.num_tokens[rows] = num_tokens + 1
-        stopped = (token_ids[:, None] == self.stop_ids[rows]).any(1)
-        self.stopped[rows] = stopped
-        self.finished[rows] = stopped | (num_tokens + 1 >= self.max_num_tokens[rows])
-        return num_emitted
+            self.cache_len.numpy()[rows] += emitted
+        self.num_tokens.numpy()[rows] = num_tokens + kept
+        self.stopped.numpy()[rows] = stopped
+        self.finished.numpy()[rows] = stopped | (num_tokens + kept >= max_num_tokens)
+        return num_emitted if kept is emitted else torch.from_numpy(kept)
 
     def completion_of(self, row: int) -> tuple[list[int], list[float]]:
         """Row `row`'s completion tokens and their log-probabilities."""
