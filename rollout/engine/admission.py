@@ -12,6 +12,7 @@ import contextlib
 import gc
 import time
 
+import numpy as np
 import torch
 
 from rollout.engine.sampling import Completion
@@ -85,7 +86,7 @@ class Admission:
     def _release_finished(self) -> list[Completion]:
         """Hand back the finished rows' completions and keep the active rows packed at the front."""
         s = self.slots
-        finished = torch.nonzero(s.finished[: self.scheduler.num_active])[:, 0].tolist()
+        finished = np.flatnonzero(s.finished.numpy()[: self.scheduler.num_active]).tolist()
         if not finished:
             return []
         done = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -131,10 +132,10 @@ class DecodeStep:
             step.policy_seconds += time.perf_counter() - observe_start
         drafted_per_position, accepted_per_position = [], []  # rows that reached / accepted draft j
         if not plain:
-            depths = layout.node_counts - 1 if layout.is_chain else torch.tensor(layout.row_depths)
-            position = torch.arange(layout.max_depth)
+            depths = layout.node_counts.numpy() - 1 if layout.is_chain else np.array(layout.row_depths)
+            position = np.arange(layout.max_depth)
             drafted_per_position = (depths[:, None] > position).sum(0).tolist()
-            accepted_per_position = (accepted_per_row[:, None] > position).sum(0).tolist()
+            accepted_per_position = (accepted_per_row.numpy()[:, None] > position).sum(0).tolist()
         decision = step.decision
         record = StepRecord(
             "decode",
@@ -239,8 +240,12 @@ class DecodeStep:
         input_ids = self.slots.pending(num_rows)[:, None] if pending is None else pending
         if layout.width > 1:  # joined where the drafts are (a draft model's on the device: no round trip; a host
             # proposer's on the host, going up with the pending tokens in one upload)
-            draft_ids = drafts.token_ids[:, : layout.width - 1].clamp(min=0)
-            input_ids = torch.cat([upload(input_ids, draft_ids.device), draft_ids], dim=1)
+            draft_ids = drafts.token_ids[:, : layout.width - 1]
+            if draft_ids.device.type == "cpu" and input_ids.device.type == "cpu":  # numpy: cheaper calls
+                joined = np.concatenate([input_ids.numpy(), np.maximum(draft_ids.numpy(), 0)], axis=1)
+                input_ids = torch.from_numpy(joined)
+            else:
+                input_ids = torch.cat([upload(input_ids, draft_ids.device), draft_ids.clamp(min=0)], dim=1)
         return upload(input_ids, self.device)
 
     def _verified_in_graph(self, num_rows: int, layout: DraftLayout, sampling, race: RaceKeys | None) -> bool:
@@ -291,7 +296,8 @@ class DecodeStep:
         if not self.exact:
             return None
         s = self.slots
-        return RaceKeys(s.seed[rows, 0], s.num_tokens[rows] - s.prompt_len[rows] + int(ahead))
+        positions = s.num_tokens.numpy()[rows] - s.prompt_len.numpy()[rows] + int(ahead)
+        return RaceKeys(s.seed[rows, 0], torch.from_numpy(positions))
 
     def _commit_prefill(self, rows: slice, result: VerifyResult) -> int:
         """Bring a prefill's result to the host (its one read of the device) and append it to the rows (the prompts'

@@ -144,13 +144,13 @@ class SlotState:
 
     def pending(self, num_rows: int) -> Tensor:
         """`[rows]` each row's last token (emitted, not yet in the KV cache)."""
-        return self.token_ids[:num_rows].gather(1, (self.num_tokens[:num_rows] - 1)[:, None])[:, 0]
+        return torch.from_numpy(self.token_ids.numpy()[np.arange(num_rows), self.num_tokens.numpy()[:num_rows] - 1])
 
     def draft_caps(self, num_rows: int) -> Tensor:
         """`[rows]` the most drafts a row may take this step: its request's cap, and never past its length cap
         (tokens beyond it could not be kept)."""
-        room = self.max_num_tokens[:num_rows] - self.num_tokens[:num_rows] - 1
-        return torch.minimum(self.spec_cap[:num_rows], room)
+        room = self.max_num_tokens.numpy()[:num_rows] - self.num_tokens.numpy()[:num_rows] - 1
+        return torch.from_numpy(np.minimum(self.spec_cap.numpy()[:num_rows], room))
 
     def row_sampling(self, rows: slice, device: torch.device) -> RowSampling:
         """The rows' sampling settings as tensors on `device`, with the flags decided here on the host; the same
