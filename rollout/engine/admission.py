@@ -110,6 +110,13 @@ class Admission:
         finally:
             self._release_propose_seconds += time.perf_counter() - start
 
+    def _preempt(self, rows: list[int]) -> None:
+        """Give up `rows` (ascending) unfinished, to be admitted again later (the scheduler queued them)."""
+        if self.proposers is not None:  # what they hold is text no row holds any more
+            with self._proposers_timed():
+                self.proposers.drop(rows)
+        self._remove_rows(rows)
+
     def _remove_rows(self, rows: list[int]) -> None:
         """Take `rows` (ascending) out of flight: the last active rows move into the holes (a paged cache moves their
         block tables, a slot cache their KV), and the slots left behind hold nothing."""
@@ -190,8 +197,9 @@ class Admission:
         with self._one_call():
             self._check_no_step_in_flight()
             self._ahead.decision, self._ahead.last_finish = None, 0.0  # the rows are not those the last step read
-            if self.proposers is not None:  # the rows' tokens are rolled back
+            if self.proposers is not None:  # the rows' tokens are rolled back, those past the snapshot's are dropped
                 self.proposers.wait()
+                self.proposers.drop(list(range(len(rows), self.scheduler.num_active)))
             with torch.inference_mode():
                 self.slots.restore(rows)
             self.scheduler.num_active = len(rows)

@@ -316,7 +316,7 @@ class Generator(Admission, DecodeStep):
             self._ahead.decision = None  # a K chosen for a decode step that a prefill came before
             return self._postprocess(self._admit(scheduled.prefill_chunks), None)
         if scheduled.preempted:
-            self._remove_rows(scheduled.preempted)
+            self._preempt(scheduled.preempted)
         launched = self._launch_decode()
         choice = self._decision_ahead() if launched.advanced else None
         if choice is not None:  # the host one step ahead

@@ -83,6 +83,10 @@ class Proposer:
         """Rows `rows` finished, holding `token_ids[row, :num_tokens[i]]` (`token_ids [slots, T]` on the host); their
         slots are freed next (and may be refilled by `copy_rows`)."""
 
+    def drop(self, rows: list[int]) -> None:
+        """Rows `rows` left flight unfinished (preempted, or left out by a restore): what they hold is text no row
+        holds any more. Their slots are freed next (and may be refilled by `copy_rows` or `prefill`)."""
+
     def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
         """A step without drafts: the rows hold `token_ids[i, :num_tokens[i]]` (`[rows, T]`, host), as `propose`
         would have seen them."""

@@ -74,6 +74,10 @@ class ProposerSet(Proposer):
         for proposer in self.proposers.values():
             proposer.finish(rows, token_ids, num_tokens)
 
+    def drop(self, rows: list[int]) -> None:
+        for proposer in self.proposers.values():
+            proposer.drop(rows)
+
     def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
         for proposer in self.proposers.values():
             proposer.update(token_ids, num_tokens)

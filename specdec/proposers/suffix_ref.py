@@ -552,6 +552,9 @@ class Lockstep(Proposer):
     def finish(self, *args) -> None:
         self._both("finish", *args)
 
+    def drop(self, *args) -> None:
+        self._both("drop", *args)
+
     def update(self, *args) -> None:
         self._both("update", *args)
 

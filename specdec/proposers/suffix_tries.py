@@ -274,6 +274,14 @@ class SuffixTries(Proposer):
         self._deferred_responses += len(finished)
         self._evict()
 
+    def drop(self, rows: list[int]) -> None:
+        """Rows left flight unfinished: their text so far leaves the tries (kept as history only when finished)."""
+        self.wait()
+        slots = np.asarray(rows, dtype=np.int64)
+        slots = slots[self._in_flight[slots]]
+        if slots.size:
+            self._remove_rows(slots)
+
     def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
         self.wait()
         args = (self._all_rows[: len(num_tokens)], token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64))

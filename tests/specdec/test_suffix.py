@@ -289,6 +289,36 @@ def test_a_restored_snapshot_takes_the_rolled_back_text_out_of_the_tries():
     assert not lockstep.new.prompts and lockstep.num_drafted > 0
 
 
+def test_rows_given_up_unfinished_leave_the_tries():
+    """Rows preempted by a pool short of blocks start over later, and rows a restore leaves out of a snapshot's
+    prefix are dropped: what either had taken in is text no row holds, so it leaves the tries, which hold exactly the
+    prompts, the cached responses and the rows in flight (no prompt trie kept for nothing); the reference drafts
+    alike at every step (`Lockstep`)."""
+    from specdec.proposers.suffix_ref import Lockstep
+
+    model = make_model("qwen2")
+    spec = SpecConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
+    gen = Generator(model, max_batch_size=18, max_seq_len=64, kv_layout="paged", kv_pool_blocks=16, spec=spec)
+    lockstep = Lockstep.replacing(gen.draft_history)
+    gen.proposers.proposers["suffix"] = lockstep
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=40, seed=0)
+    gen.generate(random_prompts(6, min_len=10, max_len=20, seed=7), params)
+    assert sum(r.num_preempted for r in gen.last_trace) > 0, "expected a pool that preempts"
+    assert_counts_exact(lockstep.new)
+    assert not lockstep.new.prompts and not lockstep.new._in_flight.any()
+
+    gen.add_requests(random_prompts(2, seed=14), SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3))
+    for _ in range(3):
+        gen.step()
+    saved = gen.snapshot()
+    assert len(saved) == 4
+    gen.step()
+    gen.restore(saved[:1])  # the first row goes on, the other three are left out
+    gen.step()
+    assert_counts_exact(lockstep.new)
+    assert int(lockstep.new._in_flight.sum()) == 1 and lockstep.num_drafted > 0
+
+
 def test_interrupted_call_leaves_only_finished_responses():
     model = make_model("qwen2")
     gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=SpecConfig(method="suffix"))
