@@ -18,6 +18,8 @@ from __future__ import annotations
 import collections
 import os
 import pathlib
+import zipfile
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -85,6 +87,10 @@ class SuffixTries(Proposer):
         max_cached_requests: int = 10000,
         background: bool = False,
     ):
+        if not isinstance(max_tree_depth, int) or max_tree_depth < 2:  # a match and a draft token at least
+            raise ValueError(
+                f"suffix_decoding_max_tree_depth ({max_tree_depth!r}) must be an integer >= 2 (vLLM's default: 24)"
+            )
         if vocab_size >= 1 << 21:  # the trie keys hold a token (or the separator, vocab_size) in 21 bits
             raise ValueError(f"method 'suffix' handles vocabularies of up to {(1 << 21) - 1} tokens, got {vocab_size}")
         self.separator = vocab_size
@@ -155,7 +161,11 @@ class SuffixTries(Proposer):
             raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses: give one prompt per response")
         for name, sequences in (("prompts", prompts), ("responses", responses)):
             for i, seq in enumerate(sequences):
-                if not self._in_vocabulary(np.asarray(seq)):
+                try:
+                    ids = np.asarray(seq)
+                except ValueError:  # a ragged nest of lists
+                    ids = None
+                if ids is None or not self._in_vocabulary(ids):
                     raise ValueError(f"{name}[{i}] must be a list of token ids in [0, {self.separator})")
         self.flush()  # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
         self._add_history(
@@ -189,27 +199,34 @@ class SuffixTries(Proposer):
         )
 
     def load(self, path: str | pathlib.Path) -> None:
-        """Replace the history by the responses saved in `path` (rows in flight are dropped)."""
+        """Replace the history by the responses saved in `path` (rows in flight are dropped). A file that cannot be
+        read as one `save` writes is refused with a ValueError, the history left as it was."""
         self.wait()
+        where = f"cannot load a suffix history from {str(path)!r}"
         try:
             data = np.load(path)
-            if len(data["response_lens"]) == 0:
-                self.clear()
-                return
-            prompts = np.split(data["prompt_tokens"].astype(np.int32), np.cumsum(data["prompt_lens"])[:-1])
-            responses = np.split(data["response_tokens"].astype(np.int32), np.cumsum(data["response_lens"])[:-1])
-            owners = data["response_prompt"]
-        except (OSError, KeyError, ValueError) as error:
-            raise ValueError(f"cannot load a suffix history from {str(path)!r}: {error}") from error
+            if not isinstance(data, np.lib.npyio.NpzFile):
+                raise ValueError(f"expected an .npz archive, found one {type(data).__name__}")
+            with data:
+                arrays = {name: data[name] for name in _SAVED}
+        except _UNREADABLE as error:
+            raise ValueError(f"{where}: {type(error).__name__}: {error}") from error
         for name in ("prompt_tokens", "response_tokens"):  # a history made for a larger vocabulary, or a damaged file
-            if not self._in_vocabulary(data[name]):
+            if not self._in_vocabulary(arrays[name]):
                 raise ValueError(
-                    f"cannot load a suffix history from {str(path)!r}: its {name} hold ids outside this model's "
-                    f"vocabulary [0, {self.separator}); load a history saved for this model"
+                    f"{where}: its {name} hold ids outside this model's vocabulary [0, {self.separator}); load a "
+                    "history saved for this model"
                 )
+        problem = _inconsistent(arrays)
+        if problem:
+            raise ValueError(f"{where}: {problem}; the file is damaged or was not written by save()")
+        prompts = np.split(arrays["prompt_tokens"].astype(np.int32), np.cumsum(arrays["prompt_lens"])[:-1])
+        responses = np.split(arrays["response_tokens"].astype(np.int32), np.cumsum(arrays["response_lens"])[:-1])
+        owners = arrays["response_prompt"].tolist()
         self.clear()
-        self._add_history([(prompts[int(o)].tobytes(), r) for o, r in zip(owners, responses)])
-        self._evict()
+        if len(arrays["response_lens"]):
+            self._add_history([(prompts[o].tobytes(), r) for o, r in zip(owners, responses)])
+            self._evict()
 
     # ---- the generator's hooks ---------------------------------------------------------------------------------
 
@@ -394,6 +411,32 @@ class SuffixTries(Proposer):
         tokens, lengths = _padded([np.concatenate(([self.separator], r)) for r in responses])
         starts = np.concatenate([np.asarray(roots), np.full(len(roots), self.global_root)])
         self.index.add_sequences(starts, np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]), delta)
+
+
+# what reading a file that is not an .npz `save` wrote raises (a truncated or altered archive, a pickle, another file)
+_UNREADABLE = (OSError, EOFError, KeyError, ValueError, TypeError, IndexError, zipfile.BadZipFile, zlib.error)
+_SAVED = ("prompt_tokens", "prompt_lens", "response_tokens", "response_lens", "response_prompt")  # `save`'s arrays
+
+
+def _inconsistent(arrays: dict[str, np.ndarray]) -> str | None:
+    """What makes `save`'s arrays (token ids already checked) not one history, or None."""
+    for name in _SAVED[1:]:
+        if name.endswith("_tokens"):
+            continue
+        if arrays[name].ndim != 1 or (arrays[name].size and arrays[name].dtype.kind not in "iu"):
+            return f"{name} must be one row of integers, got shape {arrays[name].shape} of {arrays[name].dtype}"
+        if arrays[name].size and arrays[name].min() < 0:
+            return f"{name} holds a negative value"
+    for kind in ("prompt", "response"):
+        total, size = int(arrays[f"{kind}_lens"].sum()), arrays[f"{kind}_tokens"].size
+        if total != size:
+            return f"{kind}_lens add up to {total} tokens, {kind}_tokens holds {size}"
+    num_responses, num_prompts = len(arrays["response_lens"]), len(arrays["prompt_lens"])
+    if len(arrays["response_prompt"]) != num_responses:
+        return f"response_prompt names {len(arrays['response_prompt'])} prompts for {num_responses} responses"
+    if num_responses and arrays["response_prompt"].max() >= num_prompts:
+        return f"response_prompt names prompt {arrays['response_prompt'].max()} of {num_prompts}"
+    return None
 
 
 def _padded(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -263,6 +263,55 @@ def test_a_history_made_for_another_vocabulary_is_refused_on_load(tmp_path):
     assert [r.tolist() for _, r in small.history] == [[2, 3], []]
 
 
+def _saved_arrays(path) -> dict:
+    with np.load(path) as data:
+        return {name: data[name] for name in data.files}
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncated", "BadZipFile"),
+        ("npy", "expected an .npz archive"),
+        ("owner out of range", "response_prompt names prompt 2 of 2"),
+        ("fewer owners", "response_prompt names 1 prompts for 2 responses"),
+        ("lengths past the tokens", "response_lens add up to 7 tokens, response_tokens holds 5"),
+        ("negative length", "response_lens holds a negative value"),
+        ("float lengths", "response_lens must be one row of integers"),
+    ],
+)
+def test_a_damaged_history_file_is_refused_and_the_history_kept(tmp_path, damage, message):
+    """`load` reads the whole file and checks that its arrays make one history before it replaces anything: a damaged
+    file is one ValueError naming what is wrong, never another exception, a history half replaced or responses split
+    at the wrong places."""
+    saved = SuffixProposer(3, vocab_size=10, num_slots=1, num_positions=16)
+    saved.add_responses([[1, 2], [7]], [[3, 4, 5], [8, 9]])
+    good = tmp_path / "good.npz"
+    saved.save(good)
+    path, arrays = tmp_path / "damaged.npz", _saved_arrays(good)
+    if damage == "truncated":
+        path.write_bytes(good.read_bytes()[:100])
+    elif damage == "npy":
+        path = tmp_path / "damaged.npy"
+        np.save(path, arrays["response_tokens"])
+    else:
+        changed = {
+            "owner out of range": {"response_prompt": np.array([0, 2])},
+            "fewer owners": {"response_prompt": np.array([0])},
+            "lengths past the tokens": {"response_lens": np.array([3, 4])},
+            "negative length": {"response_lens": np.array([6, -1])},
+            "float lengths": {"response_lens": np.array([3.0, 2.0])},
+        }[damage]
+        np.savez(path, **{**arrays, **changed})
+    proposer = SuffixProposer(3, vocab_size=10, num_slots=1, num_positions=16)
+    proposer.add_responses([[1]], [[6, 6]])
+    with pytest.raises(ValueError, match=f"cannot load a suffix history from .*{message}"):
+        proposer.load(path)
+    assert [r.tolist() for _, r in proposer.history] == [[6, 6]] and proposer.stats()["prompts"] == 1
+    proposer.load(good)  # the good file loads, responses where they were
+    assert [r.tolist() for _, r in proposer.history] == [[3, 4, 5], [8, 9]]
+
+
 def test_a_restored_snapshot_takes_the_rolled_back_text_out_of_the_tries():
     """`Generator.restore` rolls rows back: what they generated since the snapshot is text no row holds any more, so
     it leaves the tries, which hold exactly the prompts, the cached responses and the rows in flight; the reference
@@ -393,6 +442,14 @@ def test_whole_sequences_added_by_depth_match_token_by_token_insertion():
     assert trie_counts(by_depth, b) == trie_counts(by_token, a) == ngram_counts(sequences, 6)
     by_depth.add_sequences(np.full(4, b), tokens[:4], lengths[:4], delta=-1)
     assert trie_counts(by_depth, b) == ngram_counts(sequences[4:], 6)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2.5])
+def test_a_proposer_built_directly_refuses_a_depth_that_drafts_nothing(depth):
+    """A depth of 1 counts single tokens only: no match length is left to draft from (it failed in the reference and
+    in token trees); `SpecConfig` refuses it too."""
+    with pytest.raises(ValueError, match=r"suffix_decoding_max_tree_depth .* must be an integer >= 2"):
+        SuffixProposer(3, vocab_size=10, num_slots=1, num_positions=16, max_tree_depth=depth)
 
 
 def test_a_vocabulary_beyond_the_trie_keys_is_refused():
