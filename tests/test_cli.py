@@ -179,6 +179,17 @@ def test_bench_rows(tmp_path, capsys, monkeypatch):
     ]
 
 
+def test_bench_without_speculation_runs_ngram_rows(tmp_path, monkeypatch):
+    """A recipe with speculation off (`spec.method=null`, as the quickstart says to compare) benches its static-K rows
+    with n-gram drafts: the recipe's `spec.model` is no part of them (it refused them, after the model had loaded)."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    small = ["data.num_prompts=2", "sampling.n=2", "sampling.max_new_tokens=8", "bench.baseline=false"]
+    code = main(["bench", QUICKSTART, *small, "spec.method=null", "bench.static_k=[2]", f"output_dir={tmp_path}"])
+    assert code == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["no speculation", "ngram K=2"] and rows[1]["mean_k"] == 2.0
+
+
 def _error(capsys, argv: list[str]) -> str:
     assert main(argv) == 2
     captured = capsys.readouterr()

@@ -82,6 +82,13 @@ def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):
         # a list the shell split at its spaces, an unclosed quote: the value is not YAML (no traceback)
         (["spec.method=[suffix,", "draft_model]"], r"override 'spec.method=\[suffix,': its value is not valid YAML"),
         (['data.template="{prompt}'], r"not valid YAML .*quote the whole override"),
+        # a value of another shape than the key's: what the key takes instead
+        (["rewards=arithmetic"], r"rewards: takes a list, e\.g\. 'rewards=\[\{name: \.\.\.\}\]'"),
+        (["rewards={name: arithmetic}"], r"rewards: takes a list"),
+        (["sampling.stop_token_ids=5"], r"sampling\.stop_token_ids: takes a list"),
+        (["model=tiny-target"], r"model: is a section: set its fields, e\.g\. model\.name="),
+        (["bench.static_k.5=4"], r"give the whole list, e\.g\. bench\.static_k=\[1, 3, 5, \.\.\.\]"),
+        (["data.template=Q: {prompt}"], r"a text that starts with a brace or holds ': ' needs quotes"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -96,6 +103,13 @@ def test_bad_files(tmp_path):
     bad.write_text("model:\n  name: [unclosed\n")
     with pytest.raises(ValueError, match=r"bad.yaml:3:1: invalid YAML"):
         load_recipe(bad)
+    for text, message in (
+        ("rewards:\n  name: arithmetic\n", r"shape.yaml: rewards: takes a list"),
+        ("model: tiny-target\n", r"shape.yaml: model: is a section: set its fields"),
+    ):
+        (tmp_path / "shape.yaml").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_recipe(tmp_path / "shape.yaml")
     nested = tmp_path / "nested.yaml"
     nested.write_text("rollout:\n  tail_fraction: high\n")
     with pytest.raises(ValueError, match=r"nested.yaml: rollout\.tail_fraction: Value 'high'"):

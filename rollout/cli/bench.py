@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from rollout.cli.files import write_atomic
-from rollout.cli.recipe import Recipe, method_name
+from rollout.cli.recipe import Recipe, method_name, spec_config
 from rollout.cli.runs import (
     RecipeInputs,
     batch_size,
@@ -46,6 +46,21 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
     ranks = ranks or Ranks()
     log = log if log is not None and ranks.is_main else (lambda line: None)
     recipe = on_rank_device(recipe, ranks)
+    method = recipe.spec.method if recipe.spec.method not in (None, "none") else "ngram"
+    configured = None if recipe.spec.method in (None, "none") else recipe.spec
+    plain_recipe_k = configured is not None and configured.num_speculative_tokens_per_batch_size is None
+    runs = [("no speculation", None)]
+    for k in recipe.bench.static_k:
+        is_recipe = plain_recipe_k and configured.num_speculative_tokens == k
+        name = f"{method_name(method)} K={k}" + (" (recipe)" if is_recipe else "")
+        changes = dict(method=method, num_speculative_tokens=k, num_speculative_tokens_per_batch_size=None)
+        if configured is None:  # n-gram rows for a recipe without speculation: its spec.model drafts nothing
+            changes["model"] = None
+        runs.append((name, changes))
+    if configured is not None and not (plain_recipe_k and configured.num_speculative_tokens in recipe.bench.static_k):
+        runs.append((f"recipe ({_policy_name(configured)})", {}))
+    for _, changes in runs[1:]:  # every row's settings refused here, before the model loads
+        spec_config(recipe, **changes)
     inputs = load_inputs(recipe)
     if (warning := length_warning(recipe, inputs)) is not None:
         log(warning)
@@ -61,16 +76,6 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
         rows.append(combine_rows(ranks.gather(_baseline_row(recipe, inputs, params) if inputs.prompt_ids else None)))
         if ranks.is_main:
             log(f"    {rows[-1]['seconds']:.1f} s, {rows[-1]['tokens_per_s']:.0f} tokens/s")
-    method = recipe.spec.method if recipe.spec.method not in (None, "none") else "ngram"
-    configured = None if recipe.spec.method in (None, "none") else recipe.spec
-    plain_recipe_k = configured is not None and configured.num_speculative_tokens_per_batch_size is None
-    runs = [("no speculation", None)]
-    for k in recipe.bench.static_k:
-        is_recipe = plain_recipe_k and configured.num_speculative_tokens == k
-        name = f"{method_name(method)} K={k}" + (" (recipe)" if is_recipe else "")
-        runs.append((name, dict(method=method, num_speculative_tokens=k, num_speculative_tokens_per_batch_size=None)))
-    if configured is not None and not (plain_recipe_k and configured.num_speculative_tokens in recipe.bench.static_k):
-        runs.append((f"recipe ({_policy_name(configured)})", {}))
     for name, changes in runs:
         log(f"[{len(rows) + 1}] {name} ...")
         spec = recipe_spec(recipe, **changes) if changes is not None else None

@@ -345,11 +345,42 @@ class Recipe:
         )
 
 
-def _error(err: OmegaConfBaseException, source: str) -> ValueError:
-    """OmegaConf's multi-line message as one line that names the key path."""
+def _error(err: OmegaConfBaseException, source: str, config=None, given=None) -> ValueError:
+    """OmegaConf's multi-line message as one line that names the key path. With the recipe so far (`config`) and
+    what was merged into it (`given`, a key=value override or a file's values): a value of the wrong shape (a text for
+    a list or a section, a mapping for a list) says what the key takes instead."""
     key = getattr(err, "full_key", None)
     message = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+    shape = _shape_mismatch(config, given) if config is not None else None
+    if shape is not None:
+        key, message = shape
+    elif "is not a ListConfig" in message:  # a list field whose default is None
+        message = f"takes a list, e.g. '{key}=[...]'"
     return ValueError(f"{source}: {key}: {message}" if key else f"{source}: {message}")
+
+
+def _shape_mismatch(config, given, prefix: str = "") -> tuple[str, str] | None:
+    """The first key where `given` (an override's text, or a file's values) has another shape than the recipe's list
+    or section there, and what that key takes; None if the shapes agree."""
+    if isinstance(given, str):  # key=value: the value as the command line parses it
+        key, _, text = given.partition("=")
+        node = OmegaConf.select(config, key.strip(), default=None)
+        value = OmegaConf.from_dotlist([f"value={text}"])["value"] if node is not None else None
+        pairs = [(key.strip(), node, value)]
+    else:
+        pairs = [(f"{prefix}{k}", config[k], given[k]) for k in given if OmegaConf.is_dict(config) and k in config]
+    for key, node, value in pairs:
+        if OmegaConf.is_list(node) and not OmegaConf.is_list(value) and not isinstance(value, (list, tuple)):
+            example = "[{name: ...}]" if any(OmegaConf.is_dict(entry) for entry in node) else "[...]"
+            return key, f"takes a list, e.g. '{key}={example}'"
+        if OmegaConf.is_dict(node) and not OmegaConf.is_dict(value) and not isinstance(value, dict):
+            field = next(iter(node), "...")
+            return key, f"is a section: set its fields, e.g. {key}.{field}=..."
+        if OmegaConf.is_dict(node) and OmegaConf.is_dict(value) and not isinstance(given, str):
+            found = _shape_mismatch(node, value, f"{key}.")
+            if found is not None:
+                return found
+    return None
 
 
 def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -382,8 +413,8 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
     for source, values in sources:
         try:
             config = OmegaConf.merge(config, values)
-        except OmegaConfBaseException as err:
-            raise _error(err, source) from None
+        except (OmegaConfBaseException, TypeError) as err:  # (a mapping merged into a list is a TypeError)
+            raise _error(err, source, config, values) from None
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must be key=value, e.g. sampling.n=8")
@@ -395,10 +426,13 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
                 f"override {item!r}: its value is not valid YAML ({problem}); a value with spaces, brackets or braces "
                 "must reach rollout as one argument: quote the whole override, e.g. 'spec.method=[suffix, draft_model]'"
             ) from None
-        except OmegaConfBaseException as err:
-            error = _error(err, f"override {item!r}")
-            if item.partition("=")[2].startswith("{") and "DictConfig" in str(error):  # e.g. data.template={x}
-                error = ValueError(f"{error}; a text that starts with a brace needs quotes: key='\"{{...}}\"'")
+        except (OmegaConfBaseException, TypeError) as err:
+            error = _error(err, f"override {item!r}", config, item)
+            text = item.partition("=")[2]
+            if (text.startswith("{") or ": " in text) and "DictConfig" in str(error):  # e.g. data.template=Q: {x}
+                error = ValueError(
+                    f"{error}; a text that starts with a brace or holds ': ' needs quotes: key='\"...\"'"
+                )
             raise error from None
     try:
         recipe = OmegaConf.to_object(config)
@@ -409,6 +443,12 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         raise ValueError(f"{section}: {err}" if section in ("sampling", "spec") else str(err)) from None
     check_recipe(recipe)
     return recipe
+
+
+def _list_example(node) -> str:
+    """A list written as an override: its entries (each mapping as `{...}`) and one more."""
+    entries = ["{...}" if OmegaConf.is_dict(entry) else str(entry) for entry in node]
+    return f"[{', '.join([*entries, '...'])}]"
 
 
 def _override(config, item: str):
@@ -424,7 +464,7 @@ def _override(config, item: str):
                 entries = f"{len(node)} entr{'y' if len(node) == 1 else 'ies'}"
                 raise ValueError(
                     f"override {item!r}: {where} is a list of {entries}, so {part!r} must be an index from 0 to "
-                    f"{len(node) - 1}; to add entries, give the whole list, e.g. {where}=[{{...}}, {{...}}]"
+                    f"{len(node) - 1}; to add entries, give the whole list, e.g. {where}={_list_example(node)}"
                 )
             node, through_list = node[int(part)], True
         elif depth < len(parts) - 1 and OmegaConf.is_dict(node) and part in node:
