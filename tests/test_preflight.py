@@ -53,6 +53,7 @@ REFUSED = [
     (["train", GRPO, "train.lr_scheduler_type=cosin"], ["train.lr_scheduler_type ('cosin')", "cosine"], {}),
     (["train", GRPO, "data.num_prompts=1"], ["data.num_prompts (1) is below train.prompts_per_step (8)"], {}),
     (["train", GRPO, "sampling.temperature=0"], ["sampling.temperature is 0", "sampling.n 8"], {}),
+    (["train", GRPO, "sampling.n=1"], ["sampling.n (1) must be at least 2 for GRPO"], {}),
     (["train", GRPO, "resume=true"], ["does not resume a stopped training"], {}),
     # no network here: the hub cannot be reached; with one, the hub answers that the id is not there
     (["run", QUICKSTART, "model.name=nobody/no-such-model"], ["model.name", "'nobody/no-such-model'"], {}),

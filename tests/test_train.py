@@ -142,3 +142,19 @@ def test_plain_pytorch_grpo_raises_the_reward_of_the_prompts_it_trains_on():
     assert len(records) == 8 and all(r["rollout_tokens_per_s"] > 0 for r in records)
     assert after > before + 0.1, (before, after)
     assert all(r["logprob_drift"] < 1e-4 for r in records)  # the behaviour log-probs are the policy's own
+
+
+def test_a_raising_reward_under_train_names_the_reward_its_exception_and_a_prompt(tmp_path, monkeypatch):
+    """TRL scores a whole batch through each reward function: one that raises is named with its exception type and
+    the batch's first prompt (the last message of a conversational one)."""
+    from rollout.cli.train import _trl_reward
+    from rollout.rewards import RewardError, build_rewards
+
+    (tmp_path / "bad_rewards.py").write_text("def boom(completions, **kwargs):\n    raise KeyError('oops')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (term,) = build_rewards([("bad_rewards:boom", 1.0)])
+    reward = _trl_reward(term, as_null=False)
+    with pytest.raises(RewardError, match=r"a batch from prompt 'Q: 2 \+ 2\?': reward 'bad_rewards:boom' raised KeyE"):
+        reward(["4"], prompts=["Q: 2 + 2?"], completion_ids=[[1]])
+    with pytest.raises(RewardError, match=r"a batch from prompt 'Q: 3\?': reward"):
+        reward([[{"role": "assistant", "content": "4"}]], prompts=[[{"role": "user", "content": "Q: 3?"}]])

@@ -70,6 +70,11 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
                 "rollout train needs TRL: install the trl extra (pip install 'rollout[trl]', as the README's command "
                 "does)"
             )
+        if s.n < 2:  # TRL refuses it once the model has loaded, naming its own argument
+            raise ValueError(
+                f"sampling.n ({s.n}) must be at least 2 for GRPO: a prompt's advantages compare its samples; set "
+                "sampling.n=2 or more, e.g. 8"
+            )
         if identical:
             raise ValueError(
                 f"sampling.temperature is 0 (greedy) with sampling.n {s.n}: the samples of a prompt are identical, "

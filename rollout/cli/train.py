@@ -30,7 +30,7 @@ from rollout.cli.recipe import Recipe, recipe_dict
 from rollout.cli.runs import engine_options, length_warning, load_inputs, on_rank_device, recipe_spec
 from rollout.cli.tracking import start_wandb_run, stop_reason
 from rollout.distributed import Ranks, RankStopped, signals_ignored
-from rollout.rewards import WeightedReward, build_rewards, score
+from rollout.rewards import RewardError, WeightedReward, build_rewards, score
 
 # the per-step keys copied from the trainer's logs to train.jsonl (besides every rollout/ key)
 TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "learning_rate", "step_time", "completions/mean_length")
@@ -204,7 +204,12 @@ def _trl_reward(term: WeightedReward, as_null: bool):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]  # conversational: last message
         # the same checks as `rollout run` (one value each, finite or None) through the same scorer, whose errors
         # name the reward and what it raised
-        total, _ = score([term], texts, kwargs, non_finite_as_null=as_null)
+        try:
+            total, _ = score([term], texts, kwargs, non_finite_as_null=as_null)
+        except RewardError as err:  # TRL scores a batch: name its first prompt, as `rollout run` names the prompt
+            prompts = kwargs.get("prompts") or [None]
+            first = prompts[0][-1]["content"] if isinstance(prompts[0], list) else prompts[0]
+            raise RewardError(f"a batch from prompt {str(first)[:60]!r}: {err}") from err.__cause__
         return total
 
     reward.__name__ = term.name.replace(":", "_")
