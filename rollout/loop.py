@@ -32,6 +32,22 @@ from rollout.rewards import (
 )
 from specdec.config import SpecConfig
 
+
+def _reward_terms(rewards) -> list[tuple]:
+    """`Rollout`'s rewards as (reward, weight) pairs: one given bare, a list of rewards or pairs, a dict of rewards to
+    weights, or None."""
+    if isinstance(rewards, str) or callable(rewards):  # one reward given bare, not in a list
+        rewards = [rewards]
+    if isinstance(rewards, dict):
+        return list(rewards.items())
+    terms = []
+    for i, term in enumerate([] if rewards is None else rewards):
+        if isinstance(term, tuple) and len(term) != 2:
+            raise ValueError(f"rewards[{i}] ({term!r}) must be a reward or a (reward, weight) pair")
+        terms.append(term if isinstance(term, tuple) else (term, 1.0))
+    return terms
+
+
 # on_step(step, num_finished_samples, num_total_samples); `step` is a step-trace dict with its phase labelled
 StepCallback = Callable[[dict, int, int], None]
 
@@ -44,7 +60,8 @@ class Rollout:
             the next call without copying.
         tokenizer: its tokenizer (formats prompts, decodes completions, gives the pad id).
         rewards: reward terms, each a built-in name, a "module:function" path, a callable, or a
-            `(any of those, weight)` pair; the batch's reward is their weighted sum. See `rollout.rewards` for the
+            `(any of those, weight)` pair (or a dict of them to their weights); the batch's reward is their weighted
+            sum. See `rollout.rewards` for the
             reward function signature. None (or empty): no scoring, `batch.reward` is None (a trainer that scores
             rewards itself sets it, then calls `batch.advantages()`).
         sampling: sampling settings (n samples per prompt, temperature, max_new_tokens, seed, ...).
@@ -94,12 +111,17 @@ class Rollout:
                 raise ValueError(f"threads ({threads!r}) must be an integer >= 1, or None to keep torch's setting")
             torch.set_num_threads(threads)
         self.non_finite_rewards_as_null = bool(non_finite_rewards_as_null)
+        if not callable(tokenizer) or not hasattr(tokenizer, "pad_token_id"):
+            raise TypeError(
+                f"tokenizer must be the model's transformers tokenizer (AutoTokenizer.from_pretrained(...), or "
+                f"rollout.models.zoo.load_model's second value), got {type(tokenizer).__name__}"
+            )
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            kind = type(sampling).__name__
+            raise TypeError(f"sampling must be a SamplingParams, e.g. SamplingParams(n=4), got {kind}")
         self.tokenizer = tokenizer
         self.sampling = sampling if sampling is not None else SamplingParams()
-        if isinstance(rewards, str) or callable(rewards):  # one reward given bare, not in a list
-            rewards = [rewards]
-        rewards = [] if rewards is None else list(rewards)
-        self.rewards: list[WeightedReward] = build_rewards([r if isinstance(r, tuple) else (r, 1.0) for r in rewards])
+        self.rewards: list[WeightedReward] = build_rewards(_reward_terms(rewards))
         self.prompt_column = prompt_column
         self.formatter = PromptFormatter(tokenizer, prompt_column, template, chat_template, system_prompt)
         self._chat_formatter = None
@@ -146,6 +168,9 @@ class Rollout:
         Returns:
             the `RolloutBatch`, prompt-major, with the step trace and the per-phase summary.
         """
+        for name, callback in (("on_step", on_step), ("on_group", on_group)):
+            if callback is not None and not callable(callback):
+                raise TypeError(f"{name} must be a function or None, got {type(callback).__name__}")
         rows, prompts, prompt_ids = self._prompts(data)
         indices = list(range(len(rows))) if group_indices is None else [int(i) for i in group_indices]
         if len(indices) != len(rows):
@@ -207,7 +232,7 @@ class Rollout:
 
     def _prompts(self, data) -> tuple[list[dict], list[str], list[list[int]]]:
         """(rows, prompt texts, prompt ids) of the call's data: dataset rows, or bare prompts as rows of one column."""
-        if isinstance(data, (str, dict)):
+        if isinstance(data, (str, dict)) or data is None or not hasattr(data, "__iter__"):
             raise ValueError(
                 f"data must be a list of prompts or rows (or a datasets.Dataset), got one {type(data).__name__}"
             )

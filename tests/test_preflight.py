@@ -73,6 +73,8 @@ REFUSED = [
     (["run", QUICKSTART, "data.split=test"], ["data.split ('test')", "'train' or 'eval'"], {}),
     (["run", QUICKSTART, "rewards.0.name=no_such_module:score"], ["cannot import module 'no_such_module'"], {}),
     (["run", "empty.yaml"], ["empty.yaml: a recipe is a mapping of sections", "got nothing (an empty file)"], {}),
+    (["run", "notes"], ["recipe file not found: notes is a folder; name a YAML file in it"], {}),
+    (["run", "sampling.n=8", QUICKSTART], ["not found: sampling.n=8; the recipe file comes first, then the key"], {}),
     (["run", QUICKSTART, "logging.wandb_mode=onlin"], ["logging.wandb_mode ('onlin')", "online"], {}),
     (["run", QUICKSTART, "rollout.cuda_graphs=true"], ["rollout.cuda_graphs=true needs a CUDA device"], {}),
     (["run", QUICKSTART], ["WANDB_MODE ('ofline')", "offline"], {"WANDB_MODE": "ofline"}),
@@ -104,9 +106,11 @@ def test_a_bad_recipe_is_refused_in_one_line_before_torch_loads_and_writes_nothi
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["run"], "rollout run: error: the following arguments are required: recipe"),
+        (["run"], "rollout run: error: give a recipe file, e.g. rollout run recipes/quickstart.yaml"),
         (["runn", QUICKSTART], "rollout: error: argument command: invalid choice: 'runn'"),
-        (["run", QUICKSTART, "--n", "8"], "rollout: error: unrecognized arguments: --n 8"),
+        (["run", QUICKSTART, "--n", "8"], "rollout run: error: unrecognized arguments: --n 8; settings are key=value"),
+        (["run", QUICKSTART, "--overwrite"], "rollout run: error: unrecognized arguments: --overwrite; settings are"),
+        (["report", "outputs/x", "extra"], "rollout report: error: unrecognized arguments: extra"),
     ],
 )
 def test_a_bad_command_line_is_one_line_with_the_usage(argv, expected):

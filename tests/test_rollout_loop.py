@@ -349,6 +349,37 @@ def test_threads_sets_torchs_cpu_threads_and_refuses_a_bad_count(tiny):
         torch.set_num_threads(before)
 
 
+def test_misused_arguments_are_named_before_anything_runs(tiny):
+    """The README's example with a wrong argument: one clear error naming it, never an AttributeError from inside."""
+    model, tokenizer = tiny
+    with pytest.raises(TypeError, match=r"tokenizer must be the model's transformers tokenizer .* got NoneType"):
+        Rollout(model, None)
+    with pytest.raises(TypeError, match=r"tokenizer must be .* got str"):
+        Rollout(model, "tiny-target")
+    with pytest.raises(TypeError, match=r"sampling must be a SamplingParams, e\.g\. SamplingParams\(n=4\), got dict"):
+        Rollout(model, tokenizer, sampling=dict(n=4))
+    with pytest.raises(ValueError, match=r"rewards\[0\] \(\('arithmetic',\)\) must be a reward or a \(reward, weight"):
+        Rollout(model, tokenizer, rewards=[("arithmetic",)])
+    with pytest.raises(ValueError, match=r"num_problems \('16'\) must be an integer >= 1"):
+        arithmetic_dataset("16")
+    params = SamplingParams(n=2, max_new_tokens=4)
+    rollout = Rollout(model, tokenizer, sampling=params, max_batch_size=2, max_seq_len=64)
+    with pytest.raises(ValueError, match=r"data must be a list of prompts .* got one NoneType"):
+        rollout(None)
+    with pytest.raises(TypeError, match=r"on_step must be a function or None, got int"):
+        rollout(["1 + 1 ="], on_step=5)
+
+
+def test_rewards_as_a_dict_of_weights_weigh_as_pairs(tiny):
+    def one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    model, tokenizer = tiny
+    params = SamplingParams(n=2, max_new_tokens=4, seed=0)
+    batch = Rollout(model, tokenizer, rewards={one: 0.5}, sampling=params, max_batch_size=2, max_seq_len=64)(["1 ="])
+    assert batch.reward == [0.5, 0.5]
+
+
 def test_a_raising_reward_is_named_with_its_type(tiny, data):
     def explodes(completions, **kwargs):
         raise KeyError("no such field")

@@ -193,6 +193,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
+        if message.startswith("the following arguments are required: recipe"):  # (argparse lists overrides too)
+            message = f"give a recipe file, e.g. {self.prog} recipes/quickstart.yaml"
         self.exit(2, f"{self.prog}: error: {message} (usage: {usage}; {self.prog.split()[0]} --help for more)\n")
 
 
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="per-phase table and plot of a finished run")
     report.add_argument("output_dir", help="the output_dir of a finished `rollout run`")
     report.set_defaults(func=_report)
+    parser.commands = {"run": run, "train": train, "bench": bench, "report": report}
     return parser
 
 
@@ -241,7 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status. Under `accelerate launch` (WORLD_SIZE above 1) every process
     runs it as one rank: the first rank to fail prints the one error line, naming itself; the others stop quietly.
     Library warnings go to the run's `warnings.log` (`rollout.cli.library_log`), never between those lines."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command's own parser, as its other errors are
+        command = parser.commands[args.command]
+        hint = "; settings are key=value overrides, e.g. overwrite=true" if args.command != "report" else ""
+        command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     with capture_library_warnings() as log:
         status = _main(args)
         if status == 0:

@@ -394,8 +394,11 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
     sources = []
     if path is not None:
         path = pathlib.Path(path)
+        if path.is_dir():
+            raise FileNotFoundError(f"recipe file not found: {path} is a folder; name a YAML file in it")
         if not path.is_file():
-            raise FileNotFoundError(f"recipe file not found: {path}")
+            hint = "; the recipe file comes first, then the key=value overrides" if "=" in path.name else ""
+            raise FileNotFoundError(f"recipe file not found: {path}{hint}")
         try:
             values = OmegaConf.load(path)
         except Exception as err:  # the YAML parser's own error types

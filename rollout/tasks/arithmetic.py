@@ -161,6 +161,8 @@ def arithmetic_dataset(num_problems: int, split: str = "train", seed: int = 0, c
     """
     import datasets  # imported here: the generator itself needs only the standard library
 
+    if not isinstance(num_problems, int) or isinstance(num_problems, bool) or num_problems < 1:
+        raise ValueError(f"num_problems ({num_problems!r}) must be an integer >= 1")
     problems = generate_problems(num_problems, split=split, seed=seed, config=config)
     data = datasets.Dataset.from_dict(
         {
