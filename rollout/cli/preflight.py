@@ -55,6 +55,13 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
     methods = [spec.method] if isinstance(spec.method, str) else list(spec.method or [])
     if "draft_model" in methods and isinstance(spec.model, str):
         check_model_name(spec.model, "spec.model")
+    names = (recipe.model.name, spec.model if "draft_model" in methods else None)
+    widened = [name for name in names if name in zoo.WIDENED_NAMES]
+    if widened and recipe.model.dtype == "float16":  # (the widened models' added vocabulary rows need it)
+        raise ValueError(
+            f"model.dtype float16 cannot hold the added vocabulary guard of the widened {widened[0]!r}: set "
+            "model.dtype to bfloat16 or float32"
+        )
     terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
     columns = data_columns(recipe.data)
     if columns is not None:  # a hub data set's columns are checked once it loads
