@@ -10,7 +10,7 @@ for step, rows in enumerate(prompt_batches):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -38,7 +38,7 @@ def _reward_terms(rewards) -> list[tuple]:
     weights, or None."""
     if isinstance(rewards, str) or callable(rewards):  # one reward given bare, not in a list
         rewards = [rewards]
-    if isinstance(rewards, dict):
+    if isinstance(rewards, Mapping):
         return list(rewards.items())
     terms = []
     for i, term in enumerate([] if rewards is None else rewards):
@@ -232,11 +232,15 @@ class Rollout:
 
     def _prompts(self, data) -> tuple[list[dict], list[str], list[list[int]]]:
         """(rows, prompt texts, prompt ids) of the call's data: dataset rows, or bare prompts as rows of one column."""
-        if isinstance(data, (str, dict)) or data is None or not hasattr(data, "__iter__"):
-            raise ValueError(
-                f"data must be a list of prompts or rows (or a datasets.Dataset), got one {type(data).__name__}"
-            )
-        items = list(data)
+        refused = ValueError(
+            f"data must be a list of prompts or rows (or a datasets.Dataset), got one {type(data).__name__}"
+        )
+        if isinstance(data, (str, dict)):
+            raise refused
+        try:
+            items = list(data)
+        except TypeError:  # not iterable (None, a number)
+            raise refused from None
         if not items:
             raise ValueError("data is empty: pass at least one prompt or one row with a prompt column")
         kinds = {prompt_kind(item) for item in items}

@@ -110,6 +110,11 @@ def test_bad_files(tmp_path):
         (tmp_path / "shape.yaml").write_text(text)
         with pytest.raises(ValueError, match=message):
             load_recipe(tmp_path / "shape.yaml")
+    (tmp_path / "missing.yaml").write_text("sampling:\n  n: ???\nrewards: arithmetic\n")  # values that do not resolve
+    with pytest.raises(ValueError, match=r"missing.yaml: rewards: takes a list"):
+        load_recipe(tmp_path / "missing.yaml")
+    with pytest.raises(ValueError, match=r"override 'sampling.n=\$\{sampling.top_k': sampling\.n: no viable alt"):
+        load_recipe(RECIPES / "quickstart.yaml", ["sampling.n=${sampling.top_k"])
     nested = tmp_path / "nested.yaml"
     nested.write_text("rollout:\n  tail_fraction: high\n")
     with pytest.raises(ValueError, match=r"nested.yaml: rollout\.tail_fraction: Value 'high'"):

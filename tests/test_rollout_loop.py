@@ -370,6 +370,24 @@ def test_misused_arguments_are_named_before_anything_runs(tiny):
         rollout(["1 + 1 ="], on_step=5)
 
 
+def test_data_that_list_takes_is_taken(tiny):
+    """Any data `list()` takes: a sequence with `__getitem__` and `__len__` only (a torch map-style data set)."""
+
+    class Prompts:
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            if i >= 1:
+                raise IndexError(i)
+            return "1 + 1 ="
+
+    model, tokenizer = tiny
+    params = SamplingParams(n=2, max_new_tokens=4, seed=0)
+    batch = Rollout(model, tokenizer, rewards=None, sampling=params, max_batch_size=2, max_seq_len=64)(Prompts())
+    assert len(batch) == 2
+
+
 def test_rewards_as_a_dict_of_weights_weigh_as_pairs(tiny):
     def one(completions, **kwargs):
         return [1.0] * len(completions)

@@ -194,7 +194,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         usage = " ".join(self.format_usage().split()).removeprefix("usage: ")
         if message.startswith("the following arguments are required: recipe"):  # (argparse lists overrides too)
-            message = f"give a recipe file, e.g. {self.prog} recipes/quickstart.yaml"
+            example = "recipes/grpo_quickstart.yaml" if self.prog.endswith("train") else "recipes/quickstart.yaml"
+            message = f"give a recipe file, e.g. {self.prog} {example}"
         self.exit(2, f"{self.prog}: error: {message} (usage: {usage}; {self.prog.split()[0]} --help for more)\n")
 
 

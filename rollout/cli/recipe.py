@@ -351,10 +351,15 @@ def _error(err: OmegaConfBaseException, source: str, config=None, given=None) ->
     a list or a section, a mapping for a list) says what the key takes instead."""
     key = getattr(err, "full_key", None)
     message = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
-    shape = _shape_mismatch(config, given) if config is not None else None
+    shape = None
+    if config is not None:
+        try:
+            shape = _shape_mismatch(config, given)
+        except (OmegaConfBaseException, ValueError, TypeError, KeyError, AttributeError):
+            shape = None  # (values that do not resolve yet, a value the grammar refuses): OmegaConf's message stands
     if shape is not None:
         key, message = shape
-    elif "is not a ListConfig" in message:  # a list field whose default is None
+    elif key and "is not a ListConfig" in message:  # a list field whose default is None
         message = f"takes a list, e.g. '{key}=[...]'"
     return ValueError(f"{source}: {key}: {message}" if key else f"{source}: {message}")
 

@@ -156,6 +156,8 @@ class Admission:
         self._release_propose_seconds = 0.0  # (a step that raised after removing rows)
         if self._closed:
             return
+        if self.proposers is not None:  # the rows in flight end unfinished: what they hold leaves the proposers
+            self.proposers.drop(list(range(self.scheduler.num_active)))
         # every slot, not only those in flight: a restore to fewer rows left the others holding their blocks
         for runner in self._runners():
             runner.release_rows(0, self.max_batch_size)
@@ -197,11 +199,12 @@ class Admission:
         with self._one_call():
             self._check_no_step_in_flight()
             self._ahead.decision, self._ahead.last_finish = None, 0.0  # the rows are not those the last step read
-            if self.proposers is not None:  # the rows' tokens are rolled back, those past the snapshot's are dropped
+            if self.proposers is not None:  # the rows' tokens are rolled back
                 self.proposers.wait()
-                self.proposers.drop(list(range(len(rows), self.scheduler.num_active)))
             with torch.inference_mode():
-                self.slots.restore(rows)
+                self.slots.restore(rows)  # (asserts that each row still holds its snapshot's sequence)
+            if self.proposers is not None:  # the rows past the snapshot's prefix end unfinished
+                self.proposers.drop(list(range(len(rows), self.scheduler.num_active)))
             self.scheduler.num_active = len(rows)
 
     def _check_no_step_in_flight(self) -> None:

@@ -11,6 +11,7 @@ Everything is stdlib-only and seeded; `datasets` is imported only to build the `
 from __future__ import annotations
 
 import hashlib
+import numbers
 import random
 import re
 from dataclasses import dataclass
@@ -161,8 +162,9 @@ def arithmetic_dataset(num_problems: int, split: str = "train", seed: int = 0, c
     """
     import datasets  # imported here: the generator itself needs only the standard library
 
-    if not isinstance(num_problems, int) or isinstance(num_problems, bool) or num_problems < 1:
+    if not isinstance(num_problems, numbers.Integral) or isinstance(num_problems, bool) or num_problems < 1:
         raise ValueError(f"num_problems ({num_problems!r}) must be an integer >= 1")
+    num_problems = int(num_problems)
     problems = generate_problems(num_problems, split=split, seed=seed, config=config)
     data = datasets.Dataset.from_dict(
         {

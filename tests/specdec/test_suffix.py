@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -366,6 +367,43 @@ def test_rows_given_up_unfinished_leave_the_tries():
     gen.step()
     assert_counts_exact(lockstep.new)
     assert int(lockstep.new._in_flight.sum()) == 1 and lockstep.num_drafted > 0
+
+
+def test_aborted_and_closed_rows_leave_the_tries_and_a_refused_restore_drops_nothing():
+    """`abort` and `close` end the rows in flight unfinished (a call that keeps rows in flight starts after an abort
+    without `begin`'s clean-up); a restore refused because a row holds another sequence now changes no row of the
+    tries (the rows it would have left out are still in flight)."""
+    model = make_model("qwen2")
+    spec = SpecConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
+    gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec, async_scheduling=False)
+    history = gen.draft_history
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3)
+    gen.add_requests(random_prompts(2, seed=14), params)
+    for _ in range(4):
+        gen.step()
+    gen.abort()
+    gen.add_requests(random_prompts(2, seed=15), replace(params, max_new_tokens=8), keep_in_flight=True)
+    while gen.has_unfinished:
+        gen.step()
+    assert_counts_exact(history)
+    assert not history.prompts
+
+    lengths = [SamplingParams(temperature=1.0, max_new_tokens=m, seed=3) for m in (3, 30, 30, 30)]
+    gen.add_requests(random_prompts(4, seed=16), lengths)
+    gen.step()
+    saved = gen.snapshot()
+    while gen.num_active == 4:  # the short row finishes and the last row moves into its slot
+        gen.step()
+    with pytest.raises(AssertionError, match="to hold its snapshot's sequence"):
+        gen.restore(saved[:2])
+    assert int(history._in_flight.sum()) == 3
+    while gen.has_unfinished:
+        gen.step()
+    assert_counts_exact(history)
+    gen.add_requests(random_prompts(2, seed=17), params)
+    gen.step()
+    gen.close()
+    assert history.stats()["prompts"] == 0 and not history._in_flight.any()
 
 
 def test_interrupted_call_leaves_only_finished_responses():
