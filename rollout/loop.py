@@ -88,7 +88,7 @@ class Rollout:
         self,
         model,
         tokenizer,
-        rewards: Sequence[str | RewardFn | tuple[str | RewardFn, float]] | None = ("arithmetic",),
+        rewards: Sequence[str | RewardFn | tuple[str | RewardFn, float]] | Mapping | None = ("arithmetic",),
         *,
         sampling: SamplingParams | None = None,
         spec: SpecConfig | None = None,
