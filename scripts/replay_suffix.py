@@ -36,7 +36,7 @@ from specdec.proposers.base import ProposalBatch
 from specdec.proposers.suffix import SuffixProposer
 
 TAIL = 8  # tokens of a row kept per call: more than a step emits
-HOOKS = ("propose", "update", "finish", "prefill", "copy_rows", "begin")
+HOOKS = ("propose", "update", "finish", "prefill", "copy_rows", "begin", "drop")
 
 
 def record(args) -> None:
@@ -87,7 +87,11 @@ def record(args) -> None:
         calls.append(("begin",))
         return hooks["begin"]()
 
-    for name, hook in zip(HOOKS, (propose, update, finish, prefill, copy_rows, begin)):
+    def drop(rows):
+        calls.append(("drop", list(rows)))
+        return hooks["drop"](rows)
+
+    for name, hook in zip(HOOKS, (propose, update, finish, prefill, copy_rows, begin, drop)):
         setattr(proposer, name, hook)
     for scenario, seed in (("first", 1), ("second", 2)):
         calls.append(("rollout", scenario))
@@ -161,6 +165,8 @@ def replay(recording: dict, check: bool, flush: bool) -> dict[str, float]:
             hook_args = (row_start, prompts, torch.from_numpy(group_of), [{} for _ in range(num_rows)])
         elif kind == "copy_rows":
             hook, hook_args = proposer.copy_rows, (torch.from_numpy(call[1]), torch.from_numpy(call[2]), call[3])
+        elif kind == "drop":
+            hook, hook_args = proposer.drop, (call[1],)
         else:
             hook, hook_args = proposer.begin, ()
         start = time.perf_counter()
