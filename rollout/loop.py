@@ -61,9 +61,8 @@ class Rollout:
         tokenizer: its tokenizer (formats prompts, decodes completions, gives the pad id).
         rewards: reward terms, each a built-in name, a "module:function" path, a callable, or a
             `(any of those, weight)` pair (or a dict of them to their weights); the batch's reward is their weighted
-            sum. See `rollout.rewards` for the
-            reward function signature. None (or empty): no scoring, `batch.reward` is None (a trainer that scores
-            rewards itself sets it, then calls `batch.advantages()`).
+            sum. See `rollout.rewards` for the reward function signature. None (or empty): no scoring, `batch.reward`
+            is None (a trainer that scores rewards itself sets it, then calls `batch.advantages()`).
         sampling: sampling settings (n samples per prompt, temperature, max_new_tokens, seed, ...).
         spec: speculative decoding settings; None decodes without drafts.
         max_batch_size: generator slots (sequences decoded at once).

@@ -113,11 +113,10 @@ def layout_drafts(num_drafted: list[int], draft_parents: Tensor | None) -> Draft
     """Build the layout from per-row draft counts and draft-local parents `[rows, >= max count]` (-1 = child of the
     pending token); `draft_parents` None means every row is a chain."""
     num_nodes = [1 + n for n in num_drafted]
-    counts = np.array(num_nodes, dtype=np.int64)
-    node_counts = torch.from_numpy(counts)
+    node_counts = host_longs(num_nodes)
     width = max(num_nodes)
     # in numpy: a step lays its drafts out on the host, and numpy's calls cost a few times less than torch's
-    chain = torch.from_numpy(np.where(np.arange(width) < counts[:, None], np.arange(-1, width - 1), -1))
+    chain = torch.from_numpy(np.where(np.arange(width) < node_counts.numpy()[:, None], np.arange(-1, width - 1), -1))
     if draft_parents is not None and width > 1:
         valid = torch.arange(width)[None, :] < node_counts[:, None]
         parents = torch.where(valid, with_root(host(draft_parents[:, : width - 1])), -1)  # a host proposer's

@@ -415,9 +415,9 @@ class SuffixTries(Proposer):
 
 # what reading a file that is not an .npz `save` wrote raises (a truncated or altered archive, a pickle, another file)
 _UNREADABLE = (
-    *(OSError, EOFError, KeyError, ValueError, TypeError, IndexError, zipfile.BadZipFile, zlib.error),
-    *(NotImplementedError, RuntimeError, MemoryError),  # an unknown compression, an encrypted member, a huge shape
-)
+    OSError, EOFError, KeyError, ValueError, TypeError, IndexError, zipfile.BadZipFile, zlib.error,
+    NotImplementedError, RuntimeError, MemoryError,  # an unknown compression, an encrypted member, a huge shape
+)  # fmt: skip
 _SAVED = ("prompt_tokens", "prompt_lens", "response_tokens", "response_lens", "response_prompt")  # `save`'s arrays
 
 
