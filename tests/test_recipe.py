@@ -52,6 +52,14 @@ def test_overrides_win_over_the_file():
     assert [(r.name, r.weight) for r in rewards] == [("arithmetic", 2.0), ("mod:fn", 1.0)]
 
 
+def test_an_override_through_a_list_changes_that_load_only():
+    # the defaults are built once and copied for each load: an override through a list (updated in place) must not
+    # reach the next load
+    assert [r.weight for r in load_recipe(None, ["rewards.0.weight=3"]).rewards] == [3.0]
+    assert [(r.name, r.weight) for r in load_recipe().rewards] == [("arithmetic", 1.0)]
+    assert load_recipe(None, ["sampling.n=7"]).sampling.n == 7 and load_recipe().sampling.n != 7
+
+
 def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):
     recipe = load_recipe(RECIPES / "table.yaml", ["sampling.seed=3"])
     path = tmp_path / "config.yaml"

@@ -6,7 +6,9 @@ and by building the generator's own settings (`SamplingParams`, `SpecConfig`, th
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import pathlib
 from dataclasses import dataclass, field
@@ -395,7 +397,7 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         FileNotFoundError: no file at `path`.
         ValueError: invalid YAML, an unknown key, a value of the wrong type or out of range, naming the key.
     """
-    config = OmegaConf.structured(Recipe)
+    config = copy.deepcopy(_defaults())  # a copy: an override through a list updates the config in place
     sources = []
     if path is not None:
         path = pathlib.Path(path)
@@ -451,6 +453,13 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         raise ValueError(f"{section}: {err}" if section in ("sampling", "spec") else str(err)) from None
     check_recipe(recipe)
     return recipe
+
+
+@functools.cache
+def _defaults():
+    """The recipe's defaults as OmegaConf's structured config, built once: building it from the dataclasses takes 15 ms,
+    copying it 3 ms (the fuzz tests load recipes hundreds of times)."""
+    return OmegaConf.structured(Recipe)
 
 
 def _list_example(node) -> str:
