@@ -168,20 +168,29 @@ def records(folder: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in lines]  # every line whole: json.loads raises on a cut one
 
 
+# the same greedy two-rollout suffix run (history carried into the second rollout) on 1 and on 2 processes: two
+# fixtures, so that a test needing one of them (on another xdist worker) does not pay for both
+ONE_AND_TWO = ["run", QUICKSTART, *SMALL, "sampling.temperature=0", "rollout.num_rollouts=2"]
+
+
 @pytest.fixture(scope="module")
-def one_and_two(tmp_path_factory):
-    """The same greedy two-rollout suffix run (history carried into the second rollout) on 1 and on 2 processes."""
-    out = tmp_path_factory.mktemp("dp")
-    args = ["run", QUICKSTART, *SMALL, "sampling.temperature=0", "rollout.num_rollouts=2"]
-    one = run_alone([*args, f"output_dir={out / 'one'}"])
+def one_process(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("dp") / "one"
+    one = run_alone([*ONE_AND_TWO, f"output_dir={out}"])
     assert one.returncode == 0, one.stderr[-2000:]
-    two = launch(2, [*args, f"output_dir={out / 'two'}"], wandb="offline")
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[pathlib.Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("dp") / "two"
+    two = launch(2, [*ONE_AND_TWO, f"output_dir={out}"], wandb="offline")
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
-    return out / "one", out / "two", two
+    return out, two
 
 
-def test_two_ranks_give_the_one_process_samples_each_once_in_prompt_order(one_and_two):
-    one, two, _ = one_and_two
+def test_two_ranks_give_the_one_process_samples_each_once_in_prompt_order(one_process, two_processes):
+    one, (two, _) = one_process, two_processes
     key = lambda r: (r["rollout"], r["prompt_index"], r["sample_index"])  # noqa: E731
     ones, twos = records(one), records(two)
     assert [key(r) for r in twos] == sorted({key(r) for r in ones})  # prompt order, each sample exactly once
@@ -189,8 +198,8 @@ def test_two_ranks_give_the_one_process_samples_each_once_in_prompt_order(one_an
     assert {key(r): r["reward"] for r in twos} == {key(r): r["reward"] for r in ones}
 
 
-def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(one_and_two):
-    _, two, result = one_and_two
+def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(two_processes):
+    two, result = two_processes
     steps = [json.loads(line) for line in (two / "steps.jsonl").read_text().splitlines()]
     assert {s["rank"] for s in steps} == {0, 1}
     assert {s["rollout"] for s in steps} == {0, 1}
@@ -210,8 +219,8 @@ def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(one_and_two):
     assert "straggler ratio" in result.stdout and result.stdout.count("samples, reward mean") == 1  # rank 0 prints
 
 
-def test_one_wandb_run_holds_every_rank(one_and_two):
-    _, two, _ = one_and_two
+def test_one_wandb_run_holds_every_rank(two_processes):
+    two, _ = two_processes
     runs = list((two / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1  # rank 0's alone
     history = []
@@ -326,10 +335,10 @@ def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share):
     assert result.stdout.count("steps in") == 1
 
 
-def test_a_run_stopped_by_a_rank_resumes_to_every_sample_once(one_and_two, tmp_path, monkeypatch):
+def test_a_run_stopped_by_a_rank_resumes_to_every_sample_once(one_process, tmp_path, monkeypatch):
     """Rank 1 fails in the second rollout; resuming on 2 processes keeps the first rollout and redoes the rest: the
     folder then holds the uninterrupted run's samples, each once, in order."""
-    one, _, _ = one_and_two
+    one = one_process
     out = tmp_path / "run"
     args = ["run", QUICKSTART, *SMALL, "sampling.temperature=0", "rollout.num_rollouts=2", "distributed.balance=count"]
     args += ["rewards=[{name: 'rank_rewards:fails_late_on_rank_one'}]", f"output_dir={out}"]
