@@ -24,7 +24,8 @@ assert pathlib.Path(kernels.__file__).parent != root / "kernels", kernels.__file
 assert callable(kernels.get_kernel) and callable(kernels.kernelize)  # the hub-kernel API, not ours
 assert rollout_kernels.greedy_verify_ref is not None and not hasattr(kernels, "greedy_verify_ref")
 model, tokenizer = load_model("tiny-target")
-out = Generator(model, max_batch_size=2, max_seq_len=32).generate([[5, 6, 7]], SamplingParams(max_new_tokens=4))
+params = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=0)  # 4 tokens whatever is drawn (CI once drew EOS)
+out = Generator(model, max_batch_size=2, max_seq_len=32).generate([[5, 6, 7]], params)
 print(kernels.__name__, rollout_kernels.__name__, len(out[0].token_ids))
 """
 
