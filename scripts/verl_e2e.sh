@@ -16,7 +16,17 @@ if [[ "${1:-}" == "--install" || "${1:-}" == "--tests" ]]; then
   shift
 fi
 
+if [[ "$PHASE" == install && $# -gt 0 ]]; then
+  echo "verl_e2e.sh: --install takes no more arguments (pytest's go after --tests), got: $*" >&2
+  exit 2
+fi
+
 if [[ "$PHASE" != tests ]]; then
+  # the project is installed from a copy of its sources, taken first: setuptools builds in the source folder (build/,
+  # *.egg-info), and CI installs the main environment from that folder meanwhile, then runs tests that write caches there
+  src="$(mktemp -d)"
+  trap 'rm -rf "$src"' EXIT
+  cp -r pyproject.toml README.md rollout specdec kernels "$src"
   rm -rf "$VENV"
   python3 -m venv "$VENV"
   # torch first, pinned to the CPU build the main environment uses (veRL would otherwise pull a CUDA build).
@@ -25,11 +35,6 @@ if [[ "$PHASE" != tests ]]; then
   # first imports, the tests took 294 s instead of 163 (veRL's ray workers start at once, each compiling what it
   # imports). Files that do not compile on this Python (torch's py312_*) are skipped, as pip skips them.
   "$VENV/bin/pip" install -q --no-compile torch==2.13.0
-  # the project from a copy of its sources: setuptools builds in the source folder (build/, *.egg-info), and CI installs
-  # the main environment from that folder at the same time
-  src="$(mktemp -d)"
-  trap 'rm -rf "$src"' EXIT
-  cp -r pyproject.toml README.md rollout specdec kernels "$src"
   "$VENV/bin/pip" install -q --no-compile "$src[verl]" pytest
   purelib="$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")"
   "$VENV/bin/python" -m compileall -q -j 0 "$purelib" > /dev/null || true
