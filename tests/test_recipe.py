@@ -1,6 +1,8 @@
 """Recipes: shipped files load and say how to run them; overrides win; bad keys, types and K tables name the key."""
 
 import pathlib
+import sys
+import threading
 
 import pytest
 from omegaconf import OmegaConf
@@ -58,6 +60,29 @@ def test_an_override_through_a_list_changes_that_load_only():
     assert [r.weight for r in load_recipe(None, ["rewards.0.weight=3"]).rewards] == [3.0]
     assert [(r.name, r.weight) for r in load_recipe().rewards] == [("arithmetic", 1.0)]
     assert load_recipe(None, ["sampling.n=7"]).sampling.n == 7 and load_recipe().sampling.n != 7
+
+
+def test_recipes_loaded_from_threads_leave_the_shared_defaults_whole():
+    # OmegaConf's deepcopy unhooks each child of the source from it while copying it: two threads copying the shared
+    # defaults at once could restore the other's unhooked state, and leave the defaults' sections without a parent
+    from rollout.cli.recipe import _defaults
+
+    def load_many():
+        for _ in range(30):
+            assert load_recipe(None, ["sampling.n=3"]).sampling.n == 3
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible, so that a missing lock shows
+    try:
+        threads = [threading.Thread(target=load_many) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    defaults = _defaults()
+    assert all(defaults._get_node(key)._get_parent() is defaults for key in defaults)
 
 
 def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):

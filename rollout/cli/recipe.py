@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import math
 import pathlib
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -397,7 +398,8 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         FileNotFoundError: no file at `path`.
         ValueError: invalid YAML, an unknown key, a value of the wrong type or out of range, naming the key.
     """
-    config = copy.deepcopy(_defaults())  # a copy: an override through a list updates the config in place
+    with _DEFAULTS_LOCK:  # OmegaConf's deepcopy unhooks each child from the source while it copies it
+        config = copy.deepcopy(_defaults())  # a copy: an override through a list updates the config in place
     sources = []
     if path is not None:
         path = pathlib.Path(path)
@@ -453,6 +455,9 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         raise ValueError(f"{section}: {err}" if section in ("sampling", "spec") else str(err)) from None
     check_recipe(recipe)
     return recipe
+
+
+_DEFAULTS_LOCK = threading.Lock()
 
 
 @functools.cache
