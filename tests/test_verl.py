@@ -279,6 +279,64 @@ def test_a_bad_request_fails_alone(tiny32):
         engine.close()
 
 
+def test_a_caller_that_gives_up_on_its_request_leaves_the_others_served(tiny32):
+    # asyncio.wait_for cancels the future of a request it timed out: resolving it later must not fail the requests
+    # that finish with it, nor stop abort_all halfway
+    model, tokenizer = tiny32
+    prompts = prompts_of(tokenizer, 3, seed=6)
+    engine = ServingEngine(model, max_batch_size=2, max_seq_len=LIMITS.max_model_len)
+    try:
+        params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        given_up = engine.submit(prompts[0], params)
+        kept = engine.submit(prompts[1], params)
+        assert given_up.cancel()
+        assert len(kept.result(timeout=60).token_ids) == 8  # it finishes in the step that finishes the cancelled one
+        long = SamplingParams(max_new_tokens=LIMITS.max_model_len - max(map(len, prompts)), ignore_eos=True)
+        futures = [engine.submit(prompt, long) for prompt in prompts]
+        assert futures[0].cancel()
+        assert engine.abort_all() == 3
+        assert all(f.result(timeout=10).finish_reason == ABORTED for f in futures[1:])
+    finally:
+        engine.close()
+
+
+def test_close_fails_the_requests_it_leaves_unfinished_and_closes_the_generator(tiny32):
+    model, tokenizer = tiny32
+    prompt = prompts_of(tokenizer, 1, seed=5)[0]
+    engine = ServingEngine(model, max_batch_size=2, max_seq_len=LIMITS.max_model_len)
+    long = SamplingParams(max_new_tokens=LIMITS.max_model_len - len(prompt), ignore_eos=True)
+    futures = [engine.submit(prompt, long) for _ in range(3)]  # two in flight, one queued
+    deadline = time.monotonic() + 30
+    while (engine.generator is None or engine.generator.num_active == 0) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    generator = engine.generator
+    engine.close()
+    for future in futures:
+        with pytest.raises(RuntimeError, match="closed"):
+            future.result(timeout=10)
+    assert engine.generator is None and generator._closed  # its KV cache freed
+
+
+def test_sleep_and_wait_idle_count_a_request_the_engine_is_still_queueing(tiny32):
+    # the engine builds its generator with the first request (auto K's warm-up: a second or more here): a request
+    # taken from the queue and not yet in flight is one that sleep waits for and wait_idle counts
+    model, tokenizer = tiny32
+    prompt = prompts_of(tokenizer, 1, seed=7)[0]
+    spec = SpecConfig(method="suffix", num_speculative_tokens=4, num_speculative_tokens_per_batch_size="auto")
+    engine = ServingEngine(model, max_batch_size=4, max_seq_len=LIMITS.max_model_len, spec=spec, seed=0)
+    try:
+        future = engine.submit(prompt, SamplingParams(max_new_tokens=8))
+        deadline = time.monotonic() + 30
+        while engine._incoming and time.monotonic() < deadline:  # until the engine's thread has taken it
+            time.sleep(0.001)
+        assert engine.num_in_flight == 1 and not engine.wait_idle(timeout=0)
+        engine.sleep()
+        assert future.result(timeout=60).finish_reason in ("stop", "length")
+        assert engine.generator is None
+    finally:
+        engine.close()
+
+
 def test_verl_sampling_params_map_onto_the_library():
     greedy, wants = sampling_params_from_verl(
         {"temperature": 0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}, 100, LIMITS
@@ -299,6 +357,17 @@ def test_verl_sampling_params_map_onto_the_library():
         sampling_params_from_verl({"best_of": 2}, 10, LIMITS)
     with pytest.raises(ValueError, match="no room"):
         sampling_params_from_verl({}, 208, LIMITS)
+    assert sampling_params_from_verl({"temperature": None}, 10, LIMITS)[0].temperature == 1.0  # None: the default
+    for bad, message in [
+        ({"temperature": "hot"}, r"\['temperature'\] \('hot'\) must be a number"),
+        ({"seed": 1.5}, r"\['seed'\] \(1.5\) must be an integer"),
+        ({"stop_token_ids": 5}, r"\['stop_token_ids'\] \(5\) must be a list"),
+        ({"stop_token_ids": [2.5]}, r"\['stop_token_ids'\] \(2.5\) must be an integer"),
+        ({"top_k": -2}, r"\['top_k'\] \(-2\) must be -1 \(off\)"),
+        ({"max_tokens": "32"}, r"\['max_tokens'\] \('32'\) must be an integer"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            sampling_params_from_verl(bad, 10, LIMITS)
 
 
 def test_a_vllm_speculative_config_carries_over():
@@ -312,6 +381,8 @@ def test_a_vllm_speculative_config_carries_over():
     assert options.spec.method == "ngram" and options.max_batch_size == 16
     own = EngineOptions.from_dict({"speculative_config": {"method": "suffix"}}, fallback_spec={"method": "ngram"})
     assert own.spec.method == "suffix"  # engine_kwargs.rollout wins over engine_kwargs.vllm
+    off = EngineOptions.from_dict({"speculative_config": None}, fallback_spec={"method": "ngram"})
+    assert off.spec is None  # set to None: no drafts, whatever engine_kwargs.vllm says
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineOptions.from_dict({"max_num_batched_tokens": 8})
 

@@ -84,6 +84,7 @@ class ServingEngine:
         self.totals: dict[str, float] = {"steps": 0, "num_drafted": 0, "num_accepted": 0, "num_emitted": 0}
         self._history: io.BytesIO | None = None  # the suffix drafter's history kept over a sleep
         self._incoming: list[_Request] = []
+        self._num_admitting = 0  # requests the engine's thread took from `_incoming` and has not yet queued
         self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}  # (prompt_index, sample_index) in flight
         self._num_groups = 0  # groups queued so far: the next group's prompt index
         self._num_requests = 0  # requests queued so far: the next one's arrival index
@@ -126,12 +127,14 @@ class ServingEngine:
     def num_in_flight(self) -> int:
         """Requests submitted and not yet resolved."""
         with self._cond:
-            return len(self._incoming) + len(self._futures)
+            return len(self._incoming) + self._num_admitting + len(self._futures)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until every submitted request is resolved (or paused ones are all that is left); False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._futures and (not self._incoming or self._paused), timeout)
+            return self._cond.wait_for(
+                lambda: not self._futures and not self._num_admitting and (not self._incoming or self._paused), timeout
+            )
 
     def update_weights(self, named_tensors, strict: bool = False) -> int:
         """`copy_weights` into the model between two steps (see `rollout.integrations.verl.weights`)."""
@@ -142,8 +145,8 @@ class ServingEngine:
         """Wait for the requests in flight, then drop the generator: its KV cache, CUDA graphs and a draft model's
         cache are freed (the suffix drafter's history is kept for `wake_up`). Requests submitted while asleep wait."""
         with self._cond:
-            self._asleep = True  # nothing new is admitted; rows in flight finish first
-            self._cond.wait_for(lambda: not self._futures)
+            self._asleep = True  # nothing new is admitted; rows in flight (and requests being queued) finish first
+            self._cond.wait_for(lambda: not self._futures and not self._num_admitting)
         with self._step_lock:
             self._drop_generator()
 
@@ -183,7 +186,7 @@ class ServingEngine:
                 self._aborting = False
                 self._cond.notify_all()
         for future in dropped:
-            future.set_result(Completion(0, 0, [], [], ABORTED))
+            _settle(future, Completion(0, 0, [], [], ABORTED))
         return len(dropped)
 
     def resume(self) -> None:
@@ -193,7 +196,8 @@ class ServingEngine:
             self._cond.notify_all()
 
     def close(self) -> None:
-        """Stop the engine's thread (requests still queued resolve to RuntimeError)."""
+        """Stop the engine's thread: requests not finished (queued or in flight) resolve to RuntimeError, and the
+        generator is closed (its KV cache and graphs freed)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -213,16 +217,27 @@ class ServingEngine:
                 with self._cond:
                     admit = not (self._asleep or self._paused)
                     batch, self._incoming = (self._incoming, []) if admit else ([], self._incoming)
+                    self._num_admitting = len(batch)  # in flight for `sleep` and `wait_idle` until queued
                 try:
-                    self._queue(batch)
+                    try:
+                        self._queue(batch)
+                    finally:
+                        with self._cond:
+                            self._num_admitting = 0
+                            self._cond.notify_all()
                     self._step()
                 except Exception as error:  # a failed step fails the requests in flight, not the engine
                     logger.exception("rollout serving engine: a step failed")
                     self._fail_all(error, batch)
-        with self._cond:
-            for request in self._incoming:
-                request.future.set_exception(RuntimeError("the ServingEngine was closed"))
+        with self._step_lock, self._cond:
+            unfinished = [r.future for r in self._incoming] + list(self._futures.values())
             self._incoming.clear()
+            self._futures.clear()
+            gen, self.generator = self.generator, None
+        if gen is not None:
+            gen.close()
+        for future in unfinished:
+            _settle(future, error=RuntimeError("the ServingEngine was closed"))
 
     def _has_work(self) -> bool:
         if self._aborting:
@@ -241,7 +256,7 @@ class ServingEngine:
                 check_prompts([request.prompt_ids], gen.vocab_size, gen.max_seq_len)
                 check_params(request.params, 1, gen.spec.methods if gen.spec is not None else (), gen.vocab_size)
             except ValueError as error:
-                request.future.set_exception(error)
+                _settle(request.future, error=error)
                 continue
             valid.append(request)
         groups: list[list[_Request]] = []
@@ -291,7 +306,7 @@ class ServingEngine:
         for completion in out.finished:
             future = self._futures.pop((completion.prompt_index, completion.sample_index), None)
             if future is not None:  # None: dropped by abort_all meanwhile
-                future.set_result(completion)
+                _settle(future, completion)
         if out.finished:
             with self._cond:
                 self._cond.notify_all()
@@ -302,7 +317,7 @@ class ServingEngine:
         if self.generator is not None:
             self.generator.abort()
         for future in futures:
-            future.set_exception(error)
+            _settle(future, error=error)
         with self._cond:
             self._cond.notify_all()
 
@@ -323,6 +338,18 @@ class ServingEngine:
             self._history = io.BytesIO()
             gen.draft_history.save(self._history)
         gen.close()
+
+
+def _settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
+    """Resolve `future` unless its caller already gave up on it (cancelled it, e.g. through `asyncio.wait_for`):
+    one caller's cancel must not fail the others' requests."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled meanwhile
 
 
 def _mix_seed(*parts) -> int:

@@ -80,23 +80,26 @@ def sampling_params_from_verl(
             f"a prompt of {num_prompt_tokens} tokens leaves no room for a response within max_model_len "
             f"({limits.max_model_len}): raise rollout.max_model_len or shorten the prompt"
         )
-    max_tokens = params.get("max_tokens", params.get("max_new_tokens"))
+    key = "max_tokens" if params.get("max_tokens") is not None else "max_new_tokens"
+    max_tokens = _number(params, key, None, integer=True)
     if max_tokens is None:
         max_tokens = min(limits.response_length, limits.prompt_length + limits.response_length - num_prompt_tokens)
-    max_tokens = max(1, min(int(max_tokens), room))
-    top_k = params.get("top_k", -1)
-    top_k = 0 if top_k is None or int(top_k) in (-1, 0) else int(top_k)
-    top_p = params.get("top_p", 1.0)
-    request_seed = params.get("seed")
+    max_tokens = max(1, min(max_tokens, room))
+    top_k = _number(params, "top_k", -1, integer=True)
+    if top_k < -1:
+        raise ValueError(f"sampling_params['top_k'] ({top_k}) must be -1 (off) or a positive integer")
+    stop_token_ids = params.get("stop_token_ids") or []
+    if not isinstance(stop_token_ids, (list, tuple)):
+        raise ValueError(f"sampling_params['stop_token_ids'] ({stop_token_ids!r}) must be a list of token ids")
     converted = SamplingParams(
         n=1,
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=1.0 if top_p is None else float(top_p),
-        top_k=top_k,
+        temperature=_number(params, "temperature", 1.0),
+        top_p=_number(params, "top_p", 1.0),
+        top_k=max(top_k, 0),
         max_new_tokens=max_tokens,
-        stop_token_ids=[int(t) for t in params.get("stop_token_ids") or []],
+        stop_token_ids=[_number({"stop_token_ids": t}, "stop_token_ids", None, integer=True) for t in stop_token_ids],
         ignore_eos=bool(params.get("ignore_eos", limits.ignore_eos)),
-        seed=int(request_seed) if request_seed is not None else None,
+        seed=_number(params, "seed", None, integer=True),
     )
     return converted, bool(params.get("logprobs", False))
 
@@ -173,9 +176,28 @@ class EngineOptions:
         if unknown:
             raise ValueError(f"engine_kwargs.rollout has {unknown}; valid keys: {', '.join(names)}")
         values = {key: value for key, value in options.items() if value is not None}
-        if "speculative_config" not in values and fallback_spec:
+        if "speculative_config" not in options and fallback_spec:  # (set to None: no drafts, as documented)
             values["speculative_config"] = _plain(fallback_spec)
         return cls(**values)
+
+
+def _number(params: dict[str, Any], key: str, default: Any, integer: bool = False) -> Any:
+    """`params[key]` as a float (an int with `integer`), `default` where it is absent or None.
+
+    Raises:
+        ValueError: a value that is not a number (or not a whole number with `integer`), naming the key.
+    """
+    value = params.get(key)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = None
+    if isinstance(value, (bool, str)) or number is None or (integer and not number.is_integer()):
+        kind = "an integer" if integer else "a number"
+        raise ValueError(f"sampling_params[{key!r}] ({value!r}) must be {kind}")
+    return int(number) if integer else number
 
 
 def _plain(value: Any) -> Any:
