@@ -334,6 +334,22 @@ def test_tracker_appends_rollouts_of_a_training_loop(batch, tmp_path, monkeypatc
     assert (tmp_path / "rollout.png").is_file() and not (tmp_path / "wandb").exists()
 
 
+def test_a_resumed_run_drops_the_stopped_runs_summary_until_it_writes_its_own(batch, tmp_path, monkeypatch):
+    # the stopped run's summary counts only its own steps: a resumed run killed before its end must leave `rollout
+    # report` to rebuild the table from steps.jsonl, not print the old summary as the whole run's
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    tracker = RunTracker(tmp_path, config={"lr": 1e-6}, wandb_mode="disabled")
+    tracker.log_rollout(batch, 0)
+    tracker.finish(complete=False, reason="interrupted (SIGINT)")
+    assert (tmp_path / "summary.json").is_file()
+    resumed = RunTracker(tmp_path, config={"lr": 1e-6}, wandb_mode="disabled", resume=True)
+    assert not (tmp_path / "summary.json").exists()
+    resumed.log_rollout(batch, 1)
+    summary = resumed.finish()
+    assert json.loads((tmp_path / "summary.json").read_text())["total"] == summary["total"]
+    assert summary["complete"] and summary["total"]["tokens"] == 2 * batch.num_tokens
+
+
 def test_threads_sets_torchs_cpu_threads_and_refuses_a_bad_count(tiny):
     model, tokenizer = tiny
     before = torch.get_num_threads()

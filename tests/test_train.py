@@ -3,12 +3,15 @@ with several rollouts; the plain-PyTorch GRPO loop."""
 
 from __future__ import annotations
 
+import io
 import json
 import pathlib
+import types
 
 import pytest
 
 from rollout.cli.main import main
+from rollout.cli.progress import Progress
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GRPO = str(ROOT / "recipes" / "grpo_quickstart.yaml")
@@ -77,22 +80,55 @@ def failing_after_two_calls(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def test_a_failing_train_run_keeps_its_steps_and_says_it_is_incomplete(tmp_path, capsys):
+def test_a_failing_train_run_keeps_its_steps_and_says_it_is_incomplete(tmp_path, offline_wandb, capsys):
     pytest.importorskip("trl", reason="the trl extra is not installed")
+    from test_cli import wandb_records
+
     failing_after_two_calls.calls = 0
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("rewards:\n  - name: test_train:failing_after_two_calls\n")
     args = ["train.steps=4", "train.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=16"]
-    args += ["spec.method=null", "logging.wandb_mode=disabled", f"output_dir={tmp_path / 'out'}"]
+    args += ["spec.method=null", f"output_dir={tmp_path / 'out'}"]
     code = main(["train", str(recipe), *args])
     assert code == 2 and "the reward server went away" in capsys.readouterr().err
     steps = read_jsonl(tmp_path / "out" / "train.jsonl")
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [s["step"] for s in steps] == [1, 2] and summary["num_steps"] == 2
     assert summary["complete"] is False and "the reward server went away" in summary["incomplete_reason"]
+    # and its W&B run says it failed, as `rollout run`'s does
+    (run_file,) = (tmp_path / "out" / "wandb").glob("offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in wandb_records(run_file) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]
 
 
-def test_run_makes_several_rollouts_on_one_generator(tmp_path, offline_wandb, capsys):
+def test_a_step_whose_rewards_were_all_null_is_logged_and_summarised(tmp_path, capsys):
+    # with rollout.non_finite_rewards_as_null, TRL logs reward None for a step whose every completion was unscorable
+    from rollout.cli.train import StepLog, summarize_training
+
+    log = StepLog(tmp_path / "train.jsonl")
+    state = types.SimpleNamespace(global_step=1, max_steps=2)
+    timing = {"loss": 0.1, "step_time": 0.3, "rollout/seconds": 0.2}
+    log.on_log(None, state, None, logs={**timing, "reward": None, "reward_std": None, "epoch": 0.5})
+    state.global_step = 2
+    log.on_log(None, state, None, logs={**timing, "reward": 0.5, "reward_std": 0.1, "epoch": 1.0})
+    assert "step 1/2 | reward nan |" in capsys.readouterr().out
+    assert [s["reward"] for s in read_jsonl(tmp_path / "train.jsonl")] == [None, 0.5]
+    summary = summarize_training(log.steps, 1.0)
+    assert summary["reward_first_10pct"] == summary["reward_last_10pct"] == 0.5 and summary["num_steps"] == 2
+
+
+def test_run_makes_several_rollouts_on_one_generator(tmp_path, offline_wandb, capsys, monkeypatch):
+    counted = []  # the tokens the progress line counted, at each line it ended
+
+    class Recording(Progress):
+        def __init__(self, enabled=None):
+            super().__init__(stream=io.StringIO(), enabled=True, min_interval=0.0)
+
+        def close(self):
+            counted.append(self.tokens)
+            super().close()
+
+    monkeypatch.setattr("rollout.cli.runs.Progress", Recording)
     args = ["rollout.num_rollouts=3", "rollout.prompts_per_rollout=2", "data.num_prompts=4", "sampling.n=2"]
     args += ["sampling.max_new_tokens=32", "logging.wandb_mode=disabled", f"output_dir={tmp_path}"]
     assert main(["run", QUICKSTART_SUFFIX, *args]) == 0
@@ -108,6 +144,8 @@ def test_run_makes_several_rollouts_on_one_generator(tmp_path, offline_wandb, ca
     assert prompts[8:] == prompts[:4] and prompts[4:8] != prompts[:4]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["num_rollouts"] == 3 and summary["num_samples"] == 12
+    # the progress line is each rollout's own (its tokens over its own clock), not the run's so far
+    assert counted[:3] == [sum(s["num_emitted"] for s in steps if s["rollout"] == i) for i in range(3)]
 
 
 def test_bad_train_settings_are_one_line(tmp_path, capsys):

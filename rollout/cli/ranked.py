@@ -135,6 +135,7 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
                     group_indices=todo,
                 )
                 records, steps = batch.records(), batch.steps
+                progress.close()  # each rollout its own line: its tokens/s over its own steps and clock
                 summary = {"wall_seconds": batch.summary["wall_seconds"], "total": batch.summary["total"]}
             prompts = [inputs.prompt_ids[row_of[r["prompt_index"]]] for r in records]
             completions = [r["completion_ids"] for r in records]

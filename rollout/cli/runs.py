@@ -175,6 +175,7 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
                 group_indices=todo,
             )
             tracker.log_rollout(batch, index)
+            progress.close()  # each rollout its own line: its tokens/s over its own steps and clock
     except BaseException as err:
         progress.close()
         tracker.finish(complete=False, reason=stop_reason(err))

@@ -78,6 +78,9 @@ class RunTracker:
         if resume:
             self.output_dir = pathlib.Path(output_dir)
             check_resumable(self.output_dir, config)
+            # the stopped run's summary counts only its own steps: until this run writes its own, `rollout report`
+            # rebuilds the table from steps.jsonl (a kill writes no summary)
+            (self.output_dir / "summary.json").unlink(missing_ok=True)
         else:
             self.output_dir = prepare_output_dir(output_dir, overwrite)
         attach_library_log(self.output_dir)  # the folder is this run's now: library warnings go to its log

@@ -9,7 +9,7 @@ The recipe's model, data, sampling, spec, rollout and rewards sections mean what
 - `summary.json`: steps, wall time, the reward of the first and last 10% of steps and their difference, the rollout
   share of the step time, and rollout tokens/s per epoch;
 - `config.yaml`, `train.png` (reward and rollout tokens/s over the steps), `model/` with `train.save_model`, and the
-  trainer's W&B run (offline by default) holding the same per-step metrics.
+  trainer's W&B run (offline by default) holding the same per-step metrics but `rollout/share`.
 """
 
 from __future__ import annotations
@@ -107,8 +107,10 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
     if ranks.is_main:
         run = start_wandb_run(wandb_mode, log.project, log.run_name, output_dir, recipe_dict(recipe))
     start = time.perf_counter()
+    failed = True
     try:
         trainer.train()
+        failed = False
     except BaseException as err:  # an error, Ctrl-C, SIGTERM: the steps so far are in train.jsonl; say so
         if ranks.is_main:
             with signals_ignored():  # under several ranks the launcher's SIGTERM follows a peer's failure
@@ -119,7 +121,7 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
         raise
     finally:
         if run is not None:
-            run.finish()  # the trainer would leave it open until the process exits
+            run.finish(exit_code=1 if failed else 0)  # the trainer would leave it open until the process exits
     if recipe.train.save_model:
         trainer.save_model(str(output_dir / "model"))  # every process calls it; the main one writes
     if not ranks.is_main:
@@ -238,17 +240,23 @@ class StepLog(TrainerCallback):
             f.write(json.dumps(entry) + "\n")
         total = f"/{state.max_steps}" if state.max_steps and state.max_steps > 0 else ""
         print(
-            f"step {state.global_step}{total} | reward {entry.get('reward', math.nan):.3f} | "
-            f"step {entry.get('step_time', math.nan):.1f} s, rollout {entry.get('rollout/seconds', math.nan):.1f} s "
-            f"({entry.get('rollout/tokens_per_s', math.nan):.0f} tokens/s, K {entry.get('rollout/mean_k', 0.0):.2f}, "
-            f"accept {entry.get('rollout/acceptance_rate', 0.0):.2f})",
+            f"step {state.global_step}{total} | reward {_number(entry, 'reward'):.3f} | "
+            f"step {_number(entry, 'step_time'):.1f} s, rollout {_number(entry, 'rollout/seconds'):.1f} s "
+            f"({_number(entry, 'rollout/tokens_per_s'):.0f} tokens/s, K {_number(entry, 'rollout/mean_k', 0.0):.2f}, "
+            f"accept {_number(entry, 'rollout/acceptance_rate', 0.0):.2f})",
             flush=True,
         )
 
 
+def _number(entry: dict, key: str, default: float = math.nan) -> float:
+    """A logged metric, `default` where absent; NaN where TRL logged None (a step whose rewards were all null)."""
+    value = entry.get(key, default)
+    return math.nan if value is None else value
+
+
 def summarize_training(steps: list[dict], wall_seconds: float) -> dict:
     """summary.json: reward at the start and end of the run, time shares, rollout tokens/s per epoch."""
-    rewards = [s["reward"] for s in steps if "reward" in s]
+    rewards = [s["reward"] for s in steps if s.get("reward") is not None]  # None: every reward of the step null
     tenth = max(1, len(rewards) // 10)
     first = sum(rewards[:tenth]) / tenth if rewards else None
     last = sum(rewards[-tenth:]) / tenth if rewards else None
@@ -283,9 +291,9 @@ def plot_training(steps: list[dict], path: pathlib.Path, title: str | None = Non
 
     x = [s["step"] for s in steps]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot(x, [s.get("reward", math.nan) for s in steps], marker=".")
+    top.plot(x, [_number(s, "reward") for s in steps], marker=".")
     top.set_ylabel("reward (mean)")
-    bottom.plot(x, [s.get("rollout/tokens_per_s", math.nan) for s in steps], marker=".", color="tab:green")
+    bottom.plot(x, [_number(s, "rollout/tokens_per_s") for s in steps], marker=".", color="tab:green")
     bottom.set_ylabel("rollout tokens/s")
     bottom.set_xlabel("optimiser step")
     if title:
