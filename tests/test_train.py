@@ -151,6 +151,8 @@ def test_run_makes_several_rollouts_on_one_generator(tmp_path, offline_wandb, ca
 def test_bad_train_settings_are_one_line(tmp_path, capsys):
     assert main(["train", GRPO, "train.steps=0", f"output_dir={tmp_path}"]) == 2
     assert "train.steps (0) must be >= 1" in capsys.readouterr().err
+    assert main(["train", GRPO, "train.warmup_steps=1.5", f"output_dir={tmp_path}"]) == 2
+    assert "train.warmup_steps (1.5) must be a whole number of steps" in capsys.readouterr().err
     assert main(["run", GRPO, "rollout.num_rollouts=0", f"output_dir={tmp_path}"]) == 2
     assert "rollout.num_rollouts (0) must be >= 1" in capsys.readouterr().err
     assert main(["train", GRPO, "resume=true", f"output_dir={tmp_path}"]) == 2

@@ -201,6 +201,11 @@ class TrainRecipe:
         _require(self.prompts_per_step >= 1, f"train.prompts_per_step ({self.prompts_per_step}) must be >= 1")
         _require(self.learning_rate > 0, f"train.learning_rate ({self.learning_rate}) must be > 0, e.g. 1e-5")
         _require(self.warmup_steps >= 0, f"train.warmup_steps ({self.warmup_steps}) must be >= 0")
+        _require(
+            self.warmup_steps < 1 or float(self.warmup_steps).is_integer(),
+            f"train.warmup_steps ({self.warmup_steps}) must be a whole number of steps, or below 1 for a fraction of "
+            "all steps",
+        )
         _require(self.beta >= 0, f"train.beta ({self.beta}) must be >= 0 (0 = no KL term)")
         _require(self.max_grad_norm > 0, f"train.max_grad_norm ({self.max_grad_norm}) must be > 0")
         _require(
