@@ -102,9 +102,11 @@ class AcceptanceStats:
         return rates
 
     def measured_depth(self) -> int:
-        """Leading positions measured recently: a full step's weight within the last `recent_steps` steps, counted at
-        `decay` per step (so the position one past K, measured by exploration every 20 steps, counts). The policy may
-        then climb one position past it: from K = 3 straight to 5, say, when K = 4 itself costs more than either."""
+        """Leading positions measured recently: a weight of at least a full step's faded by `recent_steps` drafting
+        steps at `decay` (so the position one past K, measured by exploration every 20 steps, counts; steps without
+        drafts fade it at `idle_decay`, more slowly: a full step stays recent over about 117 of them at 0.95). The
+        policy may then climb one position past it: from K = 3 straight to 5, say, when K = 4 itself costs more than
+        either."""
         recent = self.decay**self.recent_steps
         return next((j for j, weight in enumerate(self.reached.tolist()) if weight < recent), self.max_k)
 
@@ -242,7 +244,7 @@ class AutoPolicy:
         self.current = best
         self.num_steps += 1
         if best > 0:  # exploration, while drafting pays
-            if phase == 0 and best < usable:  # the next position's acceptance, and a width more
+            if phase == 0 and best < min(usable, climb_to):  # the next position's acceptance, and a width more
                 best, measuring = best + 1, True
             elif phase == self.explore_every // 2:  # a width less
                 best, measuring = best - 1, True

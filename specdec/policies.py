@@ -17,6 +17,10 @@ class Decision:
     measuring: bool = False
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # (True is an int to Python; not a K)
+
+
 def validate_batch_size_table(table: Any, num_speculative_tokens: int) -> list[tuple[int, int, int]]:
     """Check vLLM's `num_speculative_tokens_per_batch_size` table: `[[start_bs, end_bs, K], ...]`, inclusive ranges
     from batch size 1 upward, no overlaps or gaps, `0 <= K <= num_speculative_tokens`. Returns it as tuples."""
@@ -30,7 +34,7 @@ def validate_batch_size_table(table: Any, num_speculative_tokens: int) -> list[t
     entries = []
     for entry in table:
         entry = list(entry) if isinstance(entry, (list, tuple)) else entry
-        if not isinstance(entry, list) or len(entry) != 3 or not all(isinstance(v, int) for v in entry):
+        if not isinstance(entry, list) or len(entry) != 3 or not all(_is_int(v) for v in entry):
             raise ValueError(f"{name} entry {entry!r} must be three integers [start_bs, end_bs, K]")
         start, end, k = entry
         if start < 1 or end < start:

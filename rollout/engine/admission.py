@@ -205,6 +205,8 @@ class Admission:
                 self.slots.restore(rows)  # (asserts that each row still holds its snapshot's sequence)
             if self.proposers is not None:  # the rows past the snapshot's prefix end unfinished
                 self.proposers.drop(list(range(len(rows), self.scheduler.num_active)))
+                with torch.inference_mode():  # (a draft model's per-row state is made in inference mode)
+                    self.proposers.rewind(list(range(len(rows))), [saved.num_tokens for saved in rows])
             self.scheduler.num_active = len(rows)
 
     def _check_no_step_in_flight(self) -> None:

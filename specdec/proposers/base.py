@@ -87,6 +87,11 @@ class Proposer:
         """Rows `rows` left flight unfinished (preempted, or left out by a restore): what they hold is text no row
         holds any more. Their slots are freed next (and may be refilled by `copy_rows` or `prefill`)."""
 
+    def rewind(self, rows: list[int], num_tokens: list[int]) -> None:
+        """Rows `rows` were rolled back (a restore) to hold `num_tokens[i]` tokens, the last of which (the pending
+        token) may differ from the one they held there: what a proposer kept of their text from that token on is not
+        theirs any more, whatever the rows go on to hold."""
+
     def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
         """A step without drafts: the rows hold `token_ids[i, :num_tokens[i]]` (`[rows, T]`, host), as `propose`
         would have seen them."""

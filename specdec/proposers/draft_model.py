@@ -23,8 +23,8 @@ class DraftModelProposer(Proposer):
 
     Per-slot state in host tensors, rows as the generator's slots (`copy_rows` moves them): `cache_len` (tokens in
     the draft cache), `base` (position of the first token fed after the last proposal) and the draft tokens from there
-    whose KV the cache holds (`cached`, `num_cached`). A row put back by the engine's restore needs nothing more:
-    reconciling never keeps more than the row's committed tokens, and the cache saw those as they are.
+    whose KV the cache holds (`cached`, `num_cached`). A row put back by the engine's restore (`rewind`) keeps its
+    cache up to the token before its pending one, which the restore may have changed.
     """
 
     needs_prefill = True
@@ -65,6 +65,17 @@ class DraftModelProposer(Proposer):
         src, dst = host(src), host(dst)  # the engine's row indices, on the host
         for field in (self._cache_len, self._base, self._num_cached, self._cached):
             field[dst] = field[src]
+
+    def rewind(self, rows: list[int], num_tokens: list[int]) -> None:
+        # the cache saw the rows' tokens as they were up to the pending one; past it, another text (and the cached
+        # drafts with it): a step that does not run the draft model would otherwise leave it in the cache
+        self._land()
+        if not rows:
+            return
+        index = torch.tensor(rows, dtype=torch.long)
+        limit = torch.tensor(num_tokens, dtype=torch.long) - 1  # the pending token is never cached
+        self._cache_len[index] = torch.minimum(self._cache_len[index], limit)
+        self._num_cached[index] = 0
 
     def _reserve(self, num_slots: int, width: int) -> None:
         """Grow the per-slot state to `num_slots` rows and `width` cached drafts."""

@@ -78,6 +78,10 @@ class ProposerSet(Proposer):
         for proposer in self.proposers.values():
             proposer.drop(rows)
 
+    def rewind(self, rows: list[int], num_tokens: list[int]) -> None:
+        for proposer in self.proposers.values():
+            proposer.rewind(rows, num_tokens)
+
     def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
         for proposer in self.proposers.values():
             proposer.update(token_ids, num_tokens)

@@ -41,6 +41,7 @@ def test_invalid_spec_configs(kwargs, match):
         ([[1, 64, 9]], r"entry \[1, 64, 9\] has K=9 outside \[0, num_speculative_tokens=4\]"),
         ([[2, 64, 1]], r"leaves batch sizes 1..1 uncovered"),
         ([[1, 64]], r"must be three integers"),
+        ([[1, 64, True], [65, 128, False]], r"entry \[1, 64, True\] must be three integers"),  # not K = 1 and 0
         ("fast", r"must be 'auto' or a list"),
     ],
 )

@@ -131,6 +131,13 @@ def test_k_climbs_one_unmeasured_position_at_a_time():
         policy.observe(StepObservation(16, k + 1, k, 1e-3, {"draft_model": ([k] * 16, [k] * 16)}))  # all accepted
     assert ks == [1, 2, 3, 4, 5, 6, 7, 8, 8, 8], ks
     assert measuring == [True] * 7 + [False] * 3  # a climb step is marked: it was capped below the best K
+    # an exploration step (a draft more) too: never more than one past the positions measured before it
+    exploring = AutoPolicy(MAX_K, {"draft_model": True}, profiled(lambda b, w, p: 1e-3 + 1e-6 * w), explore_every=2)
+    for _ in range(MAX_K + 2):
+        depth = exploring.stats["draft_model"].measured_depth()
+        k = exploring.choose(16).num_draft_tokens
+        assert k <= depth + 1, (k, depth)
+        exploring.observe(StepObservation(16, k + 1, k, 1e-3, {"draft_model": ([k] * 16, [k] * 16)}))
 
 
 def kv_read_bound(batch_size, width, passes, context):
