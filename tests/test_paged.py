@@ -180,6 +180,15 @@ def test_bad_layout_settings_are_refused_with_the_fix():
         Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="dense")
     with pytest.raises(ValueError, match=r"kv_pool_blocks \(1\) must be an integer >= 3"):
         Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="paged", kv_pool_blocks=1)
+    assert Generator(model, 2, 32, kv_layout="paged", kv_pool_blocks=np.int64(8)).runner.cache.max_blocks == 8
+    # whatever the layout: a bad size is refused, and a size the layout will not use is said
+    for bad in (-7, 0, "lots", 2.5, True):
+        with pytest.raises(ValueError, match=r"kv_pool_blocks \(.*\) must be a positive integer"):
+            Generator(model, max_batch_size=2, max_seq_len=32, kv_pool_blocks=bad)
+    with pytest.raises(ValueError, match=r"kv_pool_blocks \(8\) sizes a paged KV pool, and kv_layout='slots' has none"):
+        Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="slots", kv_pool_blocks=8)
+    with pytest.warns(UserWarning, match=r"kv_pool_blocks \(8\) is not used: kv_layout='auto' keeps slots on cpu"):
+        Generator(model, max_batch_size=2, max_seq_len=32, kv_pool_blocks=8)
 
 
 def test_block_manager_shares_copies_on_write_and_frees():

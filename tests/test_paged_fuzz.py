@@ -407,15 +407,37 @@ def test_generator_grows_a_cpu_pool_for_the_copies_of_a_groups_shared_block(fuzz
     assert gen.runner.cache.manager.num_used == 0
 
 
-def test_rows_a_restore_leaves_out_give_their_blocks_back_on_abort(fuzz_model):
-    """`restore` to a prefix of a snapshot keeps fewer rows in flight; `abort` (and so the next `add_requests`) frees
-    every row's blocks, those past the rows in flight included."""
+def test_rows_a_restore_leaves_out_give_their_blocks_back(fuzz_model):
+    """`restore` to a prefix of a snapshot keeps fewer rows in flight: the others' blocks are freed then (so that the
+    row kept runs to `max_seq_len` in the smallest pool), and they cannot be restored again; with `keep_others` (the
+    auto policy's warm-up) they keep their blocks for a longer prefix, and `abort` frees them."""
+    prompt = [(7 * i) % 22 + 1 for i in range(16)]
+    pool = -(-(80 + 1) // 16)  # the smallest pool a generator of max_seq_len 80 takes: one row at full length
+    gen = Generator(fuzz_model, max_batch_size=2, max_seq_len=80, kv_layout="paged", kv_pool_blocks=pool)
+    gen.add_requests([prompt], SamplingParams(temperature=0, max_new_tokens=64, n=2))
+    for _ in range(18):  # the prefill, then both samples' blocks
+        gen.step()
+    manager = gen.runner.cache.manager
+    saved = gen.snapshot()
+    gen.restore(saved[:1])
+    assert manager.num_row_blocks[1] == 0 and manager.num_used == manager.num_row_blocks[0]
+    with pytest.raises(ValueError, match="row 1 no longer holds the sequence"):
+        gen.restore(saved)
+    done = []
+    while gen.has_unfinished:
+        done += gen.step().finished
+    assert [len(c.token_ids) for c in done] == [64] and manager.num_used == 0
+
     gen = Generator(fuzz_model, max_batch_size=4, max_seq_len=32, kv_layout="paged")
     gen.add_requests(random_prompts(4, 23, min_len=5, seed=2), SamplingParams(max_new_tokens=8, seed=0))
     gen.step()  # the prefill: 4 rows, a block each
-    gen.restore(gen.snapshot()[:1])
-    gen.abort()
+    saved = gen.snapshot()
+    gen.restore(saved[:1], keep_others=True)
     manager = gen.runner.cache.manager
+    assert manager.num_used == 4
+    gen.restore(saved[:3], keep_others=True)  # a longer prefix: its rows held their KV
+    assert gen.num_active == 3
+    gen.abort()
     assert manager.num_used == 0, f"{manager.num_used} blocks held after abort: rows hold {manager.num_row_blocks}"
 
 

@@ -192,21 +192,31 @@ class Admission:
             self._ahead.decision = None  # a K chosen for rows that may be rolled back
             return self.slots.snapshot(self.num_active)
 
-    def restore(self, rows: list[RowSnapshot]) -> None:
-        """Put rows back as a snapshot saw them, into rows `[0, len(rows))` (a prefix of a snapshot keeps fewer rows
-        in flight). The KV cache keeps what the rows had (a step only writes past their lengths), so rolling back
-        is lowering lengths."""
+    def restore(self, rows: list[RowSnapshot], keep_others: bool = False) -> None:
+        """Put rows back as a snapshot saw them, into rows `[0, len(rows))`. The KV cache keeps what the rows had (a
+        step only writes past their lengths), so rolling back is lowering lengths. A prefix of a snapshot keeps fewer
+        rows in flight: the others leave it unfinished and a paged cache frees their blocks, unless `keep_others`
+        (the auto policy's warm-up times growing prefixes of one snapshot): then they keep their KV, and their
+        blocks, for a later restore of a longer prefix, until an abort.
+
+        Raises:
+            ValueError: a row no longer holds its snapshot's sequence (nothing changed).
+        """
         with self._one_call():
             self._check_no_step_in_flight()
             self._ahead.decision, self._ahead.last_finish = None, 0.0  # the rows are not those the last step read
             if self.proposers is not None:  # the rows' tokens are rolled back
                 self.proposers.wait()
             with torch.inference_mode():
-                self.slots.restore(rows)  # (asserts that each row still holds its snapshot's sequence)
+                self.slots.restore(rows)  # (refuses, changing nothing, a row that lost its snapshot's sequence)
             if self.proposers is not None:  # the rows past the snapshot's prefix end unfinished
                 self.proposers.drop(list(range(len(rows), self.scheduler.num_active)))
                 with torch.inference_mode():  # (a draft model's per-row state is made in inference mode)
                     self.proposers.rewind(list(range(len(rows))), [saved.num_tokens for saved in rows])
+            if not keep_others:  # (with the rows an earlier restore kept out of flight)
+                for runner in self._runners():
+                    runner.release_rows(len(rows), self.max_batch_size)
+                self.slots.forget(len(rows), self.max_batch_size)
             self.scheduler.num_active = len(rows)
 
     def _check_no_step_in_flight(self) -> None:

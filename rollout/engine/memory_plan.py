@@ -11,7 +11,9 @@ preempted.
 
 from __future__ import annotations
 
+import numbers
 import pathlib
+import warnings
 
 import torch
 from transformers import AutoConfig
@@ -72,6 +74,24 @@ def plan_kv_cache(
     pool that cannot hold one row of `max_seq_len` is refused."""
     device = _device(model)
     paged = kv_layout == "paged" or (kv_layout == "auto" and device.type == "cuda")
+    if num_blocks is not None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, numbers.Integral) or num_blocks < 1:
+            raise ValueError(
+                f"kv_pool_blocks ({num_blocks!r}) must be a positive integer (blocks of {DEFAULT_BLOCK_SIZE} tokens) "
+                "or None"
+            )
+        num_blocks = int(num_blocks)  # (a numpy integer)
+        if kv_layout == "slots":
+            raise ValueError(
+                f"kv_pool_blocks ({num_blocks}) sizes a paged KV pool, and kv_layout='slots' has none: leave "
+                "kv_pool_blocks out, or set kv_layout='paged'"
+            )
+        if not paged:
+            warnings.warn(
+                f"kv_pool_blocks ({num_blocks}) is not used: kv_layout='auto' keeps slots on {device.type} (a paged "
+                "pool on a GPU); set kv_layout='paged' to size a pool here",
+                stacklevel=3,
+            )
     if not paged:
         return check_kv_cache_fits(model, spec, max_batch_size, max_seq_len), None
     num_positions = max_seq_len + 1 + (spec.num_speculative_tokens if spec is not None else 0)

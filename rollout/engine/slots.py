@@ -227,6 +227,10 @@ class SlotState:
         self.finished.numpy()[rows] = stopped | (num_tokens + kept >= max_num_tokens)
         return num_emitted if kept is emitted else torch.from_numpy(kept)
 
+    def forget(self, start: int, stop: int) -> None:
+        """Rows `[start, stop)` hold no sequence any more (a snapshot of them cannot be restored)."""
+        self.sequences[start:stop] = [None] * max(stop - start, 0)
+
     def completion_of(self, row: int) -> tuple[list[int], list[float]]:
         """Row `row`'s completion tokens and their log-probabilities."""
         start, end = int(self.prompt_len[row]), int(self.num_tokens[row])
@@ -247,9 +251,15 @@ class SlotState:
         ]
 
     def restore(self, rows: list[RowSnapshot]) -> None:
-        """Put rows back as a snapshot saw them, into rows `[0, len(rows))`."""
+        """Put rows back as a snapshot saw them, into rows `[0, len(rows))`; nothing changes if one of them does
+        not hold its snapshot's sequence any more (ValueError)."""
         for row, saved in enumerate(rows):
-            assert self.sequences[row] is saved.sequence, f"expected row {row} to hold its snapshot's sequence"
+            if self.sequences[row] is not saved.sequence:
+                raise ValueError(
+                    f"row {row} no longer holds the sequence this snapshot saw there (it finished, moved, or a restore "
+                    "to fewer rows let it go): restore a snapshot taken since"
+                )
+        for row, saved in enumerate(rows):
             self.num_tokens[row], self.cache_len[row] = saved.num_tokens, saved.cache_len
             self.num_draws[row] = saved.num_draws
             self.token_ids[row, saved.num_tokens - 1] = saved.pending

@@ -394,7 +394,7 @@ def test_aborted_and_closed_rows_leave_the_tries_and_a_refused_restore_drops_not
     saved = gen.snapshot()
     while gen.num_active == 4:  # the short row finishes and the last row moves into its slot
         gen.step()
-    with pytest.raises(AssertionError, match="to hold its snapshot's sequence"):
+    with pytest.raises(ValueError, match="row 0 no longer holds the sequence this snapshot saw there"):
         gen.restore(saved[:2])
     assert int(history._in_flight.sum()) == 3
     while gen.has_unfinished:
