@@ -138,6 +138,9 @@ def test_numpy_and_torch_integer_ids_are_token_ids():
 def test_a_name_or_path_is_not_a_model():
     with pytest.raises(TypeError, match="not the name or path 'tiny-target'.*rollout.models.zoo.load_model"):
         Generator("tiny-target")
+    wrapped = torch.nn.DataParallel(make_model("qwen2"))  # (DistributedDataParallel wraps a model the same way)
+    with pytest.raises(TypeError, match="got it wrapped in DataParallel: pass model.module"):
+        Generator(wrapped, max_batch_size=2, max_seq_len=32)
 
 
 def test_concurrent_calls_are_refused_never_mixed():

@@ -114,6 +114,25 @@ def test_generation_hands_every_module_back_in_its_own_mode():
     assert all(m.training for m in model.modules() if m is not frozen)
 
 
+def test_a_draft_model_in_train_mode_drafts_in_eval_mode_and_is_handed_back_as_found():
+    """`SpecConfig(model=...)` takes a model its owner may be training (or the policy itself, as a self-draft): building
+    the generator leaves it in its mode, and each call drafts in eval mode and hands it back."""
+    target = make_model("llama")
+    draft = make_model("llama", attention_dropout=0.5)  # the target's weights: in eval mode, every draft accepted
+    draft.train()
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=3, model=draft)
+    gen = Generator(target, max_batch_size=4, max_seq_len=48, spec=spec)
+    assert draft.training
+    gen.generate(random_prompts(3, max_len=10, seed=6), SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=2))
+    decode = [r for r in gen.last_trace if r.kind == "decode"]
+    assert sum(r.num_accepted for r in decode) == sum(r.num_drafted for r in decode) > 0
+    assert all(m.training for m in draft.modules())
+    policy = make_model("llama")
+    policy.train()  # a self-draft: the trainer's policy
+    Generator(policy, max_batch_size=2, max_seq_len=48, spec=SpecConfig(method="draft_model", model=policy))
+    assert policy.training
+
+
 # ---- precision: a trainer's autocast around the policy's forward ----------------------------------------------------
 
 

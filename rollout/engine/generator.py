@@ -120,6 +120,7 @@ class Generator(Admission, DecodeStep):
         self._closed = False  # `close` freed the caches
         self._ahead = RunAhead()  # the host one step ahead: the step in flight (`rollout.engine.run_ahead`)
         self._policy_modules = list(model.modules())  # listed anew by every `generate` and `add_requests` call
+        self._draft_modules = self._list_draft_modules()  # a draft model's, the same way
         # the policy measures what it needs (auto: step times, as vLLM profiles)
         self.warm_up_seconds = warm_up(self) if self.policy is not None else 0.0
 
@@ -293,10 +294,19 @@ class Generator(Admission, DecodeStep):
         (the modules listed anew) once per call, the cheap part (training flag, adapters, autocast, pools) a step."""
         if full:
             self._policy_modules = list(self.model.modules())
-        with torch.inference_mode(), eval_mode(self.model, self._policy_modules):
+            self._draft_modules = self._list_draft_modules()
+        with contextlib.ExitStack() as modes:
+            modes.enter_context(torch.inference_mode())
+            modes.enter_context(eval_mode(self.model, self._policy_modules))
+            for draft, modules in self._draft_modules:  # a draft model passed in may be trained too (or the policy)
+                modes.enter_context(eval_mode(draft, modules))
             for graphs in self.graph_runners:
                 graphs.refresh(self._graph_epoch, full)
             yield
+
+    def _list_draft_modules(self) -> list[tuple[torch.nn.Module, list[torch.nn.Module]]]:
+        """Each draft model's runner's model with its modules listed (`eval_mode` switches them per call)."""
+        return [(runner.model, list(runner.model.modules())) for runner in self._runners()[1:]]
 
     def _step(self) -> StepOutput:
         """schedule -> execute -> postprocess: the scheduler decides (admit, or decode after preempting rows), the

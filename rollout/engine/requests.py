@@ -167,6 +167,11 @@ def check_generator_args(
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"Generator takes a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
+    if not hasattr(model, "config") and isinstance(getattr(model, "module", None), torch.nn.Module):
+        raise TypeError(
+            f"Generator takes the model itself, got it wrapped in {type(model).__name__}: pass model.module (or "
+            "accelerator.unwrap_model(model))"
+        )
     for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} ({value!r}) must be a positive integer")

@@ -71,10 +71,10 @@ def default_route(spec: SpecConfig) -> str:
 
 
 def load_draft_model(model, target: ModelRunner) -> PreTrainedModel:
-    """A loaded model as is; a zoo name (shipped or widened) or a local path loaded in the target's dtype, on its
-    device."""
+    """A loaded model as is (in the mode its owner keeps it: each call runs it in eval mode and hands it back); a zoo
+    name (shipped or widened) or a local path loaded in the target's dtype, on its device, in eval mode."""
     if isinstance(model, PreTrainedModel):
-        return model.eval()
+        return model
     from rollout.models import zoo
 
     if str(model) in zoo.WIDENED_NAMES:
