@@ -156,6 +156,42 @@ def test_the_padded_forward_computes_in_the_policys_own_autocast():
     assert [lp for _, lp in samples(plain.generate(prompts, params))] != [lp for _, lp in expected]
 
 
+def test_the_padded_forward_follows_an_autocast_wrapper_put_on_or_taken_off_after_it_was_built():
+    """`accelerator.prepare(model)` after the generator exists wraps the policy's forward in autocast, and
+    `unwrap_model(..., keep_fp32_wrapper=False)` takes the wrapper off: the graphs observe the forward's autocast
+    again and compute as the eager paged forward does, either way."""
+    model = make_model("llama", dtype=torch.float32)
+    prompts = random_prompts(4, max_len=12, seed=6)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=2)
+    eager = padded_generator(model, False, max_batch_size=4, max_seq_len=48)
+    padded = padded_generator(model, True, max_batch_size=4, max_seq_len=48)
+    wrapped_in_autocast(model)
+    expected = samples(eager.generate(prompts, params))
+    assert samples(padded.generate(prompts, params)) == expected
+    assert padded.runner.graphs.key.autocast == torch.bfloat16
+    model.forward = MethodType(model._original_forward.__func__, model)  # as accelerate's unwrap does
+    expected_plain = samples(eager.generate(prompts, params))
+    assert samples(padded.generate(prompts, params)) == expected_plain != expected
+    assert padded.runner.graphs.key.autocast is None
+
+
+def test_the_padded_forward_calls_the_lm_head_the_policy_holds_now():
+    """An LM head replaced after the generator was built (`set_output_embeddings`; PEFT's `modules_to_save` puts a
+    trained copy in a wrapper): the graphs run the new one."""
+    model = make_model("llama")
+    prompts = random_prompts(3, max_len=12, seed=8)
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    padded = padded_generator(model, True, max_batch_size=4, max_seq_len=48)
+    padded.generate(prompts, params)
+    head = model.get_output_embeddings()
+    replaced = torch.nn.Linear(head.in_features, head.out_features, bias=False, dtype=head.weight.dtype)
+    torch.nn.init.normal_(replaced.weight, generator=torch.Generator().manual_seed(0))
+    model.set_output_embeddings(replaced)
+    expected = samples(Generator(model, max_batch_size=4, max_seq_len=48).generate(prompts, params))
+    assert_same_samples(padded.generate(prompts, params), expected)
+    assert padded.runner.graphs.lm_head is replaced
+
+
 def test_the_padded_forward_computes_in_the_callers_autocast():
     """A caller that generates under autocast itself: decode steps in its dtype, as the eager steps."""
     model = make_model("llama", dtype=torch.float32)

@@ -283,9 +283,10 @@ class Generator(Admission, DecodeStep):
     def invalidate_graphs(self) -> None:
         """Capture the CUDA graphs again at the next call. The graphs follow what they can see by themselves (weights
         or buffers replaced, KV pools reallocated, PEFT adapters disabled, merged, switched or rescaled, the autocast
-        dtype, the training flag); call this after a change they cannot see: a module's forward patched, a Python
-        number a forward reads changed (a custom adapter's scale), weights copied into other tensors that the model
-        then reads through a hook. No effect without graphs."""
+        dtype, the training flag, the policy's own `forward` set or taken back as accelerate does, the decoder or LM
+        head replaced); call this after a change they cannot see (its autocast is observed again then): a submodule's
+        forward patched, a Python number a forward reads changed (a custom adapter's scale), weights copied into other
+        tensors that the model then reads through a hook. No effect without graphs."""
         self._graph_epoch += 1
 
     @contextlib.contextmanager

@@ -11,6 +11,8 @@ A graph replays the kernels its capture launched, on the tensors at the addresse
   address.
 - `autocast`: the dtype the policy's forward computes in under autocast, its own (accelerate wraps a trainer's
   `forward` in autocast: TRL's `bf16=True`) or the caller's, None without autocast.
+- `forward`: which forward the policy's instance holds, if any (`accelerator.prepare` sets one, `unwrap_model` takes
+  it back): a change has its own autocast observed again.
 - `pools`: the KV pools' generation (raised when they are reallocated).
 - `tensors`: the addresses of the parameters and buffers (weights replaced rather than updated in place).
 - `epoch`: a counter the user raises (`Generator.invalidate_graphs()`) for what no key can see.
@@ -31,6 +33,7 @@ class GraphKey:
     training: bool
     adapters: tuple
     autocast: torch.dtype | None
+    forward: int
     pools: int
     tensors: tuple[int, ...]
     epoch: int
@@ -86,6 +89,7 @@ def graph_key(
         training=any(m.training for m in (model.modules() if modules is None else modules)),
         adapters=adapter_state(layers),
         autocast=current_autocast(device, forward_autocast),
+        forward=id(model.__dict__.get("forward")),  # (the object stays referenced by the model while it is set)
         pools=pools,
         tensors=tensors,
         epoch=epoch,

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -70,6 +71,9 @@ class GraphRunner:
         capture: False runs the padded forward eagerly (no CUDA needed).
         forward_autocast: the autocast dtype the policy's own forward enters (accelerate's wrapper), None without.
         compile: the decoder's forward through `torch.compile` (`rollout.engine.compiled_forward`).
+        observe_autocast: called again for `forward_autocast` when the policy's forward is patched or unpatched
+            (`accelerator.prepare` after the generator was built) and on `Generator.invalidate_graphs`; None keeps the
+            value given.
     """
 
     def __init__(
@@ -80,11 +84,12 @@ class GraphRunner:
         capture: bool = True,
         forward_autocast: torch.dtype | None = None,
         compile: bool = False,
+        observe_autocast: Callable[[], torch.dtype | None] | None = None,
     ):
         self.model, self.cache, self.max_width, self.capture = model, cache, max_width, capture
-        self.forward_autocast = forward_autocast
-        self.decoder, self.lm_head = model.get_decoder(), model.get_output_embeddings()
-        self.compiled = CompiledForward(self.decoder) if compile else None
+        self.forward_autocast, self._observe_autocast = forward_autocast, observe_autocast
+        self._compile = compile
+        self.decoder = self.lm_head = self.compiled = None
         self.max_rows, self.table_width = cache.manager.tables.shape
         self.buckets = row_buckets(self.max_rows)
         self.device = cache.device
@@ -104,11 +109,8 @@ class GraphRunner:
             self._region_cache: dict[tuple[int, int], list[tuple[int, int, tuple[int, ...]]]] = {}
             hidden_size = model.config.get_text_config().hidden_size
             self.hidden = torch.zeros(cells, hidden_size, dtype=next(model.parameters()).dtype, device=self.device)
-            head = self.lm_head
-            plain_head = isinstance(head, torch.nn.Linear) and head.bias is None
-            self.logits = torch.zeros(cells, head.out_features, dtype=head.weight.dtype, device=self.device) if (
-                plain_head
-            ) else None  # fmt: skip
+            self.logits: Tensor | None = None
+            self._read_modules()
             # a verifying graph's results, packed as the step's read takes them: [rows, 1 + 2 width] at most
             self.packed = torch.zeros(self.max_rows * (1 + 2 * max_width), dtype=torch.long, device=self.device)
         self.head_in_graph = False  # the last forward ran the LM head into `self.logits`
@@ -155,14 +157,37 @@ class GraphRunner:
             self._modules = list(self.model.modules())
         key = self._key(epoch, full)
         changed = key.changes(self.key)
-        if "tensors" in changed:  # new modules (an adapter injected) come with new tensors
+        if self._observe_autocast is not None and {"forward", "epoch"} & set(changed):
+            self.forward_autocast = self._observe_autocast()  # (a forward of two tokens: a rare change)
+            key = self._key(epoch, full)
+            changed = key.changes(self.key)
+        if "tensors" in changed:  # new modules (an adapter injected, the LM head replaced) come with new tensors
             self._layers = tuner_layers(self.model)
+            self._read_modules()
             key = self._key(epoch)
         if changed:
             self.drop_graphs()
             self.recaptures.append(", ".join(changed))
             self.key = key
         return changed
+
+    def _read_modules(self) -> None:
+        """The decoder and LM head the steps call, as the policy holds them now, and the logits buffer a plain
+        projection head writes into in the graph (None for any other head: it runs as its module)."""
+        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
+        if self._compile and decoder is not self.decoder:
+            self.compiled = CompiledForward(decoder)
+        self.decoder, self.lm_head = decoder, head
+        cells = self.max_rows * self.max_width
+        if isinstance(head, torch.nn.Linear) and head.bias is None:
+            shape, dtype = (cells, head.out_features), head.weight.dtype
+            if self.logits is None or tuple(self.logits.shape) != shape or self.logits.dtype != dtype:
+                with torch.inference_mode(False):
+                    self.logits = torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            self.logits = None
+        buffers = (self.ids, self.meta, self.hidden, self.logits, getattr(self, "packed", None))
+        self._buffer_bytes = sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
     def drop_graphs(self) -> None:
         """Drop every graph (each shape is captured again when a step first needs it) and their memory pool: the next

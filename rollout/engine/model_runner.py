@@ -78,10 +78,7 @@ class ModelRunner:
         self.verify_in_graph = True  # exact verification replays with the forward (False: after it; for comparisons)
         if kv_layout == "auto":
             kv_layout = "paged" if self.device.type == "cuda" else "slots"
-        seen: list = []  # the autocast the decoder runs under when the policy is called (accelerate's wrapper)
-        with observing_autocast(model, self.device, seen):
-            probe(self, "slots")
-        self.forward_autocast = seen[0] if seen else None
+        self.forward_autocast = self.observe_autocast()
         if kv_layout == "paged" and not probe(self, "paged"):
             kv_layout = "slots"
         self.kv_layout = kv_layout
@@ -91,13 +88,23 @@ class ModelRunner:
         else:
             self.cache = SlotKVCache(self.num_layers, num_slots, num_positions)
 
+    def observe_autocast(self) -> torch.dtype | None:
+        """The autocast the decoder runs under when the policy is called (accelerate's wrapper around `forward`), None
+        without: a forward of two tokens through a one-slot cache (which also checks the model can run on it)."""
+        seen: list = []
+        with observing_autocast(self.model, self.device, seen):
+            probe(self, "slots")
+        return seen[0] if seen else None
+
     def use_graphs(self, max_width: int, capture: bool = True, compile: bool = False) -> GraphRunner:
         """Run chain decode steps of up to `max_width` tokens a row through CUDA graphs (paged layout only);
         `capture=False` runs the same padded forward eagerly; `compile`: the decoder's forward through
         `torch.compile`."""
         if not self.paged:
             raise ValueError("CUDA graphs need the paged KV layout (kv_layout='paged')")
-        self.graphs = GraphRunner(self.model, self.cache, max_width, capture, self.forward_autocast, compile)
+        self.graphs = GraphRunner(
+            self.model, self.cache, max_width, capture, self.forward_autocast, compile, self.observe_autocast
+        )
         return self.graphs
 
     def _paged_cache(self, num_slots: int, num_positions: int, max_blocks: int, block_size: int) -> PagedKVCache:
