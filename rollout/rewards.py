@@ -73,12 +73,18 @@ def resolve_reward(spec: str | RewardFn) -> RewardFn:
             "or give an import path as 'module:function'"
         )
     module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"reward {spec!r} must be 'module:function', both named (e.g. 'my_rewards:format_reward')")
     if os.getcwd() not in sys.path and "" not in sys.path:  # the `rollout` command: a module in this folder counts
         sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"reward {spec!r}: cannot import module {module_name!r} ({err})") from None
+    except Exception as err:  # the module's own code failed (a SyntaxError, an error at import): say which, in one line
+        raise ValueError(
+            f"reward {spec!r}: importing module {module_name!r} raised {type(err).__name__}: {err}"
+        ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"reward {spec!r}: module {module_name!r} has no function {attr!r}")
@@ -126,12 +132,25 @@ def required_arguments(fn) -> list[str]:
     return [p.name for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty]
 
 
+def _completions_by_name(fn) -> bool:
+    """Whether `fn` names a parameter `completions` (TRL's convention: it is passed by name then); else the completions
+    go first, by position."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    named = parameters.get("completions")
+    return named is not None and named.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
 def check_reward_columns(terms: Sequence[WeightedReward], columns: Sequence[str], where: str = "the data") -> None:
     """Every reward's required keyword arguments are among `columns` or the ones the loop passes itself; raises
     ValueError naming the reward and the missing columns."""
     available = set(columns) | set(RESERVED_REWARD_KWARGS)
     for term in terms:
-        missing = [name for name in required_arguments(term.fn)[1:] if name not in available]
+        required = required_arguments(term.fn)
+        taken = "completions" if _completions_by_name(term.fn) else (required[0] if required else None)
+        missing = [name for name in required if name != taken and name not in available]
         if missing:
             raise ValueError(
                 f"reward {term.name!r} needs the column(s) {missing}, which {where} lacks; it has "
@@ -163,7 +182,10 @@ def score(
     per_term: dict[str, list[float | None]] = {}
     for term in terms:
         try:
-            values = term.fn(completions, **columns)
+            if _completions_by_name(term.fn):  # TRL's rewards take every argument by name: (prompts, completions, ...)
+                values = term.fn(completions=completions, **columns)
+            else:
+                values = term.fn(completions, **columns)
         except TypeError as err:  # most often a reward that needs a column the dataset lacks
             raise RewardError(
                 f"reward {term.name!r} raised TypeError: {err}; it was given the columns {sorted(columns)}"
@@ -189,6 +211,8 @@ def score(
         except (TypeError, ValueError):
             odd = next(v for v in values if not isinstance(v, (int, float)))
             raise RewardError(f"reward {term.name!r} returned {odd!r:.40}, not a number: return floats") from None
+        except OverflowError:  # an int past a float's range
+            raise RewardError(f"reward {term.name!r} returned a number past a float's range: return floats") from None
         bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
         if bad and not non_finite_as_null:
             raise RewardError(

@@ -113,9 +113,15 @@ def test_gsm8k_reward_reads_the_reference_after_the_marker():
     assert gsm8k(["so 1,234 #### 1234", "It is 72.", "#### 5 not 6", "no number"], answer=answers) == [1, 1, 1, 0]
 
 
-def test_unknown_rewards_name_the_choices():
+def test_unknown_rewards_name_the_choices(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown reward name 'nope'.*arithmetic"):
         resolve_reward("nope")
+    with pytest.raises(ValueError, match="reward ':f' must be 'module:function', both named"):
+        resolve_reward(":f")
+    (tmp_path / "broken_rewards.py").write_text("def f(completions, **kw)\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="importing module 'broken_rewards' raised SyntaxError"):
+        resolve_reward("broken_rewards:f")
     with pytest.raises(ValueError, match="no function 'missing'"):
         resolve_reward("test_rollout_loop:missing")
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
@@ -443,3 +449,21 @@ def test_a_reward_returning_other_than_one_number_each_is_named(returned, messag
 
     with pytest.raises(RewardError, match=rf"^reward 'mine' {message}"):
         score([WeightedReward("mine", mine, 1.0)], ["a", "b"], {})
+
+
+def test_a_reward_in_trls_convention_takes_every_argument_by_name():
+    # TRL calls rewards as f(prompts=..., completions=..., **columns): one whose first parameter is `prompts` works
+    # here too, and its columns are checked as such
+    from rollout.rewards import RewardError, WeightedReward, check_reward_columns, score
+
+    def trl_style(prompts, completions, answer, **kwargs):
+        return [float(c.endswith(a)) for c, a in zip(completions, answer)]
+
+    terms = [WeightedReward("trl_style", trl_style, 1.0)]
+    check_reward_columns(terms, ["answer"])
+    with pytest.raises(ValueError, match=r"needs the column\(s\) \['answer'\]"):
+        check_reward_columns(terms, [])
+    total, _ = score(terms, ["x 4", "x 5"], {"prompts": ["p", "q"], "answer": ["4", "4"]})
+    assert total == [1.0, 0.0]
+    with pytest.raises(RewardError, match="returned a number past a float's range"):
+        score([WeightedReward("huge", lambda completions, **kw: [10**400, 1], 1.0)], ["a", "b"], {})

@@ -180,7 +180,7 @@ def arithmetic_dataset(num_problems: int, split: str = "train", seed: int = 0, c
     return data
 
 
-_FINAL_NUMBER = re.compile(r"^\s*(-?\d+)")
+_FINAL_NUMBER = re.compile(r"^\s*(-?\d+)(?![.,]?\d)")  # a whole integer: not the 42 of 42.5 or the 4 of 4,200
 
 
 def parse_answer(completion: str) -> str | None:
@@ -200,6 +200,19 @@ def arithmetic_reward(completions: list[str], answers: list[str]) -> list[float]
         )
     rewards = []
     for completion, answer in zip(completions, answers):
-        parsed = parse_answer(completion)
-        rewards.append(1.0 if parsed is not None and parsed == str(int(answer)) else 0.0)
+        parsed, expected = parse_answer(completion), _integer(answer)
+        rewards.append(1.0 if parsed is not None and parsed == expected else 0.0)
     return rewards
+
+
+def _integer(answer) -> str | None:
+    """An answer as `parse_answer` writes integers; None where it is none (a float column's empty cell, NaN)."""
+    try:
+        return str(int(str(answer)))
+    except ValueError:
+        pass
+    try:
+        value = float(answer)  # a CSV column with an empty cell reads as floats: 6.0
+    except (TypeError, ValueError):
+        return None
+    return str(int(value)) if value.is_integer() else None
