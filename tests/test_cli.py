@@ -179,6 +179,41 @@ def test_bench_rows(tmp_path, capsys, monkeypatch):
     ]
 
 
+def all_nan(completions, **kwargs):
+    """A reward for the test below: nothing it can score."""
+    return [float("nan")] * len(completions)
+
+
+def test_the_bench_baseline_does_the_generators_work(tmp_path, capsys, monkeypatch):
+    """Greedy, so the baseline's completions are the generator's: the same tokens counted and the same reward, with
+    `ignore_eos`, with a prompt that `max_seq_len` cuts short, and whatever the model's generation_config adds (a
+    repetition penalty, which the generator does not apply); a reward null everywhere is shown as such."""
+    import rollout.cli.bench as bench
+
+    loaded = bench.load_inputs
+
+    def with_a_penalty(recipe):
+        inputs = loaded(recipe)
+        inputs.model.generation_config.repetition_penalty = 2.0
+        return inputs
+
+    monkeypatch.setattr(bench, "load_inputs", with_a_penalty)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    small = ["data.num_prompts=4", "sampling.n=2", "sampling.max_new_tokens=32", "sampling.temperature=0"]
+    small += ["bench.static_k=[]", "spec.method=null"]
+    for i, extra in enumerate((["sampling.ignore_eos=true"], ["rollout.max_seq_len=130"])):
+        assert main(["bench", QUICKSTART, *small, *extra, f"output_dir={tmp_path / str(i)}"]) == 0
+        baseline, plain = json.loads((tmp_path / str(i) / "bench.json").read_text())["rows"]
+        assert baseline["tokens"] == plain["tokens"] and baseline["reward_mean"] == plain["reward_mean"], extra
+    capsys.readouterr()
+    nulls = ["rollout.non_finite_rewards_as_null=true", "rewards=[{name: 'test_cli:all_nan'}]"]
+    assert main(["bench", QUICKSTART, *small, *nulls, f"output_dir={tmp_path / 'nulls'}"]) == 0
+    rows = json.loads((tmp_path / "nulls" / "bench.json").read_text())["rows"]
+    assert [r["reward_mean"] for r in rows] == [None, None]
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("model.generate", "no spec"))]
+    assert len(table) == 2 and all(line.rstrip().endswith(" -") for line in table)
+
+
 def test_bench_without_speculation_runs_ngram_rows(tmp_path, monkeypatch):
     """A recipe with speculation off (`spec.method=null`, as the quickstart says to compare) benches its static-K rows
     with n-gram drafts: the recipe's `spec.model` is no part of them (it refused them, after the model had loaded)."""

@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 
 import torch
+from transformers import GenerationConfig
 
 from rollout.cli.files import write_atomic
 from rollout.cli.recipe import Recipe, method_name, spec_config
@@ -31,7 +32,7 @@ from rollout.cli.runs import (
 from rollout.distributed import Ranks, group_costs, shard_groups
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES
-from rollout.rewards import build_rewards, score
+from rollout.rewards import build_rewards, mean_reward, score
 
 BASELINE = "model.generate (padded)"
 
@@ -46,6 +47,8 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
     ranks = ranks or Ranks()
     log = log if log is not None and ranks.is_main else (lambda line: None)
     recipe = on_rank_device(recipe, ranks)
+    # every prompt in one call, on each rank its own shard: `max_batch_size=auto` sizes the slots for that
+    recipe = replace(recipe, rollout=replace(recipe.rollout, prompts_per_rollout=None))
     method = recipe.spec.method if recipe.spec.method not in (None, "none") else "ngram"
     configured = None if recipe.spec.method in (None, "none") else recipe.spec
     plain_recipe_k = configured is not None and configured.num_speculative_tokens_per_batch_size is None
@@ -62,8 +65,15 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
     for _, changes in runs[1:]:  # every row's settings refused here, before the model loads
         spec_config(recipe, **changes)
     inputs = load_inputs(recipe)
+    too_wide = [k for k in recipe.bench.static_k if k >= inputs.max_seq_len]
+    if too_wide:  # refused before any row runs
+        raise ValueError(
+            f"bench.static_k ({too_wide[0]}) must be below max_seq_len ({inputs.max_seq_len}): a step feeds K drafts "
+            "after a row's last token"
+        )
     if (warning := length_warning(recipe, inputs)) is not None:
         log(warning)
+    num_prompts = len(inputs.prompt_ids)
     if ranks.distributed:
         costs = group_costs(inputs.prompt_ids, recipe.sampling.n, prior=recipe.sampling.max_new_tokens)
         shard = shard_groups(costs, ranks.world_size, recipe.distributed.balance)[ranks.rank]
@@ -81,8 +91,10 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
         spec = recipe_spec(recipe, **changes) if changes is not None else None
         row = None
         if inputs.prompt_ids:  # a rank with no prompts (more ranks than groups) sits the rows out
-            rollout = make_rollout(recipe, inputs, spec, ranks.world_size)
+            rollout = make_rollout(recipe, inputs, spec)  # (the inputs are this rank's shard already)
             rollout.generator.generate(inputs.prompt_ids[:2], replace(params, n=1, max_new_tokens=8))  # warm-up
+            if rollout.generator.draft_history is not None:  # a first rollout's drafting has no history: forget it
+                rollout.generator.draft_history.clear()
         ranks.barrier()
         if inputs.prompt_ids:
             batch = rollout(inputs.data, group_indices=inputs.group_indices)
@@ -112,7 +124,7 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
     workload = {
         "model": recipe.model.name,
         "dataset": recipe.data.dataset,
-        "num_prompts": len(inputs.prompt_ids) if not ranks.distributed else recipe.data.num_prompts,
+        "num_prompts": num_prompts,
         "num_processes": ranks.world_size,
         "n": recipe.sampling.n,
         "max_new_tokens": recipe.sampling.max_new_tokens,
@@ -160,9 +172,16 @@ def combine_rows(rows: list[dict | None] | None) -> dict | None:
         "tokens_per_s_per_phase": phases,
         "mean_k": sum(r["mean_k"] * w for r, w in zip(rows, weights)) / sum(weights),
         "acceptance_rate": sum(r.get("num_accepted", 0) for r in rows) / drafted if drafted else 0.0,
-        "reward_mean": sum(r["reward_mean"] * w for r, w in zip(rows, weights)) / sum(weights),
+        "reward_mean": _weighted_mean([(r["reward_mean"], w) for r, w in zip(rows, weights)]),
         "rank_seconds": [r["seconds"] for r in rows],
     }
+
+
+def _weighted_mean(pairs: list[tuple[float | None, float]]) -> float | None:
+    """The weighted mean of the values that are not None (a rank whose rewards were all null); None if none is."""
+    kept = [(value, weight) for value, weight in pairs if value is not None]
+    weight = sum(w for _, w in kept)
+    return sum(v * w for v, w in kept) / weight if weight else None
 
 
 def _policy_name(spec) -> str:
@@ -173,33 +192,42 @@ def _policy_name(spec) -> str:
 
 
 def _baseline_row(recipe: Recipe, inputs: RecipeInputs, params: SamplingParams) -> dict:
-    """`model.generate` over left-padded batches of `max_batch_size` rows, each prompt repeated n times."""
+    """`model.generate` over left-padded batches of `max_batch_size` rows, each prompt repeated n times: the work the
+    generator rows do (their stop tokens, `ignore_eos`, each completion's cap at `max_seq_len`, the recipe's sampling
+    and nothing of the model's own `generation_config`, such as a repetition penalty, which the generator does not
+    apply)."""
     model, tokenizer = inputs.model, inputs.tokenizer
     eos = model.generation_config.eos_token_id
-    stop_ids = set([eos] if isinstance(eos, int) else (eos or [])) | set(params.stop_token_ids or [])
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(stop_ids), 0)
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    stop_ids = (set() if params.ignore_eos else eos_ids) | set(params.stop_token_ids or [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(eos_ids | stop_ids), 0)
     prompts = [p for p in inputs.prompt_ids for _ in range(params.n)]
+    caps = [min(params.max_new_tokens, inputs.max_seq_len - len(p)) for p in prompts]  # the generator's
     size = batch_size(recipe, inputs, None)
-    sampling = dict(do_sample=params.temperature > 0, max_new_tokens=params.max_new_tokens, pad_token_id=pad)
+    sampling = dict(do_sample=params.temperature > 0, pad_token_id=pad, eos_token_id=sorted(stop_ids) or None)
     if params.temperature > 0:
         # top_k 0 is "off" for transformers too; None would take its default of 50 and sample another distribution
         sampling.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
-    if stop_ids:
-        sampling["eos_token_id"] = sorted(stop_ids)
 
-    def generate(batch: list[list[int]], **overrides) -> list[list[int]]:
+    def generate(batch: list[list[int]], batch_caps: list[int]) -> list[list[int]]:
         width = max(len(p) for p in batch)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, **{**sampling, **overrides})
-        return [_cut(row, stop_ids) for row in out[:, width:].tolist()]
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(batch_caps), **sampling)
+        return [_cut(row, stop_ids)[:cap] for row, cap in zip(out[:, width:].tolist(), batch_caps)]
 
-    generate(prompts[:2], max_new_tokens=8)  # warm-up
-    torch.manual_seed(recipe.sampling.seed)
-    start = time.perf_counter()
-    completions = [c for i in range(0, len(prompts), size) for c in generate(prompts[i : i + size])]
-    seconds = time.perf_counter() - start
+    own, model.generation_config = model.generation_config, GenerationConfig()  # transformers' defaults under ours
+    try:
+        generate(prompts[:2], [8, 8])  # warm-up
+        torch.manual_seed(recipe.sampling.seed)
+        start = time.perf_counter()
+        completions = [
+            c for i in range(0, len(prompts), size) for c in generate(prompts[i : i + size], caps[i : i + size])
+        ]
+        seconds = time.perf_counter() - start
+    finally:
+        model.generation_config = own
     tokens = sum(len(c) for c in completions)
     reward = _baseline_reward(recipe, inputs, completions, stop_ids)
     return {
@@ -223,7 +251,9 @@ def _cut(row: list[int], stop_ids: set[int]) -> list[int]:
     return row
 
 
-def _baseline_reward(recipe: Recipe, inputs: RecipeInputs, completions: list[list[int]], stop_ids: set[int]) -> float:
+def _baseline_reward(
+    recipe: Recipe, inputs: RecipeInputs, completions: list[list[int]], stop_ids: set[int]
+) -> float | None:
     """The mean reward of the baseline's completions, with the keyword arguments the rollout loop passes."""
     n = recipe.sampling.n
     rows = list(inputs.data)
@@ -232,8 +262,9 @@ def _baseline_reward(recipe: Recipe, inputs: RecipeInputs, completions: list[lis
     columns["prompts"] = [inputs.prompts[i // n] for i in range(len(texts))]
     columns["completion_ids"] = completions
     columns["finish_reasons"] = ["stop" if c and c[-1] in stop_ids else "length" for c in completions]
-    total, _ = score(build_rewards([(r.name, r.weight) for r in recipe.rewards]), texts, columns)
-    return sum(total) / len(total)
+    terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
+    total, _ = score(terms, texts, columns, non_finite_as_null=recipe.rollout.non_finite_rewards_as_null)
+    return mean_reward(total)
 
 
 def format_bench(rows: list[dict]) -> str:
@@ -246,8 +277,9 @@ def format_bench(rows: list[dict]) -> str:
         per_phase = row["tokens_per_s_per_phase"]
         cells = "".join(f"{per_phase[p]:10.1f}" if per_phase else f"{'-':>10s}" for p in PHASES)
         speedup = row["tokens_per_s"] / base if base else 0.0
+        reward = f"{row['reward_mean']:8.3f}" if row["reward_mean"] is not None else f"{'-':>8s}"  # all null
         lines.append(
             f"{row['name']:32s}{row['seconds']:9.2f}{row['tokens']:8d}{row['tokens_per_s']:10.1f}{speedup:8.2f}x"
-            f"{cells}{row['mean_k']:6.2f}{row['acceptance_rate']:8.3f}{row['reward_mean']:8.3f}"
+            f"{cells}{row['mean_k']:6.2f}{row['acceptance_rate']:8.3f}{reward}"
         )
     return "\n".join(lines)
