@@ -174,6 +174,9 @@ class Rollout:
         indices = list(range(len(rows))) if group_indices is None else [int(i) for i in group_indices]
         if len(indices) != len(rows):
             raise ValueError(f"group_indices holds {len(indices)} values for {len(rows)} prompts: give one each")
+        if len(set(indices)) != len(indices):  # two prompts in one group would share their advantages' baseline
+            repeated = next(i for i in indices if indices.count(i) > 1)
+            raise ValueError(f"group_indices holds {repeated} more than once: give each prompt a group of its own")
         self._check_reward_columns(rows[0])
         params = self.sampling if seed is None else replace(self.sampling, seed=seed)
         if n is not None:
@@ -248,7 +251,8 @@ class Rollout:
         kind = kinds.pop()
         if kind == "row":
             rows = [dict(item) for item in items]
-            check_prompt_column(list(rows[0]), self.prompt_column)
+            if self.formatter.template is None:  # (a template names its own columns)
+                check_prompt_column(list(rows[0]), self.prompt_column)
             prompts, prompt_ids = self.formatter(rows)
         elif kind == "token ids":
             prompt_ids = [[int(t) for t in item] for item in items]

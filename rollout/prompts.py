@@ -74,14 +74,19 @@ class PromptFormatter:
 
     def text(self, row: dict) -> str:
         """The prompt text of one row (chat-templated when asked)."""
-        value = row[self.prompt_column]
-        if self.template is not None:
+        if self.template is None:
+            value = row[self.prompt_column]
+        else:
             try:
                 value = self.template.format(**row)
             except KeyError as err:
                 raise ValueError(
                     f"data.template names the column {err.args[0]!r} that the dataset lacks; "
                     f"its columns: {', '.join(row)}"
+                ) from None
+            except (AttributeError, IndexError, TypeError, ValueError) as err:  # {x.attr}, {x[9]}, {x!z}, {x:d}
+                raise ValueError(
+                    f"data.template ({self.template!r:.60}) cannot be filled from a row: {type(err).__name__}: {err}"
                 ) from None
         if not self.chat_template:
             if not isinstance(value, str):
@@ -95,6 +100,11 @@ class PromptFormatter:
         else:
             messages = [{"role": "user", "content": str(value)}]
         if self.system_prompt is not None:
+            if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+                raise ValueError(
+                    "data.system_prompt is set and a conversation in the data has a system message of its own: give "
+                    "one or the other"
+                )
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 

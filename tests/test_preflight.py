@@ -65,6 +65,7 @@ REFUSED = [
     ),
     (["run", QUICKSTART, "spec.model=tiny-drft"], ["spec.model", "tiny-drft"], {}),
     (["run", QUICKSTART, "data.template='\"Q: {question}\"'"], ["data.template names the column 'question'"], {}),
+    (["run", QUICKSTART, "data.template='\"Q: {problem!z}\"'"], ["data.template", "has the conversion !z"], {}),
     (["run", QUICKSTART, "data.dataset=prompts.jsonl"], ["reward 'arithmetic' needs the column(s) ['answer']"], {}),
     (["run", QUICKSTART, "rewards.1.weight=2"], ["rewards is a list of 1 entry", "index from 0 to 0"], {}),
     (["run", QUICKSTART, "output_dir=prompts.jsonl"], ["output_dir prompts.jsonl is a file"], {}),

@@ -1,6 +1,7 @@
 """The rollout loop: RolloutBatch fields line up with a teacher-forced forward, rewards, advantages, conversions,
 phase labels, and reuse of one generator over the trainer's live model."""
 
+import copy
 import io
 import json
 import math
@@ -322,6 +323,15 @@ def test_local_data_files_and_templates(tmp_path, tiny, capfd):
         PromptFormatter(tokenizer, chat_template=True)
     with pytest.raises(ValueError, match=r"system_prompt .* is a chat template's system message"):
         PromptFormatter(tokenizer, "question", system_prompt="Be brief.")
+    # a template names its own columns: the prompt column ("prompt" by default) need not be there
+    assert PromptFormatter(tokenizer, template="Q: {question}")(list(rows))[0] == ["Q: 1 + 1?"]
+    with pytest.raises(ValueError, match=r"data.template \('Q: \{question.x\}'\) cannot be filled from a row"):
+        PromptFormatter(tokenizer, template="Q: {question.x}")(list(rows))
+    chat = copy.deepcopy(tokenizer)
+    chat.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    own = [{"role": "system", "content": "Be long."}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="system_prompt is set and a conversation in the data has a system message"):
+        PromptFormatter(chat, chat_template=True, system_prompt="Be brief.")([{"prompt": own}])
 
 
 def test_tracker_appends_rollouts_of_a_training_loop(batch, tmp_path, monkeypatch):
@@ -390,6 +400,8 @@ def test_misused_arguments_are_named_before_anything_runs(tiny):
         rollout(None)
     with pytest.raises(TypeError, match=r"on_step must be a function or None, got int"):
         rollout(["1 + 1 ="], on_step=5)
+    with pytest.raises(ValueError, match=r"group_indices holds 5 more than once: give each prompt a group of its own"):
+        rollout(["1 + 1 =", "2 + 2 ="], group_indices=[5, 5])
 
 
 def test_data_that_list_takes_is_taken(tiny):

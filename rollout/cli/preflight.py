@@ -66,7 +66,8 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
     columns = data_columns(recipe.data)
     if columns is not None:  # a hub data set's columns are checked once it loads
         d = recipe.data
-        check_prompt_column(columns, d.prompt_column)
+        if d.template is None:  # (a template names its own columns)
+            check_prompt_column(columns, d.prompt_column)
         check_template(d.template, columns)
         check_reward_columns(terms, columns, where=f"data.dataset {d.dataset!r}")
     s = recipe.sampling
@@ -255,9 +256,13 @@ def check_template(template: str | None, columns: list[str]) -> None:
     if template is None:
         return
     try:
-        fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+        parsed = [(field, conversion) for _, field, _, conversion in string.Formatter().parse(template)]
     except ValueError as err:
         raise ValueError(f"data.template ({template!r:.60}) is not a str.format template: {err}") from None
+    odd = [conversion for field, conversion in parsed if field is not None and conversion not in (None, "r", "s", "a")]
+    if odd:
+        raise ValueError(f"data.template ({template!r:.60}) has the conversion !{odd[0]}: use !r, !s or !a, or none")
+    fields = [field for field, _ in parsed if field is not None]
     for field in fields:
         name = re.split(r"[.\[]", field, maxsplit=1)[0]
         if not name or name.isdigit():

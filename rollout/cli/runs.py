@@ -41,7 +41,8 @@ def load_inputs(recipe: Recipe) -> RecipeInputs:
     build_rewards([(r.name, r.weight) for r in recipe.rewards])
     d = recipe.data
     data = load_dataset(d.dataset, d.split, d.config_name, d.num_prompts)
-    check_prompt_column(data.column_names, d.prompt_column)
+    if d.template is None:  # (a template names its own columns)
+        check_prompt_column(data.column_names, d.prompt_column)
     if len(data) == 0:
         raise ValueError(f"data.dataset {d.dataset!r} split {d.split!r} has no rows")
     torch.manual_seed(recipe.sampling.seed)
