@@ -132,15 +132,19 @@ def required_arguments(fn) -> list[str]:
     return [p.name for p in parameters if p.kind in kinds and p.default is inspect.Parameter.empty]
 
 
-def _completions_by_name(fn) -> bool:
-    """Whether `fn` names a parameter `completions` (TRL's convention: it is passed by name then); else the completions
-    go first, by position."""
+def _completions_by_name(fn, keywords) -> bool:
+    """Whether the completions go to `fn` by name: its first parameter is one of the `keywords` it is given (TRL's
+    convention, `f(prompts, completions, ...)`, all by name) and it has one named `completions`; else they go first,
+    by position."""
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    first = next((p.name for p in parameters.values() if p.kind in kinds), None)
     named = parameters.get("completions")
-    return named is not None and named.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return first != "completions" and first in keywords and named is not None and named.kind in by_name
 
 
 def check_reward_columns(terms: Sequence[WeightedReward], columns: Sequence[str], where: str = "the data") -> None:
@@ -149,7 +153,7 @@ def check_reward_columns(terms: Sequence[WeightedReward], columns: Sequence[str]
     available = set(columns) | set(RESERVED_REWARD_KWARGS)
     for term in terms:
         required = required_arguments(term.fn)
-        taken = "completions" if _completions_by_name(term.fn) else (required[0] if required else None)
+        taken = "completions" if _completions_by_name(term.fn, available) else (required[0] if required else None)
         missing = [name for name in required if name != taken and name not in available]
         if missing:
             raise ValueError(
@@ -182,7 +186,7 @@ def score(
     per_term: dict[str, list[float | None]] = {}
     for term in terms:
         try:
-            if _completions_by_name(term.fn):  # TRL's rewards take every argument by name: (prompts, completions, ...)
+            if _completions_by_name(term.fn, columns):  # TRL's take every argument by name: (prompts, completions, ...)
                 values = term.fn(completions=completions, **columns)
             else:
                 values = term.fn(completions, **columns)

@@ -2,6 +2,7 @@
 phase labels, and reuse of one generator over the trainer's live model."""
 
 import copy
+import functools
 import io
 import json
 import math
@@ -477,5 +478,26 @@ def test_a_reward_in_trls_convention_takes_every_argument_by_name():
         check_reward_columns(terms, [])
     total, _ = score(terms, ["x 4", "x 5"], {"prompts": ["p", "q"], "answer": ["4", "4"]})
     assert total == [1.0, 0.0]
+    # and what worked by position still does: a wrapper taking the texts first, whatever name its signature shows,
+    # and a first parameter of another name beside an optional `completions`
+
+    def positional(fn):
+        @functools.wraps(fn)
+        def wrapper(texts, **kwargs):
+            return fn(texts, **kwargs)
+
+        return wrapper
+
+    @positional
+    def wrapped(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    def texts_first(texts, completions=None, **kwargs):
+        return [2.0] * len(texts)
+
+    for fn, expected in ((wrapped, [1.0, 1.0]), (texts_first, [2.0, 2.0])):
+        terms = [WeightedReward(fn.__name__, fn, 1.0)]
+        check_reward_columns(terms, ["answer"])
+        assert score(terms, ["a", "b"], {"prompts": ["p", "q"], "answer": ["4", "4"]})[0] == expected
     with pytest.raises(RewardError, match="returned a number past a float's range"):
         score([WeightedReward("huge", lambda completions, **kw: [10**400, 1], 1.0)], ["a", "b"], {})

@@ -105,6 +105,7 @@ def test_reward_reads_the_number_after_the_last_marker():
     assert arithmetic_reward(completions, ["7"] * len(completions)) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     # the whole number: not the 42 of 42.5 or the 4 of 4,200; a full stop after it is not a decimal point
     assert arithmetic_reward([" #### 42.5", " #### 4,200", " #### 42."], ["42", "4", "42"]) == [0.0, 0.0, 1.0]
+    assert arithmetic_reward([" #### 42.0", " #### 42.05"], ["42", "42"]) == [1.0, 0.0]
     # an answer column read as floats (a CSV column with an empty cell): 6.0 is 6, and a missing answer grades 0
     assert arithmetic_reward([" #### 6", " #### 6", " #### 6"], [6.0, float("nan"), "6.5"]) == [1.0, 0.0, 0.0]
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -310,7 +312,11 @@ def test_close_fails_the_requests_it_leaves_unfinished_and_closes_the_generator(
     while (engine.generator is None or engine.generator.num_active == 0) and time.monotonic() < deadline:
         time.sleep(0.001)
     generator = engine.generator
+    waiting = threading.Thread(target=engine.wait_idle, daemon=True)  # (a caller waiting for the engine to go idle)
+    waiting.start()
     engine.close()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive()  # woken when close resolved everything
     for future in futures:
         with pytest.raises(RuntimeError, match="closed"):
             future.result(timeout=10)
@@ -358,6 +364,8 @@ def test_verl_sampling_params_map_onto_the_library():
     with pytest.raises(ValueError, match="no room"):
         sampling_params_from_verl({}, 208, LIMITS)
     assert sampling_params_from_verl({"temperature": None}, 10, LIMITS)[0].temperature == 1.0  # None: the default
+    assert sampling_params_from_verl({"seed": 2**60 + 1}, 10, LIMITS)[0].seed == 2**60 + 1  # an int as it is
+    assert sampling_params_from_verl({"stop_token_ids": np.array([3, 4])}, 10, LIMITS)[0].stop_token_ids == [3, 4]
     for bad, message in [
         ({"temperature": "hot"}, r"\['temperature'\] \('hot'\) must be a number"),
         ({"seed": 1.5}, r"\['seed'\] \(1.5\) must be an integer"),

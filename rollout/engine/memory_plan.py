@@ -18,6 +18,7 @@ import warnings
 import torch
 from transformers import AutoConfig
 
+from rollout.engine.requests import _outside_the_engine
 from specdec.config import SpecConfig
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per block of a paged KV pool
@@ -90,7 +91,7 @@ def plan_kv_cache(
             warnings.warn(
                 f"kv_pool_blocks ({num_blocks}) is not used: kv_layout='auto' keeps slots on {device.type} (a paged "
                 "pool on a GPU); set kv_layout='paged' to size a pool here",
-                stacklevel=3,
+                stacklevel=_outside_the_engine(),
             )
     if not paged:
         return check_kv_cache_fits(model, spec, max_batch_size, max_seq_len), None

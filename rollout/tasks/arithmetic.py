@@ -180,7 +180,8 @@ def arithmetic_dataset(num_problems: int, split: str = "train", seed: int = 0, c
     return data
 
 
-_FINAL_NUMBER = re.compile(r"^\s*(-?\d+)(?![.,]?\d)")  # a whole integer: not the 42 of 42.5 or the 4 of 4,200
+# a whole number, 42.0 included: not the 42 of 42.5 or the 4 of 4,200
+_FINAL_NUMBER = re.compile(r"^\s*(-?\d+)(?:\.0+)?(?![.,]?\d)")
 
 
 def parse_answer(completion: str) -> str | None:

@@ -219,25 +219,31 @@ class ServingEngine:
                     batch, self._incoming = (self._incoming, []) if admit else ([], self._incoming)
                     self._num_admitting = len(batch)  # in flight for `sleep` and `wait_idle` until queued
                 try:
-                    try:
-                        self._queue(batch)
-                    finally:
-                        with self._cond:
-                            self._num_admitting = 0
-                            self._cond.notify_all()
+                    self._queue(batch)
+                    self._admitted()
                     self._step()
                 except Exception as error:  # a failed step fails the requests in flight, not the engine
                     logger.exception("rollout serving engine: a step failed")
                     self._fail_all(error, batch)
+                    self._admitted()  # (after: until then the batch's requests were still unresolved)
         with self._step_lock, self._cond:
             unfinished = [r.future for r in self._incoming] + list(self._futures.values())
             self._incoming.clear()
             self._futures.clear()
             gen, self.generator = self.generator, None
-        if gen is not None:
-            gen.close()
-        for future in unfinished:
-            _settle(future, error=RuntimeError("the ServingEngine was closed"))
+            self._cond.notify_all()  # `wait_idle` and `sleep` see nothing left
+        try:
+            if gen is not None:
+                gen.close()
+        finally:
+            for future in unfinished:
+                _settle(future, error=RuntimeError("the ServingEngine was closed"))
+
+    def _admitted(self) -> None:
+        """The batch taken from `_incoming` is queued (or failed): no request is between the two any more."""
+        with self._cond:
+            self._num_admitting = 0
+            self._cond.notify_all()
 
     def _has_work(self) -> bool:
         if self._aborting:

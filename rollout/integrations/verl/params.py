@@ -7,6 +7,7 @@ Plain Python: nothing here imports veRL, so the mapping is checked where veRL is
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +89,10 @@ def sampling_params_from_verl(
     top_k = _number(params, "top_k", -1, integer=True)
     if top_k < -1:
         raise ValueError(f"sampling_params['top_k'] ({top_k}) must be -1 (off) or a positive integer")
-    stop_token_ids = params.get("stop_token_ids") or []
+    stop_token_ids = params.get("stop_token_ids")
+    stop_token_ids = [] if stop_token_ids is None else stop_token_ids
+    if hasattr(stop_token_ids, "tolist") and not isinstance(stop_token_ids, (str, bytes)):  # a numpy or torch array
+        stop_token_ids = stop_token_ids.tolist()
     if not isinstance(stop_token_ids, (list, tuple)):
         raise ValueError(f"sampling_params['stop_token_ids'] ({stop_token_ids!r}) must be a list of token ids")
     converted = SamplingParams(
@@ -190,6 +194,8 @@ def _number(params: dict[str, Any], key: str, default: Any, integer: bool = Fals
     value = params.get(key)
     if value is None:
         return default
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value) if integer else float(value)  # (an integer as it is: a float holds 53 bits)
     try:
         number = float(value)
     except (TypeError, ValueError):
