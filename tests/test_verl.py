@@ -50,6 +50,13 @@ def run_all(engine: ServingEngine, requests: list[tuple[list[int], SamplingParam
     return asyncio.run(main())
 
 
+def wait_until_in_flight(engine: ServingEngine) -> None:
+    """Until the engine's generator has rows in flight (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while (engine.generator is None or engine.generator.num_active == 0) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def verl_params(sampling_params: dict, prompt_ids: list[int]) -> SamplingParams:
     return sampling_params_from_verl(sampling_params, len(prompt_ids), LIMITS)[0]
 
@@ -207,9 +214,7 @@ def test_a_request_joins_the_batch_in_flight(tiny64):
     engine = ServingEngine(model, max_batch_size=4, max_seq_len=LIMITS.max_model_len)
     try:
         long_future = engine.submit(long_prompt, long_params)
-        deadline = time.monotonic() + 30
-        while (engine.generator is None or engine.generator.num_active == 0) and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until_in_flight(engine)
         short_future = engine.submit(short_prompt, short_params)
         short = short_future.result(timeout=60)
         assert not long_future.done()  # the short one did not wait for the long one
@@ -250,9 +255,7 @@ def test_abort_all_answers_aborted_and_resume_serves_again(tiny32):
     try:
         long = SamplingParams(max_new_tokens=LIMITS.max_model_len - len(prompt), ignore_eos=True)
         futures = [engine.submit(prompt, long) for _ in range(4)]  # two in flight, two queued
-        deadline = time.monotonic() + 30
-        while (engine.generator is None or engine.generator.num_active == 0) and time.monotonic() < deadline:
-            time.sleep(0.001)
+        wait_until_in_flight(engine)
         assert engine.abort_all() == 4
         aborted = [f.result(timeout=10) for f in futures]
         assert all(c.finish_reason == ABORTED and c.token_ids == [] for c in aborted)
@@ -308,9 +311,7 @@ def test_close_fails_the_requests_it_leaves_unfinished_and_closes_the_generator(
     engine = ServingEngine(model, max_batch_size=2, max_seq_len=LIMITS.max_model_len)
     long = SamplingParams(max_new_tokens=LIMITS.max_model_len - len(prompt), ignore_eos=True)
     futures = [engine.submit(prompt, long) for _ in range(3)]  # two in flight, one queued
-    deadline = time.monotonic() + 30
-    while (engine.generator is None or engine.generator.num_active == 0) and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_until_in_flight(engine)
     generator = engine.generator
     waiting = threading.Thread(target=engine.wait_idle, daemon=True)  # (a caller waiting for the engine to go idle)
     waiting.start()
