@@ -82,11 +82,11 @@ def sampling_params_from_verl(
             f"({limits.max_model_len}): raise rollout.max_model_len or shorten the prompt"
         )
     key = "max_tokens" if params.get("max_tokens") is not None else "max_new_tokens"
-    max_tokens = _number(params, key, None, integer=True)
+    max_tokens = _number(params.get(key), key, None, integer=True)
     if max_tokens is None:
         max_tokens = min(limits.response_length, limits.prompt_length + limits.response_length - num_prompt_tokens)
     max_tokens = max(1, min(max_tokens, room))
-    top_k = _number(params, "top_k", -1, integer=True)
+    top_k = _number(params.get("top_k"), "top_k", -1, integer=True)
     if top_k < -1:
         raise ValueError(f"sampling_params['top_k'] ({top_k}) must be -1 (off) or a positive integer")
     stop_token_ids = params.get("stop_token_ids")
@@ -97,13 +97,13 @@ def sampling_params_from_verl(
         raise ValueError(f"sampling_params['stop_token_ids'] ({stop_token_ids!r}) must be a list of token ids")
     converted = SamplingParams(
         n=1,
-        temperature=_number(params, "temperature", 1.0),
-        top_p=_number(params, "top_p", 1.0),
+        temperature=_number(params.get("temperature"), "temperature", 1.0),
+        top_p=_number(params.get("top_p"), "top_p", 1.0),
         top_k=max(top_k, 0),
         max_new_tokens=max_tokens,
-        stop_token_ids=[_number({"stop_token_ids": t}, "stop_token_ids", None, integer=True) for t in stop_token_ids],
+        stop_token_ids=[_number(t, "stop_token_ids", None, integer=True) for t in stop_token_ids],
         ignore_eos=bool(params.get("ignore_eos", limits.ignore_eos)),
-        seed=_number(params, "seed", None, integer=True),
+        seed=_number(params.get("seed"), "seed", None, integer=True),
     )
     return converted, bool(params.get("logprobs", False))
 
@@ -185,13 +185,12 @@ class EngineOptions:
         return cls(**values)
 
 
-def _number(params: dict[str, Any], key: str, default: Any, integer: bool = False) -> Any:
-    """`params[key]` as a float (an int with `integer`), `default` where it is absent or None.
+def _number(value: Any, key: str, default: Any, integer: bool = False) -> Any:
+    """`value` (a request's `sampling_params[key]`) as a float (an int with `integer`), `default` where it is None.
 
     Raises:
         ValueError: a value that is not a number (or not a whole number with `integer`), naming the key.
     """
-    value = params.get(key)
     if value is None:
         return default
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
