@@ -357,6 +357,7 @@ class SuffixProposerRef(SuffixProposer):
     def _sync(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, defer: bool = False) -> None:
         """Insert the tokens each of `rows` gained since the last call (`token_ids[rows[i], :num_tokens[i]]`), with the
         deferred ones. `defer` (finishing rows): keep the tokens for the next insertion instead."""
+        self._restart_changed(rows, token_ids)
         rewound = (num_tokens < self._num_inserted[rows]).nonzero()[0]
         if rewound.size:  # rows rolled back: their responses leave the tries, and start over
             self._restart_rows(rows[rewound])
@@ -554,6 +555,9 @@ class Lockstep(Proposer):
 
     def drop(self, *args) -> None:
         self._both("drop", *args)
+
+    def rewind(self, *args) -> None:
+        self._both("rewind", *args)
 
     def update(self, *args) -> None:
         self._both("update", *args)

@@ -130,6 +130,7 @@ class SuffixTries(Proposer):
         self._num_inserted = np.zeros(slots, dtype=np.int64)  # tokens of the row (prompt included) in the tries
         self._prompt_len = np.zeros(slots, dtype=np.int64)
         self._in_flight = np.zeros(slots, dtype=bool)
+        self._rewound_at = np.full(slots, -1, dtype=np.int64)  # a pending token a restore may have changed (`rewind`)
         self._slot_prompt: list[bytes | None] = [None] * slots
         self._responses = np.zeros((slots, self._num_positions), dtype=np.int32)
         self._dead_tokens = 0  # tokens removed since the store was built: a rebuild frees their nodes
@@ -258,12 +259,13 @@ class SuffixTries(Proposer):
         roots = np.array([e.root for e in entries])[groups]
         self._frontiers[:, rows] = self._start_responses(roots)
         self._in_flight[rows] = True
+        self._rewound_at[rows] = -1
 
     def copy_rows(self, src: Tensor, dst: Tensor, num_positions: int) -> None:
         self.wait()
         src, dst = host(src).numpy(), host(dst).numpy()  # the engine's row indices, on the host
         self._frontiers[:, dst] = self._frontiers[:, src]
-        for array in (self._num_inserted, self._prompt_len, self._in_flight):
+        for array in (self._num_inserted, self._prompt_len, self._in_flight, self._rewound_at):
             array[dst] = array[src]
         self._responses[dst, :num_positions] = self._responses[src, :num_positions]
         src_rows, dst_rows = src.tolist(), dst.tolist()  # a few rows a step: Python sets beat numpy's set routines
@@ -299,6 +301,15 @@ class SuffixTries(Proposer):
         if slots.size:
             self._remove_rows(slots)
 
+    def rewind(self, rows: list[int], num_tokens: list[int]) -> None:
+        """Rows restored to hold `num_tokens[i]` tokens: where the tries took in their pending token (the last), the
+        next insertion checks it against the row's and, if a restore changed it, the row starts over. (Rows rolled
+        back below what the tries hold start over anyway.)"""
+        self.wait()
+        slots, lengths = np.asarray(rows, dtype=np.int64), np.asarray(num_tokens, dtype=np.int64)
+        reached = self._in_flight[slots] & (lengths > self._prompt_len[slots]) & (lengths <= self._num_inserted[slots])
+        self._rewound_at[slots[reached]] = lengths[reached] - 1
+
     def update(self, token_ids: Tensor, num_tokens: list[int]) -> None:
         self.wait()
         args = (self._all_rows[: len(num_tokens)], token_ids.numpy(), np.asarray(num_tokens, dtype=np.int64))
@@ -318,6 +329,7 @@ class SuffixTries(Proposer):
     def _sync(self, rows: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray, defer: bool = False) -> None:
         """Insert the tokens each of `rows` gained since the last call (`token_ids[rows[i], :num_tokens[i]]`), with the
         deferred ones, in one compiled call. `defer` (finishing rows): keep them for the next insertion instead."""
+        self._restart_changed(rows, token_ids)
         index = self.index
         for _ in range(2):
             size = (int(self._pending_status[0]) + 2 * len(rows)) * self.max_tree_depth
@@ -332,12 +344,26 @@ class SuffixTries(Proposer):
             self._restart_rows(rows[num_tokens < self._num_inserted[rows]])  # then take in their tokens
         raise AssertionError("expected no rewound row after restarting them")
 
+    def _restart_changed(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Rows `rewind` marked whose token at the marked position is not the one the tries took in there (`token_ids`
+        as `_sync` takes it) start over."""
+        marked = rows[self._rewound_at[rows] >= 0]
+        if not marked.size:
+            return
+        at = self._rewound_at[marked]
+        self._rewound_at[marked] = -1
+        taken_in = self._responses[marked, at - self._prompt_len[marked]]
+        changed = marked[token_ids[marked, at] != taken_in]
+        if changed.size:
+            self._restart_rows(changed)
+
     def _restart_rows(self, slots: np.ndarray) -> None:
         """Rows rolled back (`Generator.restore`, the warm-up's probes) start their responses over: what they had taken
         in leaves the tries (it is text no row holds any more), and each starts again behind a separator."""
         keys = self._take_out(slots)
         self._frontiers[:, slots] = self._start_responses(np.array([self.prompts[key].root for key in keys]))
         self._num_inserted[slots] = self._prompt_len[slots]
+        self._rewound_at[slots] = -1
 
     def flush(self) -> None:
         """Insert the finished rows' last tokens now (`finish` defers them to the next step's insertion): the tries

@@ -713,3 +713,36 @@ def test_a_forked_child_starts_its_own_insertion_thread():
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_restore_that_changes_only_the_pending_token_leaves_no_old_token_in_the_tries():
+    """A restore may give a row another pending token at the length the tries have already taken in: the old token
+    is text no row holds, so it leaves the tries (the rows start over), in the compiled proposer and the reference
+    alike (`Lockstep`)."""
+    from specdec.proposers.suffix_ref import Lockstep
+
+    model = make_model("llama")
+    spec = SpecConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
+    gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec, async_scheduling=False)
+    lockstep = Lockstep.replacing(gen.draft_history)
+    gen.proposers.proposers["suffix"] = lockstep
+    gen.add_requests(random_prompts(2, seed=14), SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3))
+    for _ in range(3):
+        gen.step()
+    saved = gen.snapshot()
+    gen.step()  # the tries take in the rows up to their pending tokens, then the rows move on
+    dead = lockstep.new._dead_tokens
+    gen.restore(saved)
+    gen.step()
+    assert lockstep.new._dead_tokens == dead  # the same pending tokens: no row starts over
+    vocab = model.config.vocab_size
+    gen.restore([replace(s, pending=(s.pending + 1) % vocab) for s in saved])
+    gen.step()
+    for tries in (lockstep.new, lockstep.ref):
+        tries.flush()
+        for row in range(gen.num_active):
+            num_inserted, prompt_len = int(tries._num_inserted[row]), int(gen.slots.prompt_len[row])
+            assert num_inserted == saved[row].num_tokens  # (the last step's tokens go in with the next step's)
+            taken_in = tries._responses[row, : num_inserted - prompt_len].tolist()
+            assert taken_in == gen.slots.token_ids[row, prompt_len:num_inserted].tolist(), row
+    assert_counts_exact(lockstep.new)  # (the reference drafted alike at every step)
