@@ -473,6 +473,33 @@ def test_the_adapter_sends_weights_to_the_server_actor_then_greedy_equals_genera
     assert len(output.log_probs) == len(output.token_ids)
 
 
+def test_the_server_builds_the_policy_from_the_trainers_config(verl):
+    """`model.override_config` changes the actor's config: the server's policy is built from the same config, with
+    attention the generator runs (veRL's config asks flash-attn), and the trainer's config object is left as it is."""
+    from verl.workers.config import HFModelConfig
+
+    from rollout.integrations.verl.server import RolloutServer
+
+    overrides = {"max_position_embeddings": 4096, "attn_implementation": "eager"}
+    model_config = HFModelConfig(path=str(model_path("tiny-target")), override_config=overrides)
+    server = RolloutServer(rollout_config(verl), model_config)
+    try:
+        assert server.model.config.max_position_embeddings == 4096
+        assert server.model.config._attn_implementation == "eager"
+    finally:
+        server.engine.close()
+    plain = HFModelConfig(path=str(model_path("tiny-target")))
+    assert plain.hf_config._attn_implementation == "flash_attention_2"
+    server = RolloutServer(rollout_config(verl), plain)
+    try:
+        assert server.model.config._attn_implementation == "sdpa"
+        assert plain.hf_config._attn_implementation == "flash_attention_2"  # the trainer's own config unchanged
+        output = asyncio.run(server.generate([5, 6, 7], {"temperature": 0, "max_tokens": 4}, "r"))
+        assert len(output.token_ids) == 4
+    finally:
+        server.engine.close()
+
+
 def test_the_server_refuses_what_it_cannot_do(verl):
     from verl.workers.config import HFModelConfig
 
@@ -483,6 +510,10 @@ def test_the_server_refuses_what_it_cannot_do(verl):
         RolloutServer(
             rollout_config(verl, engine_kwargs={"rollout": {"speculative_config": {"gamma": 3}}}), model_config
         )
+    with pytest.raises(
+        ValueError, match=r"logprobs_mode \('raw_logprobs'\) is not supported .* returns processed_logprobs"
+    ):
+        RolloutServer(rollout_config(verl, logprobs_mode="raw_logprobs"), model_config)
     server = RolloutServer(rollout_config(verl), model_config)
     try:
         with pytest.raises(ValueError, match="multimodal"):

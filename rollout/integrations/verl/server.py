@@ -11,6 +11,7 @@ veRL's memory protocol: `sleep` drops the KV cache and graphs (and moves the wei
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from typing import Any
 
@@ -26,6 +27,8 @@ from rollout.integrations.verl.params import EngineOptions, RequestLimits, sampl
 logger = logging.getLogger(__name__)
 
 NAME = "rollout"  # actor_rollout_ref.rollout.name
+ATTENTION = ("sdpa", "eager")  # the attention implementations the generator runs
+LOGPROBS_MODE = "processed_logprobs"  # the one of vLLM's logprobs modes this backend returns (veRL's default)
 MAX_BATCH_SIZE = 256  # slots when engine_kwargs.rollout.max_batch_size is unset (at most rollout.max_num_seqs)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}  # fmt: skip
@@ -53,6 +56,12 @@ class RolloutServer:
         # the replica hands over veRL's config objects or their OmegaConf form
         config = omega_conf_to_dataclass(config, dataclass_type=RolloutConfig)
         model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
+        if config.logprobs_mode not in (None, LOGPROBS_MODE):
+            raise ValueError(
+                f"rollout.logprobs_mode ({config.logprobs_mode!r}) is not supported by the 'rollout' backend: it "
+                f"returns {LOGPROBS_MODE} (the log-probs of the distribution each token was sampled from, after "
+                f"temperature, top-k and top-p); set actor_rollout_ref.rollout.logprobs_mode={LOGPROBS_MODE}"
+            )
         self.config = config
         self.replica_rank = replica_rank
         self.global_steps: int | None = None
@@ -235,7 +244,10 @@ def _node_and_device(worker) -> tuple[str, str | None]:
 
 def load_policy(model_config, dtype: str, load_format: str, device: torch.device) -> torch.nn.Module:
     """The policy model in eval mode: from `model_config.local_path`, or with `load_format="dummy"` (veRL's default)
-    built from its config with random weights, which the trainer's first `update_weights` replaces."""
+    built from its config with random weights, which the trainer's first `update_weights` replaces. Its config is
+    `model_config.hf_config`, the one the trainer builds its actor from (`model.override_config` applied), with
+    `sdpa` or `eager` attention as `override_config.attn_implementation` says, else transformers' default for the
+    model (veRL's default asks flash-attn of its actor, which this library does not use)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if dtype not in DTYPES:
@@ -243,9 +255,15 @@ def load_policy(model_config, dtype: str, load_format: str, device: torch.device
     torch_dtype = DTYPES[dtype]
     path = model_config.local_path
     trust = bool(getattr(model_config, "trust_remote_code", False))
-    if load_format == "dummy":
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is None:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype, trust_remote_code=trust)
+    hf_config = copy.deepcopy(hf_config)  # (the trainer's own stays as it is)
+    if hf_config._attn_implementation not in ATTENTION:
+        hf_config._attn_implementation = None  # transformers picks sdpa, or eager for a model without it
+    options = dict(dtype=torch_dtype, trust_remote_code=trust)
+    if load_format == "dummy":
+        model = AutoModelForCausalLM.from_config(hf_config, **options)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust)
+        model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, **options)
     return model.to(device).eval()
