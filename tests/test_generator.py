@@ -527,6 +527,14 @@ def test_a_draft_model_named_by_path_is_planned_from_its_config(tmp_path, monkey
     with pytest.raises(ValueError, match=f"largest max_batch_size that fits is {fits};"):
         check_kv_cache_fits(target, spec, fits + 1, 2000)
     assert fitting_batch_size(target, spec, 20, 5) == 5
+    # not one slot fits: the length is what to lower, and how long one slot may be
+    too_long = 100 * 3 * 2**30 * 2000 // check_kv_cache_fits(target, spec, 1, 2000)
+    with pytest.raises(ValueError, match=r"not one slot fits; lower max_seq_len \(at most \d+ fit one slot\)") as e:
+        check_kv_cache_fits(target, spec, 4, too_long)
+    fitting = int(str(e.value).split("at most ")[1].split()[0])
+    assert check_kv_cache_fits(target, spec, 1, fitting) > 0
+    with pytest.raises(ValueError):
+        check_kv_cache_fits(target, spec, 1, fitting + 1)
 
 
 @pytest.mark.parametrize(

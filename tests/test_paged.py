@@ -189,6 +189,13 @@ def test_bad_layout_settings_are_refused_with_the_fix():
         Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="slots", kv_pool_blocks=8)
     with pytest.warns(UserWarning, match=r"kv_pool_blocks \(8\) is not used: kv_layout='auto' keeps slots on cpu"):
         Generator(model, max_batch_size=2, max_seq_len=32, kv_pool_blocks=8)
+    # the auto policy's warm-up fills every slot: a pool too small for it names what to raise, the pool where it
+    # was given smaller than the slots, the rows where the pool holds every slot at full length
+    auto = SpecConfig(method="ngram", num_speculative_tokens=3, num_speculative_tokens_per_batch_size="auto")
+    with pytest.raises(ValueError, match=r"kv_pool_blocks \(8\) holds 2 blocks of 16 tokens per slot: .* raise kv_p"):
+        Generator(model, max_batch_size=4, max_seq_len=64, kv_layout="paged", kv_pool_blocks=8, spec=auto)
+    with pytest.raises(ValueError, match=r"max_seq_len \(24\) is too short for the auto policy's warm-up on the pag"):
+        Generator(model, max_batch_size=4, max_seq_len=24, kv_layout="paged", spec=auto)
 
 
 def test_block_manager_shares_copies_on_write_and_frees():

@@ -41,10 +41,17 @@ def check_kv_cache_fits(model: torch.nn.Module, spec: SpecConfig | None, max_bat
     when they do not fit the device's free memory."""
     per_slot, free = kv_cache_plan(model, spec, max_seq_len)
     if free is not None and per_slot * max_batch_size > USABLE_SHARE * free:
+        usable = int(USABLE_SHARE * free)
+        fitting = usable // per_slot
+        if fitting:
+            fix = f"the largest max_batch_size that fits is {fitting}; lower max_batch_size or max_seq_len"
+        else:  # a slot's bytes are a fixed part (a step's positions) and a part per token
+            per_token = kv_cache_plan(model, spec, 2 * max_seq_len)[0] - per_slot  # (for max_seq_len tokens)
+            longest = (usable - (per_slot - per_token)) * max_seq_len // per_token
+            fix = f"not one slot fits; lower max_seq_len (at most {longest} fit one slot)"
         raise ValueError(
             f"the KV cache needs {per_slot * max_batch_size / 2**30:.2f} GiB ({max_batch_size} slots x "
-            f"{max_seq_len} tokens) but {_device(model)} has {free / 2**30:.2f} GiB free: the largest "
-            f"max_batch_size that fits is {int(USABLE_SHARE * free) // per_slot}; lower max_batch_size or max_seq_len"
+            f"{max_seq_len} tokens) but {_device(model)} has {free / 2**30:.2f} GiB free: {fix}"
         )
     return per_slot * max_batch_size
 

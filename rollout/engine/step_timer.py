@@ -126,10 +126,18 @@ def warm_up(engine) -> float:
     returns the seconds it took. The rows it timed are gone after it and the proposers have forgotten them."""
     policy, cache = engine.policy, engine.runner.cache
     if isinstance(policy, AutoPolicy) and engine.max_uniform_context < engine.max_width + 4:
+        per_slot = cache.max_blocks // engine.max_batch_size
+        if cache.max_blocks >= engine.max_batch_size * -(-engine.runner.num_positions // cache.block_size):
+            # the pool holds every slot at full length: the rows are what is short, not the pool
+            raise ValueError(
+                f"max_seq_len ({engine.max_seq_len}) is too short for the auto policy's warm-up on the paged layout "
+                f"({per_slot} blocks of {cache.block_size} tokens a slot): it fills every slot at once, each with "
+                f"room for a full-width step; raise max_seq_len, use kv_layout='slots', or give a static K or a table"
+            )
         raise ValueError(
-            f"kv_pool_blocks ({cache.max_blocks}) holds {cache.max_blocks // engine.max_batch_size} blocks of "
-            f"{cache.block_size} tokens per slot: the auto policy's warm-up fills every slot at once and needs "
-            f"more; raise kv_pool_blocks, lower max_batch_size, or give a static K or a table"
+            f"kv_pool_blocks ({cache.max_blocks}) holds {per_slot} blocks of {cache.block_size} tokens per slot: the "
+            f"auto policy's warm-up fills every slot at once and needs more; raise kv_pool_blocks, lower "
+            f"max_batch_size, or give a static K or a table"
         )
     start = time.perf_counter()
     # contexts up to a cap: a longer one would fill every slot to it for a few steps (memory follows the rollout,
