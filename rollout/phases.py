@@ -51,10 +51,12 @@ def summarize(steps: Iterable[dict]) -> dict:
     Returns `{"phases": {phase: stats for each of PHASES}, "total": stats}`, where stats holds:
 
     - `seconds`: the summed wall time of the steps (generator-measured; host time between steps excluded).
-    - `tokens`: emitted completion tokens (`num_emitted`; a prefill step emits each sample's first token).
+    - `tokens`: completion tokens emitted and kept: `num_emitted` (a prefill step emits each sample's first token)
+      less `num_discarded` (what rows preempted for lack of blocks had emitted before they started over, counted in
+      the phase of the step that preempted them), so that `total` is the completions' tokens.
     - `tokens_per_s`: tokens / seconds.
-    - `mean_batch_size`: mean `batch_size` per step: active rows for decode steps, prompts per forward for prefill.
-      `total` averages over its decode steps only (prefill batches count prompts, not rows).
+    - `mean_batch_size`: mean `batch_size` per step: active rows for decode steps, prompts admitted per step for
+      prefill. `total` averages over its decode steps only (prefill batches count prompts, not rows): 0.0 without.
     - `mean_k`: mean `num_draft_tokens` (the K chosen that step) per step; `total` over its decode steps only
       (prefill never drafts).
     - `acceptance_rate`: accepted / drafted draft tokens (0.0 when nothing was drafted).
@@ -68,7 +70,7 @@ def summarize(steps: Iterable[dict]) -> dict:
     """
     steps = list(steps)
     phases = {phase: _stats([s for s in steps if s["phase"] == phase]) for phase in PHASES}
-    summary = {"phases": phases, "total": _stats(steps)}
+    summary = {"phases": phases, "total": _stats(steps, decode_means=True)}
     paged = [s for s in steps if s.get("kv_blocks_used") is not None]
     if paged:
         summary["kv_cache"] = {
@@ -113,14 +115,16 @@ def straggler_ratio(rank_seconds: list[list[float]]) -> float:
     return slowest / mean if mean > 0 else 1.0
 
 
-def _stats(steps: list[dict]) -> dict:
+def _stats(steps: list[dict], decode_means: bool = False) -> dict:
+    """`summarize`'s stats of `steps`; `decode_means`: per-step means over the decode steps only (else over the
+    decode steps when there are any: a phase is all prefill or all decode)."""
     seconds = sum(s["seconds"] for s in steps)
-    tokens = sum(s["num_emitted"] for s in steps)
+    tokens = sum(s["num_emitted"] - s.get("num_discarded", 0) for s in steps)  # (traces written before it: none)
     drafted = sum(s["num_drafted"] for s in steps)
     accepted = sum(s["num_accepted"] for s in steps)
     decode = [s for s in steps if s["phase"] != "prefill"]
     decode_rows = sum(s["batch_size"] for s in decode)
-    averaged = decode or steps  # per-step means over the decode steps when there are any
+    averaged = decode if decode_means else decode or steps
     num_steps = len(steps)
     return {
         "seconds": seconds,

@@ -133,6 +133,9 @@ def test_a_short_pool_preempts_the_latest_rows_and_they_come_out_the_same():
     outs = gen.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
     assert sum(r.num_preempted for r in gen.last_trace) > 0, "the pool never ran short: nothing was tested"
+    # what the preempted rows had emitted is counted as discarded: the tokens kept are the completions'
+    assert sum(r.num_discarded for r in gen.last_trace) > 0
+    assert sum(r.num_emitted - r.num_discarded for r in gen.last_trace) == sum(len(o.token_ids) for o in outs)
     assert max(r.kv_blocks_used for r in gen.last_trace) <= 16
     assert max(r.batch_size for r in gen.last_trace if r.kind == "decode") < 18  # admission held rows back
     assert gen.runner.cache.manager.num_used == 0

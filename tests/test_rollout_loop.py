@@ -290,6 +290,13 @@ def test_summary_definitions():
     assert total["mean_batch_size"] == 2.5 and total["mean_k"] == 2.5  # decode steps only
     assert total["acceptance_rate"] == 8 / 14 and total["mean_accepted_length"] == 8 / 5
     assert s["phases"]["prefill"]["mean_accepted_length"] == 0.0
+    # tokens rows preempted had emitted are taken off where they were discarded: the total is the completions'
+    discarding = [*steps, {**step("bulk", 3, 3, 9, 3, 6, 0.5), "num_preempted": 1, "num_discarded": 5}]
+    s = summarize(discarding)
+    assert s["phases"]["bulk"]["tokens"] == 10 + 6 - 5 and s["total"]["tokens"] == 17 + 6 - 5
+    # no decode step: total's per-step means are over decode steps only, so 0 (not the prefill's prompts)
+    only_prefill = summarize([step("prefill", 4, 0, 0, 0, 4, 1.0)])["total"]
+    assert only_prefill["mean_batch_size"] == only_prefill["mean_k"] == 0.0 and only_prefill["tokens"] == 4
 
 
 def test_progress_draws_one_updating_line():

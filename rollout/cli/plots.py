@@ -60,12 +60,14 @@ def plot_steps(steps: list[dict], path: str | pathlib.Path, title: str | None = 
 
 
 def _windowed_rate(steps: list[dict], window: int) -> list[float]:
-    """Tokens/s of the last `window` steps at every step: emitted tokens over the seconds they took."""
+    """Tokens/s of the last `window` steps at every step: tokens kept (emitted less discarded) over the seconds they
+    took."""
     rates = []
     for i in range(len(steps)):
         chunk = steps[max(0, i - window + 1) : i + 1]
         seconds = sum(s["seconds"] for s in chunk)
-        rates.append(sum(s["num_emitted"] for s in chunk) / seconds if seconds > 0 else 0.0)
+        kept = sum(s["num_emitted"] - s.get("num_discarded", 0) for s in chunk)
+        rates.append(kept / seconds if seconds > 0 else 0.0)
     return rates
 
 

@@ -32,7 +32,7 @@ class Progress:
         self.drawn = False
 
     def __call__(self, step: dict, num_finished: int, num_total: int) -> None:
-        self.tokens += step["num_emitted"]
+        self.tokens += step["num_emitted"] - step.get("num_discarded", 0)
         self.drafted += step["num_drafted"]
         self.accepted += step["num_accepted"]
         now = time.perf_counter()

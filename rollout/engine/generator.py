@@ -326,12 +326,15 @@ class Generator(Admission, DecodeStep):
         if scheduled.is_prefill:
             self._ahead.decision = None  # a K chosen for a decode step that a prefill came before
             return self._postprocess(self._admit(scheduled.prefill_chunks), None)
+        discarded = 0
         if scheduled.preempted:
-            self._preempt(scheduled.preempted)
+            rows = scheduled.preempted
+            discarded = int((self.slots.num_tokens[rows] - self.slots.prompt_len[rows]).sum())  # (host tensors)
+            self._preempt(rows)
         launched = self._launch_decode()
         choice = self._decision_ahead() if launched.advanced else None
         if choice is not None:  # the host one step ahead
             self._ahead.in_flight = self._launch_decode(after=launched, ahead=choice)
         record, observation = self._finish_decode(launched)
-        record.num_preempted = len(scheduled.preempted)
+        record.num_preempted, record.num_discarded = len(scheduled.preempted), discarded
         return self._postprocess(record, observation)

@@ -11,7 +11,7 @@ from specdec.auto_policy import StepObservation
 @dataclass
 class StepRecord:
     kind: str  # "prefill" | "decode" (the rollout loop labels each step's phase: prefill, bulk or tail)
-    batch_size: int  # rows in the forward pass (active rows for decode, prompts for prefill)
+    batch_size: int  # active rows for decode; for prefill, the prompts the step admitted (one or more forwards)
     num_draft_tokens: int  # K the policy chose for this step (rows are further capped by request and length)
     num_drafted: int  # draft tokens actually proposed, all rows
     num_accepted: int  # draft tokens accepted, all rows
@@ -29,6 +29,7 @@ class StepRecord:
     ran_ahead: bool = False  # decode: launched before the step before it was read (`rollout.engine.run_ahead`)
     rows_by_method: dict[str, int] = field(default_factory=dict)  # rows asked for drafts, by the proposer serving them
     num_preempted: int = 0  # paged KV: rows sent back to the queue before this step, short of blocks
+    num_discarded: int = 0  # completion tokens those rows had emitted, given up (they start over): not kept
     kv_blocks_used: int | None = None  # paged KV: blocks rows hold after the step (None: the slot layout)
     kv_blocks_allocated: int | None = None  # paged KV: blocks in the pool (it grows on a CPU up to its plan)
     launch_seconds: float = 0.0  # decode: host time of its launch (drafting, inputs, the forward queued)
