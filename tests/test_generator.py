@@ -143,6 +143,61 @@ def test_a_name_or_path_is_not_a_model():
         Generator(wrapped, max_batch_size=2, max_seq_len=32)
 
 
+def test_a_call_from_inside_a_generate_call_is_refused_and_an_abort_cancels_it():
+    """A callback (or a reward it calls) that generates with the same Generator would drop the outer call's rows and
+    return its samples empty: refused, as a step, a snapshot or a restore from there; `abort` cancels the call."""
+    gen = Generator(make_model("qwen2"), max_batch_size=4, max_seq_len=32)
+    prompts, params = random_prompts(3, seed=2), SamplingParams(temperature=0, max_new_tokens=4)
+    expected = [o.token_ids for o in gen.generate(prompts, params)]
+    calls = {
+        "generate": lambda: gen.generate(prompts[:1], params),
+        "add_requests": lambda: gen.add_requests(prompts[:1], params, keep_in_flight=True),
+        "step": gen.step,
+        "snapshot": gen.snapshot,
+        "restore": lambda: gen.restore([]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"{name} was called while this Generator's generate call runs"):
+            gen.generate(prompts, params, on_group=lambda group: call())
+        assert [o.token_ids for o in gen.generate(prompts, params)] == expected  # usable after
+    cancelled = gen.generate(prompts, params, on_step=lambda record, done, total: gen.abort())
+    assert all(o.finish_reason == "" and o.token_ids == [] for o in cancelled)
+    assert [o.token_ids for o in gen.generate(prompts, params)] == expected
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_that_raised_part_way_is_refused_until_an_abort(async_scheduling):
+    """An exception (Ctrl-C) after a step committed its tokens and before it released the finished rows leaves a
+    stopped row in flight: stepping on would decode it past its stop. The next step is refused, one line saying to
+    abort; after `abort` (or a new `add_requests`) the generator samples as before."""
+    model = make_model("llama", eos_token_id=None)
+    prompts = random_prompts(3, min_len=3, max_len=8, seed=1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=[68])
+    spec = SpecConfig(method="ngram", num_speculative_tokens=2) if async_scheduling else None
+    gen = Generator(model, 4, 48, async_scheduling=async_scheduling, spec=spec)
+    expected = [(o.token_ids, o.finish_reason) for o in gen.generate(prompts, params)]
+    assert any(reason == "stop" for _, reason in expected), "no row stopped: nothing was tested"
+    release, raised = gen._release_finished, []
+
+    def interrupted():
+        if gen.slots.finished[: gen.num_active].any() and not raised:
+            raised.append(True)
+            raise KeyboardInterrupt  # lands after the commit, before the release
+        return release()
+
+    gen._release_finished = interrupted
+    gen.add_requests(prompts, params)
+    with pytest.raises(KeyboardInterrupt):
+        while gen.has_unfinished:
+            gen.step()
+    with pytest.raises(RuntimeError, match=r"a step raised \(or was interrupted\) part-way.*call abort\(\)"):
+        gen.step()
+    gen.abort()
+    assert [(o.token_ids, o.finish_reason) for o in gen.generate(prompts, params)] == expected
+    with pytest.raises(RuntimeError, match=r"step\(\) with nothing queued or in flight: add_requests first"):
+        gen.step()
+
+
 def test_concurrent_calls_are_refused_never_mixed():
     import threading
 
@@ -366,8 +421,9 @@ def test_bad_prompts_are_clear_errors(prompts, kwargs, match):
     "kwargs,match",
     [
         ({"n": 0}, r"n \(0\) must be an integer >= 1"),
-        ({"temperature": -0.5}, r"temperature \(-0.5\) must be a finite number >= 0"),
-        ({"temperature": float("nan")}, r"temperature \(nan\) must be a finite number >= 0"),
+        ({"temperature": -0.5}, r"temperature \(-0.5\) must be 0 \(greedy decoding\) or a finite number >= 1e-05"),
+        ({"temperature": float("nan")}, r"temperature \(nan\) must be 0 .* or a finite number >= 1e-05"),
+        ({"temperature": 1e-38}, r"temperature \(1e-38\) must be 0 .* >= 1e-05 \(logits divided by less overflow"),
         ({"top_p": 0.0}, r"top_p \(0.0\) must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p \(1.5\) must be in \(0, 1\]"),
         ({"top_k": -1}, r"top_k \(-1\)"),
@@ -427,6 +483,23 @@ def test_unsupported_models_are_refused_at_construction():
         Generator(mamba)
 
 
+def test_a_learned_position_table_shorter_than_max_seq_len_is_refused_at_construction():
+    """GPT-2's `wpe` holds `n_positions` positions: a longer sequence would index outside it mid-call (the target's
+    or a draft model's table); up to it, rows run to the length cap."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    config = GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=1, n_head=2, bos_token_id=None)
+    gpt2 = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64).eval()
+    with pytest.raises(ValueError, match=r"learned position table of 16 positions \(transformer.wpe\), fewer than ma"):
+        Generator(gpt2, max_batch_size=2, max_seq_len=64)
+    spec = SpecConfig(method="draft_model", model=gpt2, num_speculative_tokens=3)
+    with pytest.raises(ValueError, match=r"the draft model \(GPT2LMHeadModel\) has a learned position table of 16"):
+        Generator(make_model("llama", vocab_size=97), max_batch_size=2, max_seq_len=64, spec=spec)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=0)
+    outs = Generator(gpt2, max_batch_size=2, max_seq_len=16, spec=spec).generate([[5, 6, 7], [8, 9]], params)
+    assert [len(o.token_ids) for o in outs] == [13, 14]  # to the cap, never outside the table
+
+
 @pytest.mark.parametrize("kv_layout", ["paged", "slots"])
 def test_close_frees_the_caches_while_the_generator_is_still_referenced(kv_layout):
     """A trainer rebuilding its generator plans the next one from the memory the old one held: `close()` gives the
@@ -446,6 +519,9 @@ def test_close_frees_the_caches_while_the_generator_is_still_referenced(kv_layou
         gen.generate(random_prompts(1, seed=1), SamplingParams(max_new_tokens=2))
     with pytest.raises(RuntimeError, match="this Generator was closed"):
         gen.step()
+    for call in (gen.snapshot, lambda: gen.restore([])):
+        with pytest.raises(RuntimeError, match="this Generator was closed"):
+            call()
     gen.close()  # twice: nothing more to free
     gen.abort()
 

@@ -102,7 +102,10 @@ def test_resolved_config_loads_back_to_the_same_recipe(tmp_path):
         (["model.dtype=float8"], r"model\.dtype \('float8'\) must be one of"),
         (["distributed.balance=size"], r"distributed\.balance \('size'\) must be one of work, count"),
         (["distributed.share_history=maybe"], r"distributed\.share_history: Value 'maybe' is not a valid bool"),
-        (["sampling.temperature=-1"], r"sampling: temperature \(-1\.0\) must be a finite number >= 0"),
+        (
+            ["sampling.temperature=-1"],
+            r"sampling: temperature \(-1\.0\) must be 0 \(greedy decoding\) or a finite number >= 1e-05",
+        ),
         (["spec.method=eagle"], r"spec: method \('eagle'\) must be one of"),
         (["spec.num_speculative_tokens_per_batch_size=[[1,8,3],[10,64,1]]"], r"spec: .* leave a gap at 9"),
         (["spec.num_speculative_tokens_per_batch_size=[[1,32,3]]"], r"spec: .* max_batch_size is 64"),

@@ -188,6 +188,8 @@ class Admission:
     def snapshot(self) -> list[RowSnapshot]:
         """The rows in flight, in row order, for `restore`."""
         with self._one_call():
+            self._check_open()
+            self._check_not_generating("snapshot")
             self._check_no_step_in_flight()
             self._ahead.decision = None  # a K chosen for rows that may be rolled back
             return self.slots.snapshot(self.num_active)
@@ -203,6 +205,8 @@ class Admission:
             ValueError: a row no longer holds its snapshot's sequence (nothing changed).
         """
         with self._one_call():
+            self._check_open()
+            self._check_not_generating("restore")
             self._check_no_step_in_flight()
             self._ahead.decision, self._ahead.last_finish = None, 0.0  # the rows are not those the last step read
             if self.proposers is not None:  # the rows' tokens are rolled back

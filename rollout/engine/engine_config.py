@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedModel
 
 from rollout.engine.memory_plan import check_kv_cache_fits, plan_kv_cache
+from rollout.engine.model_checks import check_positions
 from rollout.engine.model_runner import ModelRunner
 from specdec.config import SpecConfig
 
@@ -43,6 +44,7 @@ def resolve_engine(
 ) -> tuple[EngineConfig, ModelRunner]:
     """Plan the KV memory, build the target's model runner (which checks the model and settles the layout) and
     capture its CUDA graphs where they are on; the arguments are the `Generator`'s, already checked."""
+    check_positions(model, max_seq_len)
     max_width = 1 + (spec.num_speculative_tokens if spec is not None else 0)
     exact = spec is None or spec.verification == "exact"
     num_positions = max_seq_len + max_width

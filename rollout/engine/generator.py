@@ -116,6 +116,7 @@ class Generator(Admission, DecodeStep):
         self.last_trace: list[StepRecord] = []
         self._lock = threading.Lock()  # one public call at a time (`_one_call`)
         self._owner: int | None = None  # the thread whose call holds it
+        self._generating = False  # a `generate` call is stepping its rows (its callbacks run inside it)
         self._graph_epoch = 0  # raised by `invalidate_graphs`
         self._closed = False  # `close` freed the caches
         self._ahead = RunAhead()  # the host one step ahead: the step in flight (`rollout.engine.run_ahead`)
@@ -183,6 +184,7 @@ class Generator(Admission, DecodeStep):
             `params.n` completions per prompt, prompt-major (all samples of prompt 0 first).
         """
         with self._one_call():
+            self._check_not_generating("generate")
             return self._generate(prompt_ids, params, on_step, on_group, seed_indices)
 
     @contextlib.contextmanager
@@ -211,17 +213,30 @@ class Generator(Admission, DecodeStep):
         self.last_trace = []
         groups = PromptGroups(sequences)
         num_finished = 0
-        with self._serving(full=True):  # checked in full once per call: the policy does not change under a call
-            while self.has_unfinished:
-                out = self._step()
-                num_finished += len(out.finished)
-                if on_step is not None:
-                    on_step(out.record, num_finished, len(sequences))
-                for done in out.finished:
-                    group = groups.finish(done.prompt_index)
-                    if on_group is not None and group is not None:
-                        on_group(group)
+        self._generating = True
+        try:
+            with self._serving(full=True):  # checked in full once per call: the policy does not change under a call
+                while self.has_unfinished:
+                    out = self._step()
+                    num_finished += len(out.finished)
+                    if on_step is not None:
+                        on_step(out.record, num_finished, len(sequences))
+                    for done in out.finished:
+                        group = groups.finish(done.prompt_index)
+                        if on_group is not None and group is not None:
+                            on_group(group)
+        finally:
+            self._generating = False
         return [seq.completion() for seq in sequences]
+
+    def _check_not_generating(self, call: str) -> None:
+        """Refuse a call from inside `generate` (its callbacks, or what they call) that would drop or step its rows:
+        `abort` and `close` cancel it instead, deliberately."""
+        if self._generating:
+            raise RuntimeError(
+                f"{call} was called while this Generator's generate call runs (from its on_step or on_group callback, "
+                f"or a reward it calls): it would drop or step that call's rows; use another Generator for it"
+            )
 
     # ---- the public engine ---------------------------------------------------------------------------------------
 
@@ -242,6 +257,7 @@ class Generator(Admission, DecodeStep):
 
     def _add_requests(self, prompt_ids, params, seed_indices, keep_in_flight: bool, outermost: bool) -> list[Sequence]:
         self._check_open()
+        self._check_not_generating("add_requests")
         max_k, eos = self.max_width - 1, self.eos_token_ids
         sequences = checked_sequences(
             prompt_ids, params, seed_indices, self.vocab_size, self.max_seq_len, self._methods, eos, max_k
@@ -277,6 +293,9 @@ class Generator(Admission, DecodeStep):
         last call launched, and the next step is left running on the device."""
         with self._one_call():
             self._check_open()
+            self._check_not_generating("step")
+            if not self.has_unfinished and self._ahead.in_flight is None:
+                raise RuntimeError("step() with nothing queued or in flight: add_requests first")
             with self._serving(full=False):  # the modules as the last `add_requests` listed them
                 return self._step()
 

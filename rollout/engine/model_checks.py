@@ -64,6 +64,24 @@ def check_supported(model: PreTrainedModel) -> str:
     return impl
 
 
+def check_positions(model: torch.nn.Module, max_seq_len: int, role: str = "the model") -> None:
+    """A ValueError where a learned position table (GPT-2's `wpe`, OPT's `embed_positions`) holds fewer positions than
+    a sequence of `max_seq_len` tokens takes: a row past it would index outside the table mid-call. Rotary models
+    have no such table."""
+    inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for path, module in model.named_modules():
+        name = path.rsplit(".", 1)[-1]
+        if not isinstance(module, torch.nn.Embedding) or module is inputs or not ("pos" in name or name == "wpe"):
+            continue
+        num_positions = module.num_embeddings - int(getattr(module, "offset", 0))  # (OPT's table starts at 2)
+        if num_positions < max_seq_len:
+            raise ValueError(
+                f"{role} ({type(model).__name__}) has a learned position table of {num_positions} positions "
+                f"({path}), fewer than max_seq_len ({max_seq_len}): a longer sequence would index outside it; lower "
+                f"max_seq_len to {num_positions} or less"
+            )
+
+
 def probe(runner, layout: str) -> bool:
     """Run two tokens through a one-slot cache of `layout`: every layer must write through it and the outputs must
     be finite. Slots: a model that cannot is refused (ValueError). Paged: False, with a warning, when the model's

@@ -85,8 +85,9 @@ class LaunchedStep:
 
 class RunAhead:
     """The generator's side of it: the step in flight, and the steps launched with their rows' cache lengths raised
-    and not read yet. A step that raises while such a step is unread leaves rows a step's tokens short: the
-    generator refuses to step on until `reset` (its `abort`)."""
+    and not read yet. A step that raises may have left the rows part-way through it (committed and not released,
+    admitted and not prefilled, a step launched ahead unread): the generator refuses to step on until `reset` (its
+    `abort`)."""
 
     def __init__(self):
         self.in_flight: LaunchedStep | None = None  # launched ahead by the last call, not read yet
@@ -100,16 +101,16 @@ class RunAhead:
 
     @contextlib.contextmanager
     def guarded(self):
-        """Around a step: refuses after a failure that lost an unread step, and notes one that does."""
+        """Around a step: refuses after a step that raised, and notes one that does."""
         if self.failed:
             raise RuntimeError(
-                "a step failed while a decode step launched ahead was unread (async_scheduling): the rows in flight "
-                "lost a step's tokens; call abort() (or add_requests) before stepping again"
+                "a step raised (or was interrupted) part-way, so the rows in flight may be left between two states; "
+                "call abort() (or add_requests, which starts over) before stepping again"
             )
         try:
             yield
         except BaseException:
-            self.failed = self.unread > 0
+            self.failed = True
             raise
 
     def drop(self) -> None:

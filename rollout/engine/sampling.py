@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from specdec.config import SpecDecodeParams
 
+MIN_TEMPERATURE = 1e-5  # the smallest temperature above 0 (greedy): vLLM's sampling epsilon
+
 
 @dataclass
 class SamplingParams:
@@ -14,7 +16,7 @@ class SamplingParams:
 
     Attributes:
         n: completions per prompt (the GRPO group size); the prompt is prefilled once and its KV copied.
-        temperature: 0 = greedy.
+        temperature: 0 = greedy; else at least `MIN_TEMPERATURE` (1e-5).
         top_p: nucleus mass in (0, 1]; 1 = off.
         top_k: keep the k most likely tokens; 0 = off.
         max_new_tokens: the completion length cap (`finish_reason` "length").
@@ -46,9 +48,11 @@ class SamplingParams:
             not isinstance(self.temperature, (int, float))
             or not math.isfinite(self.temperature)
             or self.temperature < 0
+            or 0 < self.temperature < MIN_TEMPERATURE
         ):
             raise ValueError(
-                f"temperature ({self.temperature!r}) must be a finite number >= 0; use 0 for greedy decoding"
+                f"temperature ({self.temperature!r}) must be 0 (greedy decoding) or a finite number >= "
+                f"{MIN_TEMPERATURE:g} (logits divided by less overflow float32)"
             )
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p ({self.top_p!r}) must be in (0, 1]; use 1.0 to turn nucleus sampling off")

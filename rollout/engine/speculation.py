@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from rollout.engine.memory_plan import draft_model_path
+from rollout.engine.model_checks import check_positions
 from rollout.engine.model_runner import ModelRunner
 from specdec.auto_policy import AutoPolicy
 from specdec.config import SpecConfig
@@ -38,6 +39,7 @@ def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_p
             )
         else:
             draft = load_draft_model(spec.model, target)
+            check_positions(draft, num_positions - 1 - spec.num_speculative_tokens, "the draft model")  # max_seq_len
             # the target's KV layout (a draft that cannot page falls back to slots, with a warning), and its graphs
             runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions, kv_layout=target.kv_layout)
             if target.graphs is not None and runner.paged:
