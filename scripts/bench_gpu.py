@@ -206,7 +206,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch-size", type=int, help="generator slots at most (1024; lowered to fit memory)")
     parser.add_argument("--hf-batch-size", type=int, help="rows per model.generate call (CUDA 512; CPU 8)")
     parser.add_argument("--budget-s", type=float, help="the whole run (CUDA 440, quick 230): rows that won't fit skip")
-    parser.add_argument("--row-cap-s", type=float, help="a row's rollouts stop here, marked capped (CUDA 150/60)")
+    parser.add_argument(
+        "--row-cap-s", type=float, help="a row's rollouts stop here, marked capped (CUDA 150, --quick 40)"
+    )
     parser.add_argument("--probe-steps", type=int, default=4, help="decode steps profiled, and sync-counted")
     parser.add_argument("--trl-steps", type=int, default=2, help="GRPOTrainer optimiser steps per backend")
     parser.add_argument("--trl-prompts", type=int, help="prompts per TRL step (CUDA 8; CPU 2)")

@@ -220,14 +220,19 @@ def main() -> None:
     )
     header = f"{'config':<34}{'seconds':>9}{'spread':>13}{'x none':>8}{'bulk tok/s':>12}{'x':>6}{'tail tok/s':>12}"
     print(header + f"{'x':>6}{'K bulk/tail':>13}")
+    nan = float("nan")  # the ratios to `none` where --only left it out
     for name, runs in results.items():
         times = [r["seconds"] for r in runs]
         mean_k = [median(r["phases"][p]["mean_k"] for r in runs) for p in ("bulk", "tail")]
+        x_none, x_bulk, x_tail = (
+            (seconds("none") / seconds(name), *(ratio(rate(name, p), rate("none", p)) for p in ("bulk", "tail")))
+            if "none" in results
+            else (nan, nan, nan)
+        )
         print(
             f"{name:<34}{seconds(name):>9.2f}{f'{min(times):.2f}-{max(times):.2f}':>13}"
-            f"{seconds('none') / seconds(name):>8.2f}{rate(name, 'bulk'):>12.0f}"
-            f"{ratio(rate(name, 'bulk'), rate('none', 'bulk')):>6.2f}{rate(name, 'tail'):>12.0f}"
-            f"{ratio(rate(name, 'tail'), rate('none', 'tail')):>6.2f}{f'{mean_k[0]:.2f}/{mean_k[1]:.2f}':>13}"
+            f"{x_none:>8.2f}{rate(name, 'bulk'):>12.0f}{x_bulk:>6.2f}{rate(name, 'tail'):>12.0f}"
+            f"{x_tail:>6.2f}{f'{mean_k[0]:.2f}/{mean_k[1]:.2f}':>13}"
         )
 
     statics = [n for n in results if n.startswith("static")]

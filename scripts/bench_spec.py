@@ -48,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"])
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft_model"], choices=["ngram", "draft_model"])
     parser.add_argument("--candidates", type=int, nargs="+", default=[1], help="n-gram tree widths (1 = chain)")
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=1.0)

@@ -7,9 +7,9 @@ steps into its bulk; then, on the rows in flight:
   median of `--repeats`;
 - `profile`: three such steps under the torch profiler: kernels launched per step, the GPU's busy share, and the
   kernels that took the most time;
-- `forward`: the bare model forward of a decode (width 1) and of a K = 4 verification (width 5) at `--rows` rows and
-  at 64, eager (host launch time, and device time by CUDA events) against the same forward captured once as a CUDA
-  graph and replayed; the replayed logits are compared with the eager ones bit for bit.
+- `forward`: the bare model forward of a decode (width 1) and of a K = 4 verification (width 5) at `--tail-rows`
+  rows and at 64, eager (host launch time, and device time by CUDA events) against the same forward captured once as
+  a CUDA graph and replayed; the replayed logits are compared with the eager ones bit for bit.
 
 Graph capture needs CUDA: on a CPU the script runs the eager parts at small sizes (a smoke test). The KV pool holds
 the rollout's real keys and values; no timing runs on zeros.

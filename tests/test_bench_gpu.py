@@ -104,3 +104,19 @@ def test_union_length_counts_overlapping_device_intervals_once():
     assert module.union_length([]) == 0.0
     assert module.union_length([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.8)]) == 4.0
     assert module.union_length([(4.0, 6.0), (0.0, 1.0), (0.5, 4.5)]) == 6.0
+
+
+def test_each_gpu_session_mode_fits_one_device_command():
+    """A device command runs at most 600 s and the install takes some: each mode of scripts/gpu_session.sh gives its
+    parts limits that add up to at most 560 s (a limit past it kills the run in its last part, the bench, whose
+    table comes last)."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_session.sh").read_text()
+    modes = re.search(r'case "\$mode" in\n(.*?)\n    esac', text, re.S)[1]
+    sums = {}
+    for mode, body in re.findall(r"^    (\w+)\)\n(.*?)^        ;;", modes, re.M | re.S):
+        limits = re.findall(r"^\s+(?:tests \S+|logged \S+|bench) (\d+) ", body, re.M)
+        sums[mode] = sum(int(x) for x in limits)
+    assert set(sums) == {"kernels", "engine", "open", "auto", "spec", "policy", "run"}, sums
+    assert all(0 < total <= 560 for total in sums.values()), sums

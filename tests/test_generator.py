@@ -158,7 +158,7 @@ def test_a_call_from_inside_a_generate_call_is_refused_and_an_abort_cancels_it()
     }
     for name, call in calls.items():
         with pytest.raises(RuntimeError, match=f"{name} was called while this Generator's generate call runs"):
-            gen.generate(prompts, params, on_group=lambda group: call())
+            gen.generate(prompts, params, on_group=lambda group, call=call: call())
         assert [o.token_ids for o in gen.generate(prompts, params)] == expected  # usable after
     cancelled = gen.generate(prompts, params, on_step=lambda record, done, total: gen.abort())
     assert all(o.finish_reason == "" and o.token_ids == [] for o in cancelled)
