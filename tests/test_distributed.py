@@ -198,7 +198,7 @@ def test_two_ranks_give_the_one_process_samples_each_once_in_prompt_order(one_pr
     assert {key(r): r["reward"] for r in twos} == {key(r): r["reward"] for r in ones}
 
 
-def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(two_processes):
+def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(two_processes, tmp_path):
     two, result = two_processes
     steps = [json.loads(line) for line in (two / "steps.jsonl").read_text().splitlines()]
     assert {s["rank"] for s in steps} == {0, 1}
@@ -217,6 +217,20 @@ def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(two_processes)
     assert [s["history_responses"] for s in summary["history_sharing"]] == [[10, 10], [20, 20]]
     assert all(path.read_text() == "" for path in (two / "ranks").rglob("*.jsonl"))  # all merged into the run's files
     assert "straggler ratio" in result.stdout and result.stdout.count("samples, reward mean") == 1  # rank 0 prints
+    # each rollout's line counts as the table does: the ranks side by side (tokens/s summed, the slowest rank's time)
+    for index in (0, 1):
+        mine = [s for s in steps if s["rollout"] == index]
+        wall = [[seconds] for seconds in summary["rank_seconds_per_rollout"][index]]
+        total = summarize_ranks(mine, wall)["total"]
+        assert f"rollout {index}: {total['tokens']} tokens in {total['seconds']:.2f} s, " in result.stdout
+        assert f"{total['tokens_per_s']:.0f} tokens/s" in result.stdout
+    # the plot: one clock (rank 0's: each rank's steps are on its own), never going back
+    from rollout.cli.plots import _one_clock, plot_steps
+
+    plotted, title = _one_clock(steps, "run")
+    assert title == "run: rank 0 of 2" and {s["rank"] for s in plotted} == {0}
+    ends = [s["elapsed"] for s in plotted]
+    assert ends == sorted(ends) and plot_steps(steps, tmp_path / "rollout.png", "run").stat().st_size > 0
 
 
 def test_one_wandb_run_holds_every_rank(two_processes):

@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> None:
     args.run_folder = pathlib.Path(recipe.output_dir)  # (what a signal's one line looks at)
     from rollout.cli.recipe import method_name
     from rollout.cli.runs import run_recipe
-    from rollout.phases import format_table, summarize
+    from rollout.phases import format_table, summarize, summarize_ranks
 
     spec = recipe.spec
     policy = method_name(spec.method)
@@ -72,8 +72,13 @@ def _run(args: argparse.Namespace) -> None:
     else:
         summary, tracker = run_recipe(recipe)
     if summary["num_rollouts"] > 1:
+        per_rollout = summary.get("rank_seconds_per_rollout")  # several processes: [rollout][rank] wall seconds
         for index in range(summary["num_rollouts"]):
-            total = summarize([s for s in tracker.steps if s["rollout"] == index])["total"]
+            steps = [s for s in tracker.steps if s["rollout"] == index]
+            if per_rollout is not None and index < len(per_rollout):  # the ranks ran side by side, as in the table
+                total = summarize_ranks(steps, [[seconds] for seconds in per_rollout[index]])["total"]
+            else:
+                total = summarize(steps)["total"]
             print(
                 f"rollout {index}: {total['tokens']} tokens in {total['seconds']:.2f} s, "
                 f"{total['tokens_per_s']:.0f} tokens/s, K {total['mean_k']:.2f}, accept {total['acceptance_rate']:.2f}"

@@ -11,7 +11,8 @@ PHASE_COLORS = {"prefill": "#9ecae1", "bulk": "#c7e9c0", "tail": "#fdd0a2"}
 
 
 def plot_steps(steps: list[dict], path: str | pathlib.Path, title: str | None = None) -> pathlib.Path:
-    """Write a PNG of the step trace to `path`.
+    """Write a PNG of the step trace to `path`. Steps of several processes (each with its `rank`, on its own clock)
+    plot rank 0's, said in the title: one clock, one series.
 
     Args:
         steps: step dicts with `phase` (prefill / bulk / tail), `elapsed`, `seconds`, `batch_size`,
@@ -21,6 +22,7 @@ def plot_steps(steps: list[dict], path: str | pathlib.Path, title: str | None = 
     Returns:
         the path written.
     """
+    steps, title = _one_clock(steps, title)
     import matplotlib
 
     matplotlib.use("Agg", force=True)  # files only: never needs a display
@@ -57,6 +59,14 @@ def plot_steps(steps: list[dict], path: str | pathlib.Path, title: str | None = 
         fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return path
+
+
+def _one_clock(steps: list[dict], title: str | None) -> tuple[list[dict], str | None]:
+    """The steps of rank 0 where several ranks' are given (each on its own clock), and the title saying so."""
+    ranks = {s.get("rank", 0) for s in steps}
+    if len(ranks) < 2:
+        return steps, title
+    return [s for s in steps if s.get("rank", 0) == 0], f"{title + ': ' if title else ''}rank 0 of {len(ranks)}"
 
 
 def _windowed_rate(steps: list[dict], window: int) -> list[float]:

@@ -8,8 +8,8 @@ Output folder contract (external tools read these names):
   `truncated`, `reward_<term>` per reward term).
 - `steps.jsonl`: one line per generator step: the step-trace fields (`kind` = prefill / decode,
   `phase` = prefill / bulk / tail, `batch_size`, `num_draft_tokens`, `num_drafted`, `num_accepted`, `num_emitted`,
-  `seconds`, ...) plus `elapsed` (seconds since the tracker started, across rollouts) and `rollout` (which call of
-  the rollout loop).
+  `seconds`, ...) plus `elapsed` (seconds into the rollout plus the wall time of the rollouts before it: the host
+  work between rollouts is not counted) and `rollout` (which call of the rollout loop).
 - `summary.json`: `phases` = {prefill|bulk|tail: {seconds, tokens, tokens_per_s, mean_batch_size, mean_k,
   acceptance_rate, mean_accepted_length, num_steps}}, `total` with the same keys, `reward_mean` (see
   `rollout.phases.summarize`), plus `reward_terms`, `wall_seconds`, `num_samples`, `num_rollouts`, and
