@@ -183,7 +183,20 @@ def test_bad_layout_settings_are_refused_with_the_fix():
         Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="dense")
     with pytest.raises(ValueError, match=r"kv_pool_blocks \(1\) must be an integer >= 3"):
         Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="paged", kv_pool_blocks=1)
-    assert Generator(model, 2, 32, kv_layout="paged", kv_pool_blocks=np.int64(8)).runner.cache.max_blocks == 8
+    assert Generator(model, 2, 32, kv_layout="paged", kv_pool_blocks=np.int64(5)).runner.cache.max_blocks == 5
+    # more than every slot at full length can hold: the pool holds that much, said; more than the free memory holds:
+    # refused before anything is allocated, naming how many blocks fit
+    with pytest.warns(UserWarning, match=r"kv_pool_blocks \(8\) is more than 2 slots of max_seq_len 32 can hold \(6 b"):
+        assert Generator(model, 2, 32, kv_layout="paged", kv_pool_blocks=8).runner.cache.max_blocks == 6
+    import rollout.engine.memory_plan as memory_plan
+
+    free = memory_plan.free_memory
+    try:
+        memory_plan.free_memory = lambda device: 2**10  # 1 KiB free
+        with pytest.raises(ValueError, match=r"kv_pool_blocks \(6\) takes .* GiB free: at most \d+ blocks fit; lower"):
+            Generator(model, 2, 32, kv_layout="paged", kv_pool_blocks=6)
+    finally:
+        memory_plan.free_memory = free
     # whatever the layout: a bad size is refused, and a size the layout will not use is said
     for bad in (-7, 0, "lots", 2.5, True):
         with pytest.raises(ValueError, match=r"kv_pool_blocks \(.*\) must be a positive integer"):

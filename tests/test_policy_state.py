@@ -212,7 +212,7 @@ def test_the_padded_forward_computes_in_the_callers_autocast():
 
 def test_each_change_of_the_policy_asks_for_a_recapture_and_nothing_else_does():
     model = lora_policy()
-    gen = padded_generator(model, True, max_batch_size=4, max_seq_len=48, kv_pool_blocks=64)  # room to grow
+    gen = padded_generator(model, True, max_batch_size=4, max_seq_len=256, kv_pool_blocks=64)  # room to grow
     graphs = gen.runner.graphs
     lora = next(m for m in model.modules() if hasattr(m, "merged_adapters"))
     prompts = random_prompts(3, max_len=10, seed=2)

@@ -108,17 +108,32 @@ def plan_kv_cache(
     draft_bytes = max_batch_size * draft_kv_bytes_per_slot(spec, itemsize, num_positions)
     blocks_per_row = -(-num_positions // DEFAULT_BLOCK_SIZE)
     wanted = max_batch_size * blocks_per_row
+    free = free_memory(device)
+    share = USABLE_SHARE if device.type == "cuda" else CPU_PAGED_SHARE
     if num_blocks is not None:
         if not isinstance(num_blocks, int) or num_blocks < blocks_per_row:
             raise ValueError(
                 f"kv_pool_blocks ({num_blocks!r}) must be an integer >= {blocks_per_row}: one sequence of max_seq_len "
                 f"{max_seq_len} (plus one step's drafts) takes that many blocks of {DEFAULT_BLOCK_SIZE} tokens"
             )
+        if num_blocks > wanted:
+            warnings.warn(
+                f"kv_pool_blocks ({num_blocks}) is more than {max_batch_size} slots of max_seq_len {max_seq_len} can "
+                f"hold ({wanted} blocks of {DEFAULT_BLOCK_SIZE} tokens): the pool holds {wanted}",
+                stacklevel=_outside_the_engine(),
+            )
+            num_blocks = wanted
+        if free is not None and num_blocks * per_block + draft_bytes > USABLE_SHARE * free:  # (as a slot cache)
+            fitting = max(0, int(USABLE_SHARE * free - draft_bytes) // per_block)
+            raise ValueError(
+                f"kv_pool_blocks ({num_blocks}) takes {num_blocks * per_block / 2**30:.2f} GiB of KV cache"
+                + (f" (and a draft model's {draft_bytes / 2**30:.2f} GiB)" if draft_bytes else "")
+                + f" but {device} has {free / 2**30:.2f} GiB free: at most {fitting} blocks fit; lower kv_pool_blocks "
+                "or leave it out (the pool is then planned from the free memory)"
+            )
         return num_blocks * per_block + draft_bytes, num_blocks
-    free = free_memory(device)
     if free is None or per_block == 0:
         return wanted * per_block + draft_bytes, wanted
-    share = USABLE_SHARE if device.type == "cuda" else CPU_PAGED_SHARE
     fitting = int(share * free - draft_bytes) // per_block
     if fitting < blocks_per_row:
         raise ValueError(
