@@ -281,3 +281,17 @@ def test_paged_serves_a_lora_policy_in_train_mode():
     assert gen.runner.kv_layout == "paged"
     outs = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
     assert [o.token_ids for o in outs] == expected and model.training
+
+
+def test_a_paged_plan_charges_what_the_pools_take_a_draft_models_included():
+    """Every slot filled to max_seq_len: the plan's bytes are the pools' tensors, the target's and a paged draft
+    model's (whole blocks each)."""
+    target = make_model("llama", dtype=torch.float32)
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=3, model=make_model("qwen2", dtype=torch.float32))
+    gen = Generator(target, max_batch_size=4, max_seq_len=40, spec=spec, kv_layout="paged")
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=0, ignore_eos=True)
+    gen.generate([list(range(5, 35)), list(range(7, 37))], params)
+    runners = gen._runners()
+    assert len(runners) == 2 and all(r.paged and r.cache.num_blocks == r.cache.max_blocks for r in runners)
+    pools = [t for r in runners for t in (*r.cache.k_pools, *r.cache.v_pools)]
+    assert gen.kv_cache_bytes == sum(t.numel() * t.element_size() for t in pools)

@@ -105,8 +105,9 @@ def plan_kv_cache(
     num_positions = max_seq_len + 1 + (spec.num_speculative_tokens if spec is not None else 0)
     itemsize = next(model.parameters()).element_size()
     per_block = kv_bytes_per_token(model.config, itemsize) * DEFAULT_BLOCK_SIZE
-    draft_bytes = max_batch_size * draft_kv_bytes_per_slot(spec, itemsize, num_positions)
     blocks_per_row = -(-num_positions // DEFAULT_BLOCK_SIZE)
+    # a paged draft model's pool: every slot's blocks (a slot cache's rows hold num_positions + 1 positions)
+    draft_bytes = max_batch_size * draft_kv_bytes_per_slot(spec, itemsize, blocks_per_row * DEFAULT_BLOCK_SIZE - 1)
     wanted = max_batch_size * blocks_per_row
     free = free_memory(device)
     share = USABLE_SHARE if device.type == "cuda" else CPU_PAGED_SHARE
