@@ -82,7 +82,7 @@ class RolloutBatch:
     logprobs: list[list[float]]
     finish_reason: list[str]  # "stop" (EOS or a stop id) | "length" (hit max_new_tokens)
     # the weighted sum of the reward terms; None when the rollout scored nothing; an entry is None where a reward was
-    # non-finite and the Rollout records such samples as null (`non_finite_rewards="null"`)
+    # non-finite and the Rollout records such samples as null (`non_finite_rewards_as_null=True`)
     reward: list[float | None] | None
     reward_terms: dict[str, list[float | None]] = field(default_factory=dict)  # each term's unweighted rewards
     pad_token_id: int = 0  # what `to_padded` pads ids with
@@ -177,10 +177,11 @@ class RolloutBatch:
         missing = [name for name in SAMPLE_FIELDS if name not in dataset.column_names]
         if missing:
             raise ValueError(f"dataset lacks the RolloutBatch columns {missing}; it has {dataset.column_names}")
-        terms = {c[len("reward_") :]: dataset[c] for c in dataset.column_names if c.startswith("reward_")}
-        fields = {name: dataset[name] for name in SAMPLE_FIELDS}
-        if all(r is None for r in fields["reward"]):
-            fields["reward"] = None
+        # plain lists (datasets 4+ hands back a lazy Column, which neither JSON nor item assignment takes)
+        terms = {c[len("reward_") :]: list(dataset[c]) for c in dataset.column_names if c.startswith("reward_")}
+        fields = {name: list(dataset[name]) for name in SAMPLE_FIELDS}
+        if "advantage" not in dataset.column_names and all(r is None for r in fields["reward"]):
+            fields["reward"] = None  # not scored (a scored batch, even one whose every reward is null, has advantages)
         return cls(**fields, reward_terms=terms, pad_token_id=pad_token_id)
 
     def records(self) -> list[dict]:

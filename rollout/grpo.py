@@ -22,7 +22,8 @@ from specdec.config import SpecConfig
 
 
 def policy_logprobs(model, tensors: dict[str, Tensor], temperature: float) -> Tensor:
-    """`[N, C]` log-probs of the completion tokens under `model` (temperature applied, as when sampling).
+    """`[N, C]` log-probs of the completion tokens under `model` (temperature applied, as when sampling; greedy's,
+    temperature 0, are the plain log-softmax, as a greedy rollout's are).
 
     Prompts are left-padded, completions right-padded (`RolloutBatch.to_padded`); position ids count real tokens
     only, so every sample sees the positions it was generated at.
@@ -32,7 +33,7 @@ def policy_logprobs(model, tensors: dict[str, Tensor], temperature: float) -> Te
     positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits  # [N, P + C, V]
     width = tensors["completion_ids"].shape[1]
-    logits = logits[:, -width - 1 : -1].float() / max(temperature, 1e-6)  # the logits that predicted each token
+    logits = logits[:, -width - 1 : -1].float() / (temperature or 1.0)  # the logits that predicted each token
     return torch.log_softmax(logits, dim=-1).gather(-1, tensors["completion_ids"][..., None]).squeeze(-1)
 
 

@@ -2,6 +2,7 @@
 phase labels, and reuse of one generator over the trainer's live model."""
 
 import copy
+import dataclasses
 import functools
 import io
 import json
@@ -236,6 +237,18 @@ def test_dataset_round_trip(batch):
     assert back.reward_terms.keys() == batch.reward_terms.keys()
     a, b = batch.to_padded(), back.to_padded()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # plain lists, as the fields say: they go to JSON and take item assignment (a trainer setting rewards)
+    assert all(type(getattr(back, name)) is list for name in ("group_index", "completion_ids", "logprobs", "reward"))
+    assert all(type(values) is list for values in back.reward_terms.values())
+    json.dumps({"reward": back.reward, "terms": back.reward_terms})
+    back.reward[0] = 0.5
+    # scored with every reward null (non-finite ones recorded as null): still scored after the round trip
+    nulls = dataclasses.replace(batch, reward=[None] * len(batch), reward_terms={})
+    again = RolloutBatch.from_dataset(nulls.to_dataset(), pad_token_id=batch.pad_token_id)
+    assert again.reward == [None] * len(batch) and again.advantages().tolist() == [0.0] * len(batch)
+    assert (
+        RolloutBatch.from_dataset(dataclasses.replace(batch, reward=None, reward_terms={}).to_dataset()).reward is None
+    )
 
 
 def test_one_generator_runs_the_trainers_live_model(data):

@@ -106,6 +106,9 @@ def test_reward_reads_the_number_after_the_last_marker():
     # the whole number: not the 42 of 42.5 or the 4 of 4,200; a full stop after it is not a decimal point
     assert arithmetic_reward([" #### 42.5", " #### 4,200", " #### 42."], ["42", "4", "42"]) == [0.0, 0.0, 1.0]
     assert arithmetic_reward([" #### 42.0", " #### 42.05"], ["42", "42"]) == [1.0, 0.0]
+    # nor the 1 of 1e3, the 7 of 7/2 or the 4 of 4_200; a sentence after the number is fine
+    assert arithmetic_reward([" #### 1e3", " #### 7/2", " #### 4_200", " #### 1E-2"], ["1", "7", "4", "1"]) == [0.0] * 4
+    assert arithmetic_reward([" #### 7 eggs", " #### 7, done", " #### 7/ day"], ["7"] * 3) == [1.0] * 3
     # an answer column read as floats (a CSV column with an empty cell): 6.0 is 6, and a missing answer grades 0
     assert arithmetic_reward([" #### 6", " #### 6", " #### 6"], [6.0, float("nan"), "6.5"]) == [1.0, 0.0, 0.0]
 
@@ -134,3 +137,13 @@ def test_config_errors_name_the_field(kwargs, field):
 def test_unknown_split_is_an_error():
     with pytest.raises(ValueError, match="split"):
         generate_problems(1, split="test")
+
+
+def test_more_problems_than_a_config_makes_is_refused_quickly():
+    # one step, counts in [0, 2], operands of 1: a few dozen distinct texts, not 1000 (it took 18 s to fail, and under
+    # python -O returned the few it found)
+    small = ArithmeticConfig(min_steps=1, max_steps=1, max_value=2, max_operand=1)
+    with pytest.raises(
+        ValueError, match=r"num_problems \(1000\) distinct eval problems .* makes only about \d+: ask f"
+    ):
+        generate_problems(1000, split="eval", config=small)

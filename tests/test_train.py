@@ -198,3 +198,20 @@ def test_a_raising_reward_under_train_names_the_reward_its_exception_and_a_promp
         reward(["4"], prompts=["Q: 2 + 2?"], completion_ids=[[1]])
     with pytest.raises(RewardError, match=r"a batch from prompt 'Q: 3\?': reward"):
         reward([[{"role": "assistant", "content": "4"}]], prompts=[[{"role": "user", "content": "Q: 3?"}]])
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.0])
+def test_grpo_loss_reads_the_rollouts_own_logprobs_back_greedy_included(temperature):
+    """Right after sampling, the policy's log-probs are the behaviour log-probs the rollout returned: the temperature
+    applied as when sampling, and greedy's the plain log-softmax (dividing by a tiny temperature drifted 0.05)."""
+    from rollout.engine.sampling import SamplingParams
+    from rollout.grpo import grpo_loss
+    from rollout.loop import Rollout
+    from rollout.models.zoo import load_model
+    from rollout.tasks import arithmetic_dataset
+
+    model, tokenizer = load_model("tiny-target")
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=30)
+    batch = Rollout(model, tokenizer, sampling=params, max_batch_size=4)(arithmetic_dataset(2, seed=0), seed=0)
+    _, info = grpo_loss(model, batch, temperature=temperature)
+    assert info["logprob_drift"] < 1e-4

@@ -125,6 +125,9 @@ def make_problem(rng: random.Random, config: ArithmeticConfig) -> Problem:
     return Problem(problem=" ".join(sentences), solution=solution, answer=str(count), num_steps=num_steps)
 
 
+MAX_MISSES = 20_000  # draws in a row that find no new problem of the split: the config has run out of them
+
+
 def generate_problems(
     num_problems: int, split: str = "train", seed: int = 0, config: ArithmeticConfig | None = None
 ) -> list[Problem]:
@@ -138,16 +141,22 @@ def generate_problems(
     rng = random.Random(f"arithmetic-{split}-{seed}")
     problems: list[Problem] = []
     seen: set[str] = set()
-    max_draws = 1000 * (num_problems + 10)
+    max_draws, misses = 1000 * (num_problems + 10), 0
     for _ in range(max_draws):
-        if len(problems) == num_problems:
+        if len(problems) == num_problems or misses > MAX_MISSES:  # (done, or the config's problems ran out)
             break
         problem = make_problem(rng, config)
         if problem.problem in seen or split_of(problem.problem, config.eval_fraction) != split:
+            misses += 1
             continue
         seen.add(problem.problem)
         problems.append(problem)
-    assert len(problems) == num_problems, f"expected {num_problems} distinct {split} problems, got {len(problems)}"
+        misses = 0
+    if len(problems) < num_problems:
+        raise ValueError(
+            f"num_problems ({num_problems}) distinct {split} problems were asked, and this config makes only about "
+            f"{len(problems)}: ask fewer, or widen the config (max_value, max_operand, min_steps..max_steps)"
+        )
     return problems
 
 
@@ -180,8 +189,8 @@ def arithmetic_dataset(num_problems: int, split: str = "train", seed: int = 0, c
     return data
 
 
-# a whole number, 42.0 included: not the 42 of 42.5 or the 4 of 4,200
-_FINAL_NUMBER = re.compile(r"^\s*(-?\d+)(?:\.0+)?(?![.,]?\d)")
+# a whole number, 42.0 included: not the 42 of 42.5, the 4 of 4,200 or 4_200, the 1 of 1e3 or the 7 of 7/2
+_FINAL_NUMBER = re.compile(r"^\s*(-?\d+)(?:\.0+)?(?![.,_/]?\d|[eE][-+]?\d)")
 
 
 def parse_answer(completion: str) -> str | None:
