@@ -145,7 +145,8 @@ def test_a_name_or_path_is_not_a_model():
 
 def test_a_call_from_inside_a_generate_call_is_refused_and_an_abort_cancels_it():
     """A callback (or a reward it calls) that generates with the same Generator would drop the outer call's rows and
-    return its samples empty: refused, as a step, a snapshot or a restore from there; `abort` cancels the call."""
+    return its samples empty: refused, as a step or a restore from there (a snapshot only reads: it goes through, see
+    the test below); `abort` cancels the call."""
     gen = Generator(make_model("qwen2"), max_batch_size=4, max_seq_len=32)
     prompts, params = random_prompts(3, seed=2), SamplingParams(temperature=0, max_new_tokens=4)
     expected = [o.token_ids for o in gen.generate(prompts, params)]
@@ -153,7 +154,6 @@ def test_a_call_from_inside_a_generate_call_is_refused_and_an_abort_cancels_it()
         "generate": lambda: gen.generate(prompts[:1], params),
         "add_requests": lambda: gen.add_requests(prompts[:1], params, keep_in_flight=True),
         "step": gen.step,
-        "snapshot": gen.snapshot,
         "restore": lambda: gen.restore([]),
     }
     for name, call in calls.items():

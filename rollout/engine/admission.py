@@ -189,7 +189,6 @@ class Admission:
         """The rows in flight, in row order, for `restore`."""
         with self._one_call():
             self._check_open()
-            self._check_not_generating("snapshot")
             self._check_no_step_in_flight()
             self._ahead.decision = None  # a K chosen for rows that may be rolled back
             return self.slots.snapshot(self.num_active)

@@ -230,12 +230,12 @@ class Generator(Admission, DecodeStep):
         return [seq.completion() for seq in sequences]
 
     def _check_not_generating(self, call: str) -> None:
-        """Refuse a call from inside `generate` (its callbacks, or what they call) that would drop or step its rows:
-        `abort` and `close` cancel it instead, deliberately."""
+        """Refuse a call from inside `generate` (its callbacks, or what they call) that would drop, step or roll back
+        its rows: `abort` and `close` cancel it instead, deliberately, and `snapshot` only reads."""
         if self._generating:
             raise RuntimeError(
                 f"{call} was called while this Generator's generate call runs (from its on_step or on_group callback, "
-                f"or a reward it calls): it would drop or step that call's rows; use another Generator for it"
+                f"or a reward it calls): it would drop, step or roll back that call's rows; use another Generator"
             )
 
     # ---- the public engine ---------------------------------------------------------------------------------------
