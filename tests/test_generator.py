@@ -483,6 +483,17 @@ def test_unsupported_models_are_refused_at_construction():
         Generator(mamba)
 
 
+def test_gpt_neo_local_attention_is_refused_at_construction():
+    # its local layers place their window as if every row were the batch's longest: shorter rows went wrong
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    config = GPTNeoConfig(vocab_size=97, hidden_size=64, num_layers=2, num_heads=4, attention_types=[[["global",
+                          "local"], 1]], max_position_embeddings=512, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    neo = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64).eval()
+    with pytest.raises(ValueError, match=r"GPTNeoForCausalLM .* has local attention layers .* the wrong keys"):
+        Generator(neo, max_batch_size=2, max_seq_len=64)
+
+
 def test_a_learned_position_table_shorter_than_max_seq_len_is_refused_at_construction():
     """GPT-2's `wpe` holds `n_positions` positions: a longer sequence would index outside it mid-call (the target's
     or a draft model's table); up to it, rows run to the length cap."""

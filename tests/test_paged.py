@@ -295,3 +295,59 @@ def test_a_paged_plan_charges_what_the_pools_take_a_draft_models_included():
     assert len(runners) == 2 and all(r.paged and r.cache.num_blocks == r.cache.max_blocks for r in runners)
     pools = [t for r in runners for t in (*r.cache.k_pools, *r.cache.v_pools)]
     assert gen.kv_cache_bytes == sum(t.numel() * t.element_size() for t in pools)
+
+
+def _moe_or_diff(config_class, **extra):
+    from transformers import AutoModelForCausalLM
+
+    config = config_class(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    options = {"experts_implementation": "eager"} if "num_experts_per_tok" in extra else {}  # (float64 experts)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64, **options)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.15)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", ["phimoe", "qwen2_moe"])
+def test_a_window_applied_through_the_mask_only_holds_on_the_paged_layout(name):
+    """PhiMoE and Qwen2-MoE apply their sliding window through the mask and pass none to the attention: the paged
+    attention takes the layer's window from the config, as the slot layout's masks do (it attended to every key)."""
+    from transformers import PhimoeConfig, Qwen2MoeConfig
+
+    moe = dict(sliding_window=6, num_experts_per_tok=2)
+    if name == "phimoe":
+        model = _moe_or_diff(PhimoeConfig, num_local_experts=4, **moe)
+    else:
+        model = _moe_or_diff(
+            Qwen2MoeConfig, use_sliding_window=True, max_window_layers=2, num_experts=4, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, **moe,
+        )  # fmt: skip
+    prompts, params = (
+        [[5, 17, 42, 8, 63, 29, 11, 70, 3, 44], [9, 2, 31]],
+        SamplingParams(n=2, max_new_tokens=12, seed=0),
+    )
+    slots = Generator(model, max_batch_size=4, max_seq_len=64, kv_layout="slots").generate(prompts, params)
+    paged = Generator(model, max_batch_size=4, max_seq_len=64, kv_layout="paged")
+    assert paged.runner.kv_layout == "paged"
+    assert [o.token_ids for o in paged.generate(prompts, params)] == [o.token_ids for o in slots]
+
+
+def test_a_model_calling_its_attention_twice_a_layer_runs_on_slots():
+    """DiffLlama's differential attention calls the attention twice a layer: the paged cache would keep the second
+    call's values only, so the model runs on the slot layout, with a warning, and samples what it samples there."""
+    from transformers import DiffLlamaConfig
+
+    model = _moe_or_diff(DiffLlamaConfig)
+    prompts, params = [[5, 17, 42, 8], [9, 2, 31]], SamplingParams(n=2, max_new_tokens=12, seed=0)
+    slots = Generator(model, max_batch_size=4, max_seq_len=64, kv_layout="slots").generate(prompts, params)
+    with pytest.warns(UserWarning, match=r"DiffLlamaForCausalLM runs on the slot KV cache: its layers \[0, 1\] call"):
+        gen = Generator(model, max_batch_size=4, max_seq_len=64, kv_layout="paged")
+    assert gen.runner.kv_layout == "slots"
+    assert [o.token_ids for o in gen.generate(prompts, params)] == [o.token_ids for o in slots]

@@ -49,6 +49,8 @@ def paged_attention_forward(
     if extra:
         raise ValueError(f"{type(module).__name__} passes {extra} to its attention, which the paged path lacks")
     step = rollout_step
+    if sliding_window is None:  # a model that applies its window through the mask only (PhiMoE, Qwen2-MoE)
+        sliding_window = step.cache.layer_windows[module.layer_idx]
     k_pool, v_pool = step.cache.pools(module.layer_idx)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     dtype = query.dtype  # under autocast (a trainer's bf16) the projections may differ from the pool's dtype

@@ -6,6 +6,7 @@ find out what config checks cannot.
 
 from __future__ import annotations
 
+import collections
 import inspect
 import warnings
 
@@ -52,6 +53,11 @@ def check_supported(model: PreTrainedModel) -> str:
             f"{name} uses attn_implementation={impl!r}, which does not take a 4D mask; load it with "
             f"attn_implementation='sdpa' or 'eager' (supported: {', '.join(SUPPORTED_ATTENTION)})"
         )
+    if "local" in (getattr(config, "attention_layers", None) or []):  # GPT-Neo
+        raise ValueError(
+            f"{name} has local attention layers (config.attention_layers), which apply their own window placed as if "
+            "every row were the batch's longest: rows of other lengths would attend to the wrong keys"
+        )
     layer_types = getattr(config, "layer_types", None) or []
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
     if unsupported:
@@ -91,10 +97,13 @@ def probe(runner, layout: str) -> bool:
     a per-layer-type mask mapping for its sliding-window layers (the window must be built into the mask).
     """
     name = type(runner.model).__name__
+    calls: collections.Counter = collections.Counter()  # paged: attention calls per layer
     if layout == "paged":
         heads, head_dim = kv_head_shape(runner.model.config)
         cache = PagedKVCache(runner.num_layers, heads, head_dim, runner.dtype, runner.device, 1, 4, max_blocks=1,
                              block_size=4)  # fmt: skip
+        pools = cache.pools
+        cache.pools = lambda layer: (calls.update([layer]), pools(layer))[1]  # the attention asks once a call
     else:
         cache = SlotKVCache(runner.num_layers, num_slots=1, num_positions=4)
     ids = torch.zeros(1, 2, dtype=torch.long, device=runner.device)
@@ -110,6 +119,14 @@ def probe(runner, layout: str) -> bool:
             return False
         raise ValueError(f"{name} cannot run on the slot KV cache with 4D masks: {type(err).__name__}: {err}") from err
     if layout == "paged":
+        twice = sorted(layer for layer, count in calls.items() if count > 1)
+        if twice:  # DiffLlama's differential attention: the second call's keys and values would replace the first's
+            warnings.warn(
+                f"{name} runs on the slot KV cache: its layers {twice} call the attention more than once a forward, "
+                "and the paged cache keeps one call's keys and values per layer",
+                stacklevel=3,
+            )
+            return False
         written = sum(bool(pool.any()) for pool in cache.k_pools)
         if written != runner.num_layers or not torch.isfinite(logits).all():
             warnings.warn(

@@ -111,10 +111,20 @@ class ModelRunner:
         """A pool allocated whole on a GPU (planned from its free memory), grown with the tokens on a CPU."""
         num_kv_heads, head_dim = kv_head_shape(self.model.config)
         initial = None if self.device.type == "cuda" else min(max_blocks, 4 * num_slots + 16)
-        return PagedKVCache(
+        cache = PagedKVCache(
             self.num_layers, num_kv_heads, head_dim, self.dtype, self.device, num_slots, num_positions, max_blocks,
             initial, block_size,
         )  # fmt: skip
+        cache.layer_windows = self.windows_by_layer()
+        return cache
+
+    def windows_by_layer(self) -> list[int | None]:
+        """Each layer's sliding window, as the slot layout's masks apply it (from the config): the paged attention
+        takes it where a model applies its window through the mask only and passes none to its attention."""
+        layer_types = getattr(self.model.config, "layer_types", None)
+        if layer_types is None:
+            return [self.uniform_window] * self.num_layers
+        return [self.layer_windows[t] for t in layer_types]
 
     @property
     def vocab_size(self) -> int:

@@ -70,6 +70,7 @@ class PagedKVCache:
         self.k_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(num_layers)]
         self.generation = 0  # raised when the pools are reallocated (a captured graph holds their addresses)
+        self.layer_windows: list[int | None] = [None] * num_layers  # each layer's sliding window (set by the runner)
 
     @property
     def num_blocks(self) -> int:
