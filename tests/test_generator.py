@@ -494,6 +494,30 @@ def test_gpt_neo_local_attention_is_refused_at_construction():
         Generator(neo, max_batch_size=2, max_seq_len=64)
 
 
+@pytest.mark.parametrize("name", ["bloom", "falcon"])
+def test_alibi_models_are_refused_by_name(name):
+    # (the model's own error said "too many values to unpack (expected 2)")
+    from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig
+
+    if name == "bloom":
+        config = BloomConfig(vocab_size=97, hidden_size=64, n_layer=2, n_head=4)
+    else:
+        config = FalconConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float64).eval()
+    with pytest.raises(ValueError, match=r"ForCausalLM .* uses ALiBi position biases"):
+        Generator(model, max_batch_size=2, max_seq_len=32)
+
+
+def test_a_model_whose_layers_keep_the_keywords_to_themselves_runs_on_slots_and_says_why():
+    from transformers import AutoModelForCausalLM, StableLmConfig
+
+    config = StableLmConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64).eval()
+    with pytest.warns(UserWarning, match=r"runs on the slot KV cache: its attention layers do not pass the forward's"):
+        assert Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="paged").runner.kv_layout == "slots"
+
+
 def test_a_learned_position_table_shorter_than_max_seq_len_is_refused_at_construction():
     """GPT-2's `wpe` holds `n_positions` positions: a longer sequence would index outside it mid-call (the target's
     or a draft model's table); up to it, rows run to the length cap."""

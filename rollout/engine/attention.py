@@ -23,6 +23,13 @@ from rollout_kernels.paged_attention import attend_gathered, paged_attention, vi
 from rollout_kernels.store_kv import store_kv_, store_kv_ref_
 
 ATTENTION_NAME = "rollout_paged"
+
+
+class StepMetadataMissing(ValueError):
+    """The paged attention was called without the step's metadata (outside the engine, or by a model whose layers
+    do not pass the forward's keyword arguments on to their attention)."""
+
+
 # keywords some models pass that change attention in ways this function does not implement
 UNSUPPORTED = ("softcap", "s_aux", "sinks")
 
@@ -41,7 +48,7 @@ def paged_attention_forward(
 ) -> tuple[Tensor, None]:
     """Store this layer's new keys and values, then attend; returns `[rows, S, heads, head_dim]` and no weights."""
     if rollout_step is None:
-        raise ValueError(
+        raise StepMetadataMissing(
             f"the {ATTENTION_NAME!r} attention runs inside the rollout engine only (it needs the step's paged-cache "
             "metadata); load the model with attn_implementation='sdpa' to run it elsewhere"
         )

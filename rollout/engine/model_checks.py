@@ -13,6 +13,7 @@ import warnings
 import torch
 from transformers import PreTrainedModel
 
+from rollout.engine.attention import StepMetadataMissing
 from rollout.engine.kv_cache import SlotKVCache
 from rollout.engine.memory_plan import kv_head_shape
 from rollout.engine.paged_cache import PagedKVCache
@@ -52,6 +53,11 @@ def check_supported(model: PreTrainedModel) -> str:
         raise ValueError(
             f"{name} uses attn_implementation={impl!r}, which does not take a 4D mask; load it with "
             f"attn_implementation='sdpa' or 'eager' (supported: {', '.join(SUPPORTED_ATTENTION)})"
+        )
+    if getattr(config, "alibi", False) or config.model_type == "bloom":  # Falcon with alibi=True, Bloom
+        raise ValueError(
+            f"{name} uses ALiBi position biases, which the generator's caches and masks do not carry (rotary and "
+            "learned positions are supported)"
         )
     if "local" in (getattr(config, "attention_layers", None) or []):  # GPT-Neo
         raise ValueError(
@@ -115,6 +121,11 @@ def probe(runner, layout: str) -> bool:
     except Exception as err:  # the model's own error says what it could not do with our cache or mask
         if layout == "paged":
             message = f"{name} runs on the slot KV cache: the paged attention failed ({type(err).__name__}: {err})"
+            if isinstance(err, StepMetadataMissing):  # (StableLM, Nemotron)
+                message = (
+                    f"{name} runs on the slot KV cache: its attention layers do not pass the forward's keyword "
+                    "arguments on to the attention function, and the paged cache's step metadata travels in them"
+                )
             warnings.warn(message, stacklevel=3)
             return False
         raise ValueError(f"{name} cannot run on the slot KV cache with 4D masks: {type(err).__name__}: {err}") from err
