@@ -533,6 +533,18 @@ def test_a_learned_position_table_shorter_than_max_seq_len_is_refused_at_constru
     params = SamplingParams(temperature=1.0, max_new_tokens=40, ignore_eos=True, seed=0)
     outs = Generator(gpt2, max_batch_size=2, max_seq_len=16, spec=spec).generate([[5, 6, 7], [8, 9]], params)
     assert [len(o.token_ids) for o in outs] == [13, 14]  # to the cap, never outside the table
+    # a vision tower's patch positions are not the language model's: not the reason a model is refused
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)  # fmt: skip
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299)
+    multimodal = Gemma3ForConditionalGeneration._from_config(config, attn_implementation="sdpa").eval()
+    with pytest.raises(ValueError) as refused:
+        Generator(multimodal, max_batch_size=2, max_seq_len=64)
+    assert "position table" not in str(refused.value)
 
 
 @pytest.mark.parametrize("kv_layout", ["paged", "slots"])
@@ -646,6 +658,11 @@ def test_a_draft_model_named_by_path_is_planned_from_its_config(tmp_path, monkey
     assert check_kv_cache_fits(target, spec, 1, fitting) > 0
     with pytest.raises(ValueError):
         check_kv_cache_fits(target, spec, 1, fitting + 1)
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: 2**10)  # not even a step's positions
+    with pytest.raises(
+        ValueError, match=r"not one slot fits, whatever max_seq_len: a step's positions alone take more"
+    ):
+        check_kv_cache_fits(target, spec, 1, 2000)
 
 
 @pytest.mark.parametrize(

@@ -500,6 +500,35 @@ def test_the_server_builds_the_policy_from_the_trainers_config(verl):
         server.engine.close()
 
 
+@pytest.mark.parametrize("load_format", ["dummy", "auto"])
+@pytest.mark.parametrize("with_generation_config", [True, False])
+def test_the_servers_policy_stops_at_the_checkpoints_stop_ids(verl, tmp_path, load_format, with_generation_config):
+    """veRL's config holds the tokenizer's one EOS; the policy stops where the checkpoint says (several ids), loaded
+    or built from its config (`load_format=dummy`), with or without a generation_config.json."""
+    import json
+    import shutil
+
+    from verl.workers.config import HFModelConfig
+
+    from rollout.engine.requests import eos_token_ids
+    from rollout.integrations.verl.server import RolloutServer
+
+    path = tmp_path / "model"
+    shutil.copytree(model_path("tiny-target"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "eos_token_id": [0, 5]}))
+    generation = path / "generation_config.json"
+    if with_generation_config:
+        generation.write_text(json.dumps({**json.loads(generation.read_text()), "eos_token_id": [0, 5]}))
+    else:
+        generation.unlink()
+    server = RolloutServer(rollout_config(verl, load_format=load_format), HFModelConfig(path=str(path)))
+    try:
+        assert sorted(eos_token_ids(server.model)) == [0, 5]
+    finally:
+        server.engine.close()
+
+
 def test_the_server_refuses_what_it_cannot_do(verl):
     from verl.workers.config import HFModelConfig
 

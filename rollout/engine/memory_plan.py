@@ -48,7 +48,12 @@ def check_kv_cache_fits(model: torch.nn.Module, spec: SpecConfig | None, max_bat
         else:  # a slot's bytes are a fixed part (a step's positions) and a part per token
             per_token = kv_cache_plan(model, spec, 2 * max_seq_len)[0] - per_slot  # (for max_seq_len tokens)
             longest = (usable - (per_slot - per_token)) * max_seq_len // per_token
-            fix = f"not one slot fits; lower max_seq_len (at most {longest} fit one slot)"
+            fix = (
+                f"not one slot fits; lower max_seq_len (at most {longest} fit one slot)"
+                if longest > 0
+                else "not one slot fits, whatever max_seq_len: a step's positions alone take more (free memory, or "
+                "lower num_speculative_tokens)"
+            )
         raise ValueError(
             f"the KV cache needs {per_slot * max_batch_size / 2**30:.2f} GiB ({max_batch_size} slots x "
             f"{max_seq_len} tokens) but {_device(model)} has {free / 2**30:.2f} GiB free: {fix}"

@@ -81,7 +81,14 @@ def check_positions(model: torch.nn.Module, max_seq_len: int, role: str = "the m
     a sequence of `max_seq_len` tokens takes: a row past it would index outside the table mid-call. Rotary models
     have no such table."""
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    try:  # the language model's own modules (not a vision tower's position table)
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError):
+        decoder = None
+    prefix = next((p for p, m in model.named_modules() if m is decoder), None)
     for path, module in model.named_modules():
+        if prefix and not path.startswith(prefix + "."):
+            continue
         name = path.rsplit(".", 1)[-1]
         if not isinstance(module, torch.nn.Embedding) or module is inputs or not ("pos" in name or name == "wpe"):
             continue

@@ -125,7 +125,9 @@ def make_problem(rng: random.Random, config: ArithmeticConfig) -> Problem:
     return Problem(problem=" ".join(sentences), solution=solution, answer=str(count), num_steps=num_steps)
 
 
-MAX_MISSES = 20_000  # draws in a row that find no new problem of the split: the config has run out of them
+# draws in a row that find no new problem of the split, at least, after which the config has run out of them (100 a
+# problem found: near a small config's last problems, rare ones come a few hundred thousand draws apart)
+MAX_MISSES = 20_000
 
 
 def generate_problems(
@@ -143,7 +145,7 @@ def generate_problems(
     seen: set[str] = set()
     max_draws, misses = 1000 * (num_problems + 10), 0
     for _ in range(max_draws):
-        if len(problems) == num_problems or misses > MAX_MISSES:  # (done, or the config's problems ran out)
+        if len(problems) == num_problems or misses > max(MAX_MISSES, 100 * len(seen)):  # (or the config ran out)
             break
         problem = make_problem(rng, config)
         if problem.problem in seen or split_of(problem.problem, config.eval_fraction) != split:

@@ -248,7 +248,7 @@ def load_policy(model_config, dtype: str, load_format: str, device: torch.device
     `model_config.hf_config`, the one the trainer builds its actor from (`model.override_config` applied), with
     `sdpa` or `eager` attention as `override_config.attn_implementation` says, else transformers' default for the
     model (veRL's default asks flash-attn of its actor, which this library does not use)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     if dtype not in DTYPES:
         raise ValueError(f"rollout.dtype ({dtype!r}) must be one of {', '.join(DTYPES)}")
@@ -264,6 +264,13 @@ def load_policy(model_config, dtype: str, load_format: str, device: torch.device
     options = dict(dtype=torch_dtype, trust_remote_code=trust)
     if load_format == "dummy":
         model = AutoModelForCausalLM.from_config(hf_config, **options)
+        # the checkpoint's generation settings, its stop ids among them (the config veRL builds holds the tokenizer's
+        # one EOS), as a real load reads them
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: the checkpoint's own config says
+            own = AutoConfig.from_pretrained(path, trust_remote_code=trust)
+            model.generation_config = GenerationConfig.from_model_config(own)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, **options)
     return model.to(device).eval()
