@@ -313,20 +313,26 @@ def test_a_damaged_history_file_is_refused_and_the_history_kept(tmp_path, damage
     assert [r.tolist() for _, r in proposer.history] == [[3, 4, 5], [8, 9]]
 
 
-def test_a_restored_snapshot_takes_the_rolled_back_text_out_of_the_tries():
-    """`Generator.restore` rolls rows back: what they generated since the snapshot is text no row holds any more, so
-    it leaves the tries, which hold exactly the prompts, the cached responses and the rows in flight; the reference
-    drafts alike at every step (`Lockstep`)."""
+def three_steps_in_lockstep():
+    """A generator of 4 sampled rows, 3 steps in, its suffix proposer in lockstep with the reference (no history
+    kept), and the lockstep."""
     from specdec.proposers.suffix_ref import Lockstep
 
-    model = make_model("llama")
     spec = SpecConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
-    gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec)
+    gen = Generator(make_model("llama"), max_batch_size=4, max_seq_len=64, spec=spec, async_scheduling=False)
     lockstep = Lockstep.replacing(gen.draft_history)
     gen.proposers.proposers["suffix"] = lockstep
     gen.add_requests(random_prompts(2, seed=14), SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3))
     for _ in range(3):
         gen.step()
+    return gen, lockstep
+
+
+def test_a_restored_snapshot_takes_the_rolled_back_text_out_of_the_tries():
+    """`Generator.restore` rolls rows back: what they generated since the snapshot is text no row holds any more, so
+    it leaves the tries, which hold exactly the prompts, the cached responses and the rows in flight; the reference
+    drafts alike at every step (`Lockstep`)."""
+    gen, lockstep = three_steps_in_lockstep()
     saved = gen.snapshot()
     for _ in range(4):
         gen.step()
@@ -719,16 +725,8 @@ def test_a_restore_that_changes_only_the_pending_token_leaves_no_old_token_in_th
     """A restore may give a row another pending token at the length the tries have already taken in: the old token
     is text no row holds, so it leaves the tries (the rows start over), in the compiled proposer and the reference
     alike (`Lockstep`)."""
-    from specdec.proposers.suffix_ref import Lockstep
-
-    model = make_model("llama")
-    spec = SpecConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
-    gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec, async_scheduling=False)
-    lockstep = Lockstep.replacing(gen.draft_history)
-    gen.proposers.proposers["suffix"] = lockstep
-    gen.add_requests(random_prompts(2, seed=14), SamplingParams(n=2, temperature=1.0, max_new_tokens=32, seed=3))
-    for _ in range(3):
-        gen.step()
+    gen, lockstep = three_steps_in_lockstep()
+    model = gen.model
     saved = gen.snapshot()
     gen.step()  # the tries take in the rows up to their pending tokens, then the rows move on
     dead = lockstep.new._dead_tokens
