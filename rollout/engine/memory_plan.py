@@ -115,7 +115,6 @@ def plan_kv_cache(
     draft_bytes = max_batch_size * draft_kv_bytes_per_slot(spec, itemsize, blocks_per_row * DEFAULT_BLOCK_SIZE - 1)
     wanted = max_batch_size * blocks_per_row
     free = free_memory(device)
-    share = USABLE_SHARE if device.type == "cuda" else CPU_PAGED_SHARE
     if num_blocks is not None:
         if not isinstance(num_blocks, int) or num_blocks < blocks_per_row:
             raise ValueError(
@@ -140,6 +139,7 @@ def plan_kv_cache(
         return num_blocks * per_block + draft_bytes, num_blocks
     if free is None or per_block == 0:
         return wanted * per_block + draft_bytes, wanted
+    share = USABLE_SHARE if device.type == "cuda" else CPU_PAGED_SHARE
     fitting = int(share * free - draft_bytes) // per_block
     if fitting < blocks_per_row:
         raise ValueError(
