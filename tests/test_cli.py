@@ -6,6 +6,7 @@ import pathlib
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 from wandb.proto import wandb_internal_pb2
@@ -22,12 +23,25 @@ PHASE_KEYS = {"seconds", "tokens", "tokens_per_s", "mean_batch_size", "mean_k", 
 PHASE_KEYS |= {"mean_accepted_length"}
 
 
-def wandb_records(path: pathlib.Path):
-    """The records of a W&B `.wandb` run file, read with W&B's own protobuf schema.
+def wandb_records(path: pathlib.Path, timeout_s: float = 60.0) -> list:
+    """The records of a finished W&B `.wandb` run file, read with W&B's own protobuf schema.
 
-    The file is a LevelDB-style log: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of chunks, each
-    with a 7-byte header (checksum, length, type: 1 full, 2 first, 3 middle, 4 last) that never crosses a block.
+    W&B's service process writes the file: `finish()` returns once the run's exit is sent, and the service flushes and
+    closes the file after (a CI run under load read it without its exit record). So the file is read again until its
+    exit record, the run's last, is there, for at most `timeout_s`.
     """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(_wandb_file_records(path))
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _wandb_file_records(path: pathlib.Path):
+    """The whole records in a `.wandb` file as it stands. The file is a LevelDB-style log: a 7-byte header (":W&B",
+    magic, version), then 32 KiB blocks of chunks, each with a 7-byte header (checksum, length, type: 1 full, 2 first,
+    3 middle, 4 last) that never crosses a block; a chunk the writer has not finished ends the reading."""
     data = path.read_bytes()
     assert data[:4] == b":W&B", f"expected a W&B run file, got {data[:4]!r}"
     block, pos, parts = 32768, 7, []
@@ -39,6 +53,8 @@ def wandb_records(path: pathlib.Path):
         if kind == 0:  # zero padding up to the end of the block
             pos += block - pos % block
             continue
+        if pos + 7 + length > len(data):
+            return
         parts.append(data[pos + 7 : pos + 7 + length])
         pos += 7 + length
         if kind in (1, 4):
