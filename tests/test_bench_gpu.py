@@ -99,6 +99,39 @@ def test_a_failing_row_is_recorded_and_the_run_goes_on(tmp_path, capsys):
     assert draft[0]["error"] in capsys.readouterr().out.splitlines()[-1]
 
 
+def test_the_warm_up_runs_the_timed_rollouts_own_prefill_and_leaves_nothing_behind():
+    # Triton compiles a kernel per shape class: a warm-up of other prompts left the first timed prefill compiling
+    import torch
+
+    from rollout import Generator, SamplingParams, SpecConfig
+    from rollout.models import zoo
+
+    module = load_script()
+    model, _ = zoo.load_model("tiny-target", torch.float32, "cpu")
+    prompts = [[5 + i, 9, 11 + 2 * i, 7][: 2 + i % 3] for i in range(6)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=0)
+    spec = SpecConfig(method="ngram", num_speculative_tokens=3)
+    gen = Generator(model, max_batch_size=8, max_seq_len=24, spec=spec)
+    seen, step = [], gen.step
+
+    def recorded_step():
+        out = step()
+        seen.append(out.record)
+        return out
+
+    gen.step = recorded_step
+    module.warm_up(gen, prompts, params, spec)
+    warm = [(r.kind, r.batch_size, r.num_draft_tokens) for r in seen]
+    assert not gen.has_unfinished and [kind for kind, *_ in warm].count("decode") == 3
+    assert all(k == 3 for kind, _, k in warm if kind == "decode")  # every decode step fed the largest K
+    seen.clear()
+    result = module.rollout(gen, prompts, params, deadline=float("inf"))
+    timed_prefills = [(r.kind, r.batch_size) for r in seen if r.kind == "prefill"]
+    first_decode = next(i for i, (kind, *_) in enumerate(warm) if kind == "decode")
+    assert [(kind, b) for kind, b, _ in warm[:first_decode]] == timed_prefills[:first_decode]
+    assert result["tokens"] == sum(r.num_emitted for r in seen) and not result["capped"]
+
+
 def test_union_length_counts_overlapping_device_intervals_once():
     module = load_script()
     assert module.union_length([]) == 0.0
