@@ -151,5 +151,5 @@ def test_each_gpu_session_mode_fits_one_device_command():
     for mode, body in re.findall(r"^    (\w+)\)\n(.*?)^        ;;", modes, re.M | re.S):
         limits = re.findall(r"^\s+(?:tests \S+|logged \S+|bench) (\d+) ", body, re.M)
         sums[mode] = sum(int(x) for x in limits)
-    assert set(sums) == {"kernels", "engine", "open", "auto", "spec", "policy", "run"}, sums
+    assert set(sums) == {"kernels", "engine", "open", "rows", "auto", "spec", "policy", "run"}, sums
     assert all(0 < total <= 560 for total in sums.values()), sums
