@@ -88,6 +88,7 @@ TRACE_FIELDS = (  # a row's trace
     "launch ms",
     "wait ms",
 )
+PREFILL_TRACE_FIELDS = ("prompts admitted", "first tokens emitted", "ms", "step index in the rollout")
 RESERVE_S = 10.0  # of the budget, kept for the table and the JSON
 SYNC_WARNING = "synchroniz"  # torch's sync-debug warning reads "called a synchronizing CUDA operation"
 
@@ -440,6 +441,9 @@ def step_metrics(steps: list[dict], ctx) -> dict:
                    int(s.get("ran_ahead", False)), s["phase"][0], round(s.get("predicted_gain") or 0.0, 3),
                    round(1e3 * s.get("launch_seconds", 0.0), 3), round(1e3 * s.get("wait_seconds", 0.0), 3)]
                   for s in decode],
+        # every prefill step (an admission: the first, then each refill), `PREFILL_TRACE_FIELDS`
+        "prefill_trace": [[s["batch_size"], s["num_emitted"], round(1e3 * s["seconds"], 3), i]
+                          for i, s in enumerate(steps) if s["kind"] == "prefill"],
     }  # fmt: skip
 
 
@@ -746,6 +750,7 @@ def main(argv: list[str] | None = None) -> dict:
         "roofline": "bulk steps: (target weights + KV bytes per token x rows' summed context) / copy bandwidth, "
         "over the steps' summed time",
         "trace_fields": TRACE_FIELDS,
+        "prefill_trace_fields": PREFILL_TRACE_FIELDS,
         "warm_up": "untimed, each generator row: its own requests up to 3 decode steps at the largest K, aborted; "
         "the first generator row of a size: then one whole rollout (seed 0)",
     }  # fmt: skip

@@ -65,6 +65,10 @@ def test_cpu_defaults_run_every_row_and_print_the_table_last(tmp_path):
         trace = first["trace"]  # every decode step, as header["trace_fields"] names its entries
         assert trace and all(len(step) == len(header["trace_fields"]) for step in trace)
         assert sum(step[2] for step in trace) <= first["tokens"] and {step[5] for step in trace} <= {"b", "t"}
+        prefills = first["prefill_trace"]  # every admission, as header["prefill_trace_fields"] names its entries
+        assert prefills and all(len(step) == len(header["prefill_trace_fields"]) for step in prefills)
+        assert prefills[0][3] == 0 and len(prefills) + len(trace) == first["num_steps"]
+        assert sum(step[1] for step in prefills) + sum(step[2] for step in trace) == first["tokens"]
         assert 0 <= first["acceptance_rate"] <= 1 and first["kv_cache_bytes"] > 0
         assert first["idle_share"] is None and first["syncs_per_step"] is None  # CUDA only
         assert 0 <= first["proposer_share"] < (0.01 if row_id == "none" else 1)  # none: no proposer to run
