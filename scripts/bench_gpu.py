@@ -7,7 +7,7 @@ Rows (`--rows`; run in this order, each at every `--sizes` entry, 64x8 = 64 held
 - `suffix`, `suffix+draft` (the cascade), `draft`, `ngram` at auto K; `suffix_k4`, `suffix_k2`, `suffix_k1` static;
 - a row's variants: `_lockstep` (the host never ahead of the device), `_eager` (no CUDA graphs), `_slots` (the slot
   KV layout), `_compiled` (the graphs capture a compiled forward), `_verify_after` (exact verification after the
-  replayed forward instead of inside it);
+  replayed forward instead of inside it), `_split` (a prompt's samples admitted as slots free up, not together);
 - `trl`: GRPOTrainer steps with TRL's own generation vs `trl_rollout_func` (once, where TRL is installed);
 - `standard`: the field's standard workload, the "nano-vllm benchmark" (once): `--standard-seqs` sequences of random
   token ids, input and output lengths each random in `--standard-lengths` (CUDA 256 and 100-1024), temperature 0.6,
@@ -65,6 +65,8 @@ ROWS += ("suffix", "suffix_lockstep", "suffix_eager", "suffix+draft", "draft", "
 ROWS += ("ngram", "suffix_k4", "none_slots", "suffix_slots", "suffix_k2", "suffix_k1", "trl")
 # *_verify_after: exact verification after the replayed forward (the engine before it replayed with the forward)
 ROWS += ("none_verify_after", "suffix_verify_after")
+# *_split: admission as slots free up, a prompt's samples over several prefills (the engine before whole groups)
+ROWS += ("none_split",)
 QUICK_ROWS = ("standard", "none", "none_lockstep", "none_eager", "suffix", "suffix_lockstep", "suffix_eager")
 QUICK_ROWS += ("generate_batch", "hf_generate", "draft", "none_compiled")  # compiling may take minutes: last
 DEFAULTS = {  # per device; --quick on CUDA overrides with its own entry
@@ -275,7 +277,8 @@ def kv_bytes_per_token(model) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * next(model.parameters()).element_size()
 
 
-ROW_VARIANTS = ("_slots", "_eager", "_lockstep", "_compiled", "_verify_after")  # other engine settings, one config
+# other engine settings, one config
+ROW_VARIANTS = ("_slots", "_eager", "_lockstep", "_compiled", "_verify_after", "_split")
 
 
 def spec_for(row_id: str, args, draft) -> SpecConfig | None:
@@ -527,6 +530,7 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
         gen.runner.verify_in_graph = False
         gen.runner.graphs.drop_graphs()  # a new pool: the old one cannot be captured into again
         gen.runner.graphs.capture_all(slots)
+    gen.scheduler.whole_groups = not row_id.endswith("_split")
     shared_async = gen.config.async_scheduling
     warm_params = SamplingParams(n=n, temperature=1.0, max_new_tokens=args.max_new_tokens, seed=0)
     warm_up(gen, prompts, warm_params, spec)
@@ -541,6 +545,7 @@ def generator_rows(ctx, row_id: str, prompts: list[list[int]], n: int, deadline:
     shared = {"slots": slots, "kv_cache_bytes": gen.kv_cache_bytes, "setup_seconds": time.perf_counter() - start}
     shared["kv_layout"] = gen.runner.kv_layout
     shared["async_scheduling"] = shared_async
+    shared["whole_groups"] = gen.scheduler.whole_groups
     graphs = getattr(gen, "graph_runners", [])  # the target's, and a draft model's
     if graphs:
         shared["graphs"] = {

@@ -47,7 +47,8 @@
 #
 #   COMMIT=<hash> bash scripts/gpu_session.sh rows "$OUT"    # there: `open`'s benchmark rows alone, to repeat them
 #
-# `rows` writes bench.log / bench_gpu.json as `open` does, without the tests. About 4 minutes with the install.
+# `rows` writes bench.log / bench_gpu.json as `open` does, without the tests, with `none_split` (a prompt's samples
+# admitted as slots free up, as before whole groups) in place of `suffix_lockstep`. About 4 minutes with the install.
 #
 #   COMMIT=<hash> bash scripts/gpu_session.sh auto "$OUT"    # there: the auto policy against none, for a short lease
 #
@@ -129,7 +130,7 @@ run | policy | kernels | engine | spec | open | rows | auto)
         ;;
     rows)
         bench 270 24 --sizes "${SIZES:-64x8,256x8}" --budget-s 230 --row-cap-s 60 \
-            --rows none suffix draft none_lockstep suffix_lockstep
+            --rows none suffix draft none_split none_lockstep
         lap bench
         ;;
     auto)

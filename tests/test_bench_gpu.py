@@ -75,6 +75,10 @@ def test_cpu_defaults_run_every_row_and_print_the_table_last(tmp_path):
     assert {r["vs_none"] for r in by_id["none"]} == {1.0}
     for row_id in ("none_lockstep", "suffix_lockstep"):  # the host in lockstep, beside `none` and `suffix`
         assert {r["async_scheduling"] for r in by_id[row_id]} == {False}
+    assert {r["whole_groups"] for r in by_id["none_split"]} == {False} and {
+        r["whole_groups"] for r in by_id["none"]
+    } == {True}
+    assert [r["tokens"] for r in by_id["none_split"]] == [r["tokens"] for r in by_id["none"]]  # the same samples
     assert by_id["hf_generate"][0]["vs_hf_generate"] == 1.0
     assert by_id["suffix_k4"][1]["mean_k"] == 4.0
 

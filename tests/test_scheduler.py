@@ -95,3 +95,58 @@ def test_a_decode_steps_blocks_are_reserved_before_its_forward_and_preemption_st
     assert sum(short) == 0, "a decode forward ran before its rows held their blocks"
     assert sum(allocated) == 0, "a decode forward allocated blocks"
     assert max(r.num_drafted for r in gen.last_trace) > 0, "no drafts: every step was one token wide"
+
+
+def _prefilled_prompts(gen: Generator) -> list[int]:
+    """Prompts each prefill step of the last call admitted (a prompt split over two admissions counts twice)."""
+    return [r.batch_size for r in gen.last_trace if r.kind == "prefill"]
+
+
+@pytest.mark.parametrize("kv_layout", ["slots", "paged"])
+def test_a_prompts_samples_are_admitted_together_and_sample_what_they_sampled_apart(kv_layout):
+    # a GRPO group admitted as slots free up was prefilled over and over, one admission per slot or two freed
+    model = make_model("llama")
+    prompts = random_prompts(12, min_len=3, max_len=9, seed=2)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=20, seed=5)
+    outs = {}
+    for whole in (True, False):
+        gen = Generator(model, max_batch_size=16, max_seq_len=32, kv_layout=kv_layout)
+        gen.scheduler.whole_groups = whole
+        outs[whole] = [(o.token_ids, o.finish_reason, o.logprobs) for o in gen.generate(prompts, params)]
+        admitted = _prefilled_prompts(gen)
+        if whole:  # 3 <= 16 // 4: each prompt in one admission
+            assert sum(admitted) == len(prompts)
+        else:
+            assert sum(admitted) > len(prompts), "no group was split: the comparison tests nothing"
+    assert outs[True] == outs[False]  # tokens are keyed by sample and position, not by when a row was admitted
+
+
+def test_a_group_larger_than_a_quarter_of_the_slots_is_still_split_and_one_larger_than_all_of_them_runs():
+    model = make_model("llama")
+    prompts = random_prompts(5, min_len=3, max_len=9, seed=3)
+    for n, slots in ((5, 16), (7, 4)):  # waiting for 5 of 16 slots would idle too many; 7 never fit in 4
+        splits = []
+        for whole in (True, False):
+            gen = Generator(model, max_batch_size=slots, max_seq_len=32)
+            gen.scheduler.whole_groups = whole
+            outs = gen.generate(prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=12, seed=1))
+            assert len(outs) == n * len(prompts) and all(o.token_ids for o in outs)
+            splits.append(_prefilled_prompts(gen))
+        assert splits[0] == splits[1] and sum(splits[0]) > len(prompts)
+
+
+def test_whole_groups_cut_the_queue_back_to_a_prompts_first_sample():
+    model = make_model("llama")
+    gen = Generator(model, max_batch_size=16, max_seq_len=32)
+    prompts = random_prompts(3, min_len=4, max_len=4, seed=4)
+    gen.add_requests(prompts, [SamplingParams(n=n, max_new_tokens=4) for n in (2, 3, 4)])  # indices 0 0 1 1 1 2 2 2 2
+    scheduler = gen.scheduler
+    assert [scheduler.whole_groups_of(c) for c in range(10)] == [0, 1, 2, 2, 2, 5, 5, 5, 5, 9]
+    scheduler.num_active = 3  # rows in flight: a first group cut is left waiting
+    scheduler.queue.popleft(), scheduler.queue.popleft()  # 1 1 1 2 2 2 2
+    assert [scheduler.whole_groups_of(c) for c in range(8)] == [0, 0, 0, 3, 3, 3, 3, 7]
+    scheduler.num_active = 0  # nothing in flight: a part of the group is admitted rather than nothing
+    assert [scheduler.whole_groups_of(c) for c in range(4)] == [0, 1, 2, 3]
+    scheduler.whole_groups = False
+    scheduler.num_active = 3
+    assert [scheduler.whole_groups_of(c) for c in range(8)] == list(range(8))

@@ -1,11 +1,11 @@
 """The scheduler: what the next step runs, decided before anything runs.
 
 It owns the queue of waiting samples, the count of rows in flight and, with a paged KV cache, every block
-computation: how many queued samples an admission takes (by free slots and free blocks), which rows a decode step
-gives up when blocks run short (the latest admitted), the longest context every slot can hold, and the blocks a
-decode step's rows get before its forward (nano-vllm's `can_append`, then allocate). The generator executes what it
-decides (`rollout.engine.admission` runs a prefill, `rollout.engine.decode_step` a decode) and then postprocesses
-the step (the finished rows released).
+computation: how many queued samples an admission takes (by free slots and free blocks, a prompt's samples
+together), which rows a decode step gives up when blocks run short (the latest admitted), the longest context every
+slot can hold, and the blocks a decode step's rows get before its forward (nano-vllm's `can_append`, then allocate).
+The generator executes what it decides (`rollout.engine.admission` runs a prefill, `rollout.engine.decode_step` a
+decode) and then postprocesses the step (the finished rows released).
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.queue: deque[Sequence] = deque()
         self.num_active = 0  # rows [0, num_active) are in flight
+        # admit a prompt's queued samples together, one prefill for the group (`whole_groups`); off: as slots free up
+        self.whole_groups = True
         self._admissions = itertools.count()  # admission order: a pool short of blocks preempts the latest
 
     @property
@@ -117,7 +119,33 @@ class Scheduler:
     def num_admissible(self) -> int:
         """Queued samples the next admission takes: as many as free slots hold; with a paged cache, only as many as
         its blocks hold (a prompt's blocks once per group, a step's blocks per sample), after keeping a step's blocks
-        for every row in flight."""
+        for every row in flight; then only whole groups of a prompt's queued samples (`whole_groups`)."""
+        return self.whole_groups_of(self._fitting())
+
+    def whole_groups_of(self, count: int) -> int:
+        """The first `count` queued samples cut back to whole groups (a group: a prompt's samples next to each other in
+        the queue, which share one prefill). Admitted as slots free up, a GRPO group was prefilled two to three times
+        over as many admissions, one for each slot or two freed (each an eager forward and, on a GPU, a break in the
+        host's run ahead); waiting for the group's slots keeps fewer than a group's slots idle meanwhile. A group larger
+        than a quarter of the slots is cut all the same (waiting for it would idle too many), and so is the first
+        group when nothing is in flight."""
+        queue = self.queue
+        if not self.whole_groups or count == 0 or count >= len(queue):
+            return count
+        cut = queue[count].prompt_index
+        if queue[count - 1].prompt_index != cut:
+            return count
+        start, end = count - 1, count + 1
+        while start > 0 and queue[start - 1].prompt_index == cut:
+            start -= 1
+        while end < len(queue) and queue[end].prompt_index == cut:
+            end += 1
+        if end - start > self.max_batch_size // 4 or (start == 0 and self.num_active == 0):
+            return count
+        return start
+
+    def _fitting(self) -> int:
+        """Queued samples the free slots (and blocks) hold."""
         count = min(self.max_batch_size - self.num_active, len(self.queue))
         if not self.runner.paged:
             return count
