@@ -119,8 +119,13 @@ class Scheduler:
     def num_admissible(self) -> int:
         """Queued samples the next admission takes: as many as free slots hold; with a paged cache, only as many as
         its blocks hold (a prompt's blocks once per group, a step's blocks per sample), after keeping a step's blocks
-        for every row in flight; then only whole groups of a prompt's queued samples (`whole_groups`)."""
-        return self.whole_groups_of(self._fitting())
+        for every row in flight; then, where the slots and not the blocks set the count, only whole groups of a
+        prompt's queued samples (`whole_groups`: blocks free up only as rows finish, and a group waiting for a small
+        pool's blocks was admitted one at a time, each group's tail drained before the next)."""
+        count = self._fitting()
+        if count < min(self.max_batch_size - self.num_active, len(self.queue)):
+            return count
+        return self.whole_groups_of(count)
 
     def whole_groups_of(self, count: int) -> int:
         """The first `count` queued samples cut back to whole groups (a group: a prompt's samples next to each other in
