@@ -53,11 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     recipe = load_recipe(args.recipe, args.overrides)
     inputs = load_inputs(recipe)
     spec = recipe_spec(recipe)
-    s = recipe.sampling
-    params = SamplingParams(
-        n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
-        stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, seed=s.seed,
-    )  # fmt: skip
+    params = recipe.sampling  # a SamplingParams, as `rollout run` samples with
     slots = batch_size(recipe, inputs, spec)
     generators = {}
     for whole in (True, False):
@@ -65,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
                         **engine_options(recipe))  # fmt: skip
         gen.scheduler.whole_groups = whole
         generators[whole] = gen
-    print(f"{len(inputs.prompt_ids)} prompts x {s.n}, {slots} slots, speculation {spec.method if spec else None}")
+    print(f"{len(inputs.prompt_ids)} prompts x {params.n}, {slots} slots, speculation {spec.method if spec else None}")
     runs: dict[bool, list[dict]] = {True: [], False: []}
     for repeat in range(args.repeats):
         for whole in (True, False):
