@@ -32,7 +32,8 @@
 # `spec` writes test_gpu.log (graphs with speculation sample what the eager engine samples; one device read a step)
 # and bench.log / bench_gpu.json: at 64 x 8, first and second rollout, `none` with graphs beside `suffix` (auto K;
 # `suffix_lockstep`: never ahead of the device), `draft`, `suffix+draft` and `suffix_k1`, each with its phases' tokens/s, `proposer_share` and `policy_share` (the K
-# policy's host time over the decode steps'); rows past the budget are skipped and say so.#
+# policy's host time over the decode steps'); rows past the budget are skipped and say so.
+#
 #   COMMIT=<hash> bash scripts/gpu_session.sh open "$OUT"    # there: the open issues' GPU rows, for a 15-minute lease
 #
 # `open` writes test_gpu.log (every CUDA test of tests/test_gpu.py: graphs in eval mode, graphs with speculation
@@ -47,8 +48,10 @@
 #
 #   COMMIT=<hash> bash scripts/gpu_session.sh rows "$OUT"    # there: `open`'s benchmark rows alone, to repeat them
 #
-# `rows` writes bench.log / bench_gpu.json as `open` does, without the tests, with `none_split` (a prompt's samples
-# admitted as slots free up, as before whole groups) in place of `suffix_lockstep`. About 4 minutes with the install.
+# `rows` writes verify.log / bench_verify.json (scripts/bench_verify.py: exact verification's milliseconds per drafted
+# depth at 175 and 512 rows, vocab 128256, replayed and eager, against the floor), then bench.log / bench_gpu.json as
+# `open` does, without the tests, with `none_split` (a prompt's samples admitted as slots free up, as before whole
+# groups) in place of `suffix_lockstep`. About 5 minutes with the install.
 #
 #   COMMIT=<hash> bash scripts/gpu_session.sh auto "$OUT"    # there: the auto policy against none, for a short lease
 #
@@ -129,6 +132,9 @@ run | policy | kernels | engine | spec | open | rows | auto)
         lap bench
         ;;
     rows)
+        logged verify.log 90 scripts/bench_verify.py --commit "$commit" --out "$out"
+        tail -4 "$out/verify.log"
+        lap verify
         bench 270 24 --sizes "${SIZES:-64x8,256x8}" --budget-s 230 --row-cap-s 60 \
             --rows none suffix draft none_split none_lockstep
         lap bench

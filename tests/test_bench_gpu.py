@@ -161,3 +161,30 @@ def test_each_gpu_session_mode_fits_one_device_command():
         sums[mode] = sum(int(x) for x in limits)
     assert set(sums) == {"kernels", "engine", "open", "rows", "auto", "spec", "policy", "run"}, sums
     assert all(0 < total <= 560 for total in sums.values()), sums
+
+
+def test_the_verification_bench_checks_and_times_every_width_on_a_cpu(tmp_path):
+    """scripts/bench_verify.py (exact verification's cost per drafted depth; on a GPU replayed as graphs) at a CPU's
+    size: it checks each shape's chains against `verify_exact` with every draft accepted, and records each width's
+    eager times and the per-depth cost (the replay is a GPU's only)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_verify", SCRIPT.parent / "bench_verify.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    widths = [1, 2, 4]
+    module.main(["--device", "cpu", "--rows", "2", "5", "--widths", *map(str, widths), "--vocab", "301"]
+                + ["--repeats", "3", "--sets", "2", "--out", str(tmp_path), "--commit", "test"])  # fmt: skip
+    report = json.loads((tmp_path / "bench_verify.json").read_text())
+    assert report["header"]["commit"] == "test" and report["header"]["copy_bandwidth_bytes_per_s"] > 0
+    assert [(r["rows"], r["width"]) for r in report["records"]] == [(rows, w) for rows in (2, 5) for w in widths]
+    for record in report["records"]:
+        assert record["chains_graph_ms"] is None  # no CUDA
+        assert record["chains_eager_ms"] > 0 and record["filtered_eager_ms"] > 0
+    times = {(r["rows"], r["width"], key): r[key] for r in report["records"] for key in r}
+    for key in ("chains_eager_ms", "filtered_eager_ms"):  # (t(4) - t(1)) / 3 for each number of rows
+        expected = {str(rows): (times[rows, 4, key] - times[rows, 1, key]) / 3 for rows in (2, 5)}
+        assert report[f"{key}_per_depth_ms"] == pytest.approx(expected)
+    assert report["chains_graph_ms_per_depth_ms"] == {"2": None, "5": None}
