@@ -264,6 +264,56 @@ def test_stop_ids_ignore_eos_and_engine_settings_reach_the_generator(tmp_path):
         trl_rollout_func(stop_token_ids=5)
 
 
+def test_a_completion_a_stop_id_ended_counts_as_finished_for_trl(tmp_path):
+    """TRL counts a completion that does not end in its EOS ids as truncated: mask_truncated_completions masked every
+    completion a stop id ended, and the loss was 0. The adapter adds its stop ids to the trainer's EOS ids: those
+    completions keep their loss mask, and only those cut at max_completion_length are masked and counted clipped."""
+    period = 15  # "." in the shipped tokenizer (EOS is 0)
+    func = trl_rollout_func(stop_token_ids=[period])
+    trainer = make_trainer(tmp_path, func, reward_funcs=(length,), max_steps=1, mask_truncated_completions=True)
+    eos_before = list(trainer.eos_token_ids)
+    batches = []
+    inner = trainer._generate_and_score_completions
+
+    def recorded(inputs):
+        out = inner(inputs)
+        batches.append(out)
+        return out
+
+    trainer._generate_and_score_completions = recorded
+    trainer.train()
+    assert trainer.eos_token_ids == [*eos_before, period]
+    (out,) = batches
+    ended = [(ids[m.bool()][-1].item() in (period, 0)) for ids, m in zip(out["completion_ids"], out["completion_mask"])]
+    lengths = out["completion_mask"].sum(1).tolist()
+    assert any(ended), "no completion ended at a stop id: the test checks nothing"
+    for stopped, n in zip(ended, lengths):
+        assert n > 0 if stopped else n == 0  # masked only where cut at max_completion_length
+    log = next(e for e in trainer.state.log_history if "completions/clipped_ratio" in e)
+    assert log["completions/clipped_ratio"] == pytest.approx(1 - sum(ended) / len(ended))
+
+
+def test_a_streamed_data_set_is_not_read_to_size_the_generator(tmp_path):
+    """The generator is sized from the longest prompt of a data set that can be listed; a streamed one (an
+    IterableDataset, which may be endless or remote) is not read for it: the first call's prompts size it."""
+    from datasets import IterableDataset
+
+    pulled = []
+
+    def rows():
+        for i in range(5000):
+            pulled.append(i)
+            yield {"prompt": f"Question: Ann has {i} apples and buys 1 more. How many?\nAnswer:", "answer": str(i + 1)}
+
+    func = trl_rollout_func()
+    trainer = make_trainer(tmp_path, func, dataset=IterableDataset.from_generator(rows), max_steps=1)
+    pulled.clear()
+    out = func(["Question: Ann has 3 apples.\nAnswer:"] * 4, trainer)
+    assert len(out["completion_ids"]) == 4
+    assert not pulled, f"the adapter read {len(pulled)} rows of the stream"
+    assert func.generator.max_seq_len >= len(out["prompt_ids"][0]) + 40
+
+
 def test_a_longer_prompt_grows_the_generator_and_keeps_the_drafting_history(tmp_path):
     func = trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=3))
     trainer = make_trainer(tmp_path, func, max_steps=1)

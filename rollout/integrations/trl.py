@@ -72,7 +72,8 @@ def trl_rollout_func(
         share_history: with several processes (TRL under `accelerate launch`), all-gather each rollout's finished
             responses into every process's suffix drafting history, so each drafts from the whole run's responses.
         kv_layout, cuda_graphs, async_scheduling, compile_forward: the generator's engine settings (see `Generator`).
-        stop_token_ids: stop tokens besides the trainer's EOS ids (`SamplingParams.stop_token_ids`).
+        stop_token_ids: stop tokens besides the trainer's EOS ids (`SamplingParams.stop_token_ids`); the first call
+            adds them to the trainer's EOS ids, so that TRL counts a completion one ended as finished, not truncated.
         ignore_eos: generate past the trainer's EOS ids (`stop_token_ids` still stop), to `max_completion_length`.
 
     TRL warns at `GRPOTrainer(rollout_func=...)` that `rollout_func` is experimental unless TRL_EXPERIMENTAL_SILENCE
@@ -127,6 +128,7 @@ class TRLRolloutFunc:
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         check_trainer(trainer)
+        self._stops_end_completions(trainer)
         prompt_ids = tokenize_prompts(prompts, trainer)
         groups = _groups(prompt_ids)
         step = int(trainer.state.global_step)
@@ -162,14 +164,29 @@ class TRLRolloutFunc:
             "logprobs": [o.logprobs for o in outs],
         }
 
+    def _stops_end_completions(self, trainer) -> None:
+        """TRL takes a completion that does not end in one of its EOS ids (or the pad id) as cut off at
+        max_completion_length: it counts it in `completions/clipped_ratio`, and `mask_truncated_completions` masks it
+        out of the loss. The stop ids it does not know are added to the trainer's EOS ids (once), so that a completion
+        a stop id ended counts as finished there too."""
+        unknown = [t for t in self.stop_token_ids if t not in trainer.eos_token_ids]
+        if unknown:
+            trainer.eos_token_ids = [*trainer.eos_token_ids, *unknown]
+            logger.warning(
+                "rollout: stop_token_ids %s added to the trainer's EOS ids, so that TRL counts the completions they "
+                "end as finished, not truncated (completions/clipped_ratio, mask_truncated_completions)",
+                unknown,
+            )
+
     def _params(self, trainer, n: int, seed: int) -> SamplingParams:
+        eos_ids = [] if self.ignore_eos else [t for t in trainer.eos_token_ids if t not in self.stop_token_ids]
         return SamplingParams(
             n=n,
             temperature=float(trainer.temperature),
             top_p=float(trainer.top_p if trainer.top_p is not None else 1.0),
             top_k=int(trainer.top_k or 0),
             max_new_tokens=int(trainer.max_completion_length),
-            stop_token_ids=([] if self.ignore_eos else list(trainer.eos_token_ids)) + self.stop_token_ids,
+            stop_token_ids=eos_ids + self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             seed=seed,
         )
@@ -279,6 +296,8 @@ def longest_dataset_prompt(trainer, num_longest: int = 16) -> int:
     """Tokens in the longest prompt of the trainer's `train_dataset`, measured on its `num_longest` longest by
     characters; 0 when its prompts cannot be listed (an iterable data set)."""
     data = getattr(trainer, "train_dataset", None)
+    if not hasattr(data, "__len__"):  # none, or streamed (datasets' IterableDataset): listing it would read it all
+        return 0
     try:
         prompts = list(data["prompt"])
     except (TypeError, KeyError, ValueError, AttributeError):
