@@ -23,16 +23,16 @@ Writes `bench_verify.json` under `--out` and prints the table last.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import pathlib
 import shlex
 import subprocess
 import sys
-import time
-from statistics import median
 
 import torch
 from bench_gpu import card_name, copy_bandwidth  # this folder is on sys.path when a script runs
+from bench_paged_attention import median_ms
 
 from specdec.processing import RowSampling
 from specdec.tree import layout_drafts
@@ -74,23 +74,8 @@ def filtered(inputs: dict, sampling: RowSampling, width: int):
 
 def timed(calls: list, device: torch.device, repeats: int) -> float:
     """Median milliseconds of one call, the calls taken in turn (`repeats` of them after one round of warm-up)."""
-    for call in calls:
-        call()
-    times = []
-    for i in range(repeats):
-        call = calls[i % len(calls)]
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            call()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            call()
-            times.append(1e3 * (time.perf_counter() - start))
-    return median(times)
+    turn = itertools.cycle(calls)
+    return median_ms(lambda: next(turn)(), device, num_warmup=len(calls), num_repeats=repeats)
 
 
 def captured(inputs: dict, temperatures: torch.Tensor):
