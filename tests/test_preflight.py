@@ -41,6 +41,8 @@ def scratch(tmp_path):
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     (tmp_path / "bad_reward.yaml").write_text("rewards:\n  - name: accuracy\n")
     (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    (tmp_path / "benched").mkdir()
+    (tmp_path / "benched" / "bench.json").write_text('{"rows": []}\n')
     return tmp_path
 
 
@@ -55,6 +57,8 @@ REFUSED = [
     (["train", GRPO, "sampling.temperature=0"], ["sampling.temperature is 0", "sampling.n 8"], {}),
     (["train", GRPO, "sampling.n=1"], ["sampling.n (1) must be at least 2 for GRPO"], {}),
     (["train", GRPO, "resume=true"], ["does not resume a stopped training"], {}),
+    (["bench", QUICKSTART, "resume=true"], ["`rollout bench` runs every row again: drop resume=true"], {}),
+    (["bench", QUICKSTART, "output_dir=benched"], ["benched already holds a benchmark (bench.json)", "overwrite"], {}),
     # no network here: the hub cannot be reached; with one, the hub answers that the id is not there
     (["run", QUICKSTART, "model.name=nobody/no-such-model"], ["model.name", "'nobody/no-such-model'"], {}),
     (["run", QUICKSTART, "data.dataset=nobody/no-such-data"], ["data.dataset", "'nobody/no-such-data'"], {}),

@@ -50,6 +50,11 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
             "resume=true continues a `rollout run`; `rollout train` does not resume a stopped training (it keeps no "
             "optimiser checkpoint): run it again with overwrite=true, or into another output_dir"
         )
+    if command == "bench" and recipe.resume:
+        raise ValueError(
+            "resume=true continues a `rollout run`; `rollout bench` runs every row again: drop resume=true (and pass "
+            "overwrite=true to replace an earlier bench.json)"
+        )
     check_model_name(recipe.model.name, "model.name")
     spec = recipe.spec
     methods = [spec.method] if isinstance(spec.method, str) else list(spec.method or [])
@@ -112,10 +117,15 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
             "cuda_graphs to auto), or model.device=cuda"
         )
     # the output folder after what the recipe asks for: a typo is worth fixing before choosing where to write
-    if command == "bench":  # it writes bench.json only, replacing an earlier benchmark's
+    if command == "bench":  # it writes bench.json only: beside a run's files, but never over an earlier benchmark's
         folder = pathlib.Path(recipe.output_dir)
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"output_dir {folder} is a file: choose a folder")
+        if (folder / "bench.json").exists() and not recipe.overwrite:
+            raise ValueError(
+                f"output_dir {folder} already holds a benchmark (bench.json): pass overwrite=true to replace it, or "
+                "choose another output_dir"
+            )
     elif recipe.resume:
         check_resumable(recipe.output_dir, recipe_dict(recipe))
     else:
