@@ -170,6 +170,30 @@ def test_report_reads_a_run_a_machine_failure_cut_short(finished_run, tmp_path, 
     assert all(name in out for name in ("prefill", "bulk", "tail", "total", "tokens/s"))
 
 
+def test_report_says_a_run_is_incomplete_and_refuses_what_is_not_a_runs_steps(finished_run, tmp_path, capsys):
+    """A stopped run's table is what finished, and the report says so; a steps.jsonl whose records are not steps (an
+    edited or foreign file) is one line naming the record and what it lacks, not a traceback."""
+    import shutil
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(finished_run, stopped)
+    summary = json.loads((stopped / "summary.json").read_text())
+    (stopped / "summary.json").write_text(json.dumps({**summary, "complete": False, "incomplete_reason": "SIGINT"}))
+    assert main(["report", str(stopped)]) == 0
+    assert f"incomplete (SIGINT): these are the figures of the {summary['num_samples']} samples kept" in (
+        capsys.readouterr().out
+    )
+    assert main(["report", str(finished_run)]) == 0
+    assert "incomplete" not in capsys.readouterr().out
+    (stopped / "steps.jsonl").write_text((finished_run / "steps.jsonl").read_text() + '{"phase": "bulk"}\n')
+    assert main(["report", str(stopped)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a step (it lacks kind, seconds, batch_size" in err[0], err
+    (stopped / "steps.jsonl").write_text("garbage\n")
+    assert main(["report", str(stopped)]) == 2
+    assert "holds no step record" in capsys.readouterr().err
+
+
 def test_bench_rows(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     code = main(["bench", QUICKSTART, "data.num_prompts=2", "sampling.n=2", "sampling.max_new_tokens=16",

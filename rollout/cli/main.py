@@ -157,6 +157,19 @@ def _bench(args: argparse.Namespace) -> None:
     print(f"rows written to {pathlib.Path(recipe.output_dir) / 'bench.json'}")
 
 
+# what the report's table reads of each step record
+_STEP_KEYS = (
+    "kind",
+    "phase",
+    "seconds",
+    "batch_size",
+    "num_emitted",
+    "num_drafted",
+    "num_accepted",
+    "num_draft_tokens",
+)
+
+
 def _report(args: argparse.Namespace) -> None:
     from rollout.cli.plots import plot_steps
     from rollout.cli.tracking import PLOT_NAME
@@ -172,7 +185,14 @@ def _report(args: argparse.Namespace) -> None:
 
     steps = read_jsonl(steps_path)  # a line cut by a kill (the last) is left out
     if not steps:
-        raise ValueError(f"{steps_path} is empty: the run recorded no steps")
+        raise ValueError(f"{steps_path} holds no step record: the run recorded no steps, or the file is not a run's")
+    for number, step in enumerate(steps, 1):
+        missing = [key for key in _STEP_KEYS if not isinstance(step, dict) or key not in step]
+        if missing:
+            raise ValueError(
+                f"{steps_path}: record {number} is not a step (it lacks {', '.join(missing)}): the file is not a "
+                "`rollout run`'s steps.jsonl, or was edited"
+            )
     summary_path = folder / "summary.json"
     summary = None
     if summary_path.is_file():
@@ -190,6 +210,9 @@ def _report(args: argparse.Namespace) -> None:
     print(format_table(summary))
     if "reward_mean" in summary:
         print(f"reward mean {summary['reward_mean']:.3f}")
+    if summary.get("complete") is False:  # stopped: the figures are those of what finished
+        reason = summary.get("incomplete_reason") or "stopped"
+        print(f"incomplete ({reason}): these are the figures of the {summary.get('num_samples', '?')} samples kept")
     print(f"plot: {plot_steps(steps, folder / PLOT_NAME, title=str(folder))}")
 
 
