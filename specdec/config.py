@@ -107,7 +107,10 @@ class SpecConfig:
             )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"num_speculative_tokens ({k!r}) must be an integer >= 1 (no drafts: spec=None, or spec.method: null in a recipe)")
+            raise ValueError(
+                f"num_speculative_tokens ({k!r}) must be an integer >= 1 (no drafts: spec=None, or spec.method: null "
+                "in a recipe)"
+            )
         if "ngram" in methods:
             if self.prompt_lookup_max is None:
                 self.prompt_lookup_max = max(4, self.prompt_lookup_min or 1)
