@@ -219,6 +219,39 @@ def test_bench_rows(tmp_path, capsys, monkeypatch):
     ]
 
 
+def test_a_stopped_bench_keeps_the_rows_that_finished(tmp_path, capsys, monkeypatch):
+    """Ctrl-C (a KeyboardInterrupt where the SIGINT handler raises it) as the third row starts: bench.json holds the
+    two rows that finished, marked incomplete, and the one line says where they are. Then an earlier benchmark there
+    is refused, and overwrite=true replaces it."""
+    import rollout.cli.bench as bench
+
+    made = bench.make_rollout
+    calls = []
+
+    def stopped_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "make_rollout", stopped_at_the_second)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    small = ["data.num_prompts=2", "sampling.n=2", "sampling.max_new_tokens=8", "bench.static_k=[2]"]
+    assert main(["bench", QUICKSTART, *small, f"output_dir={tmp_path}"]) == 130
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["complete"] is False
+    assert [r["name"] for r in report["rows"]] == ["model.generate (padded)", "no speculation"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"rollout bench: interrupted: the rows that finished are in {tmp_path / 'bench.json'} (marked " \
+        "incomplete)", err  # fmt: skip
+    monkeypatch.setattr(bench, "make_rollout", made)
+    assert main(["bench", QUICKSTART, *small, f"output_dir={tmp_path}"]) == 2
+    assert "already holds a benchmark (bench.json)" in capsys.readouterr().err
+    assert main(["bench", QUICKSTART, *small, "bench.baseline=false", f"output_dir={tmp_path}", "overwrite=true"]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["complete"] is True and len(report["rows"]) == 3  # none, K=2, the recipe's policy
+
+
 def all_nan(completions, **kwargs):
     """A reward for the test below: nothing it can score."""
     return [float("nan")] * len(completions)

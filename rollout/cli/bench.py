@@ -38,8 +38,9 @@ BASELINE = "model.generate (padded)"
 
 
 def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict]:
-    """Run every row of the benchmark on the recipe's prompts; write bench.json; return the rows. `log(line)` hears
-    of each configuration as it starts and ends (the command line prints them).
+    """Run every row of the benchmark on the recipe's prompts; write bench.json (again after each row, `complete`
+    false until the last: a stopped benchmark keeps the rows that finished); return the rows. `log(line)` hears of
+    each configuration as it starts and ends (the command line prints them).
 
     Under `accelerate launch` (`ranks` of several processes) each rank runs every row on its shard of the prompt
     groups (`distributed.balance`), the ranks start each row together, and rank 0 combines them: tokens summed,
@@ -80,10 +81,34 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
         inputs = shard_inputs(inputs, shard)
     params = recipe.sampling
     rows = []
+    workload = {
+        "model": recipe.model.name,
+        "dataset": recipe.data.dataset,
+        "num_prompts": num_prompts,
+        "num_processes": ranks.world_size,
+        "n": recipe.sampling.n,
+        "max_new_tokens": recipe.sampling.max_new_tokens,
+        "temperature": recipe.sampling.temperature,
+        "max_batch_size": batch_size(recipe, inputs, None),
+        "threads": torch.get_num_threads(),
+    }
+    num_rows = len(runs) + bool(recipe.bench.baseline)
+
+    def keep(rows: list[dict]) -> None:
+        """bench.json with the rows finished so far (rank 0): a stopped benchmark keeps them, marked incomplete."""
+        if ranks.is_main:
+            out = pathlib.Path(recipe.output_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            report = {"workload": workload, "rows": rows, "complete": len(rows) == num_rows}
+            write_atomic(out / "bench.json", json.dumps(report, indent=2) + "\n")
+
+    if ranks.is_main:  # an earlier benchmark's (overwrite=true: preflight refused it otherwise) goes before any row
+        (pathlib.Path(recipe.output_dir) / "bench.json").unlink(missing_ok=True)
     if recipe.bench.baseline:
         log(f"[1] {BASELINE} ...")
         ranks.barrier()
         rows.append(combine_rows(ranks.gather(_baseline_row(recipe, inputs, params) if inputs.prompt_ids else None)))
+        keep(rows)
         if ranks.is_main:
             log(f"    {rows[-1]['seconds']:.1f} s, {rows[-1]['tokens_per_s']:.0f} tokens/s")
     for name, changes in runs:
@@ -114,26 +139,11 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
                 "num_samples": len(batch),
             }
         rows.append(combine_rows(ranks.gather(row)))
+        keep(rows)
         if ranks.is_main:
             row = rows[-1]
             log(f"    {row['seconds']:.1f} s, {row['tokens_per_s']:.0f} tokens/s, K {row['mean_k']:.2f}")
-    if not ranks.is_main:
-        return []
-    out = pathlib.Path(recipe.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    workload = {
-        "model": recipe.model.name,
-        "dataset": recipe.data.dataset,
-        "num_prompts": num_prompts,
-        "num_processes": ranks.world_size,
-        "n": recipe.sampling.n,
-        "max_new_tokens": recipe.sampling.max_new_tokens,
-        "temperature": recipe.sampling.temperature,
-        "max_batch_size": batch_size(recipe, inputs, None),
-        "threads": torch.get_num_threads(),
-    }
-    write_atomic(out / "bench.json", json.dumps({"workload": workload, "rows": rows}, indent=2) + "\n")
-    return rows
+    return rows if ranks.is_main else []
 
 
 def shard_inputs(inputs: RecipeInputs, shard: list[int]) -> RecipeInputs:

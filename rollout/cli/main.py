@@ -150,6 +150,7 @@ def _bench(args: argparse.Namespace) -> None:
         for note in args.notes:
             print(note, file=sys.stderr, flush=True)
 
+    args.bench_file = pathlib.Path(recipe.output_dir) / "bench.json"  # what a stop keeps (`_interrupted`)
     rows = run_bench(recipe, log=lambda line: print(line, file=sys.stderr, flush=True), ranks=args.ranks)
     if not args.ranks.is_main:
         return
@@ -345,6 +346,10 @@ def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
                 kept = ": what finished is in the output folder; resume=true continues the run"
             else:
                 kept = " before the run began: nothing was written; run the same command again"
+        elif args.command == "bench":
+            bench_file = getattr(args, "bench_file", None)
+            if bench_file is not None and bench_file.is_file():
+                kept = f": the rows that finished are in {bench_file} (marked incomplete)"
         print(f"rollout {args.command}: {rank}{what}{kept}", file=sys.stderr)
     return code
 
