@@ -431,11 +431,27 @@ def test_bad_prompts_are_clear_errors(prompts, kwargs, match):
         ({"n": True}, r"n \(True\) must be an integer"),
         ({"ignore_eos": "no"}, r"ignore_eos \('no'\) must be True or False"),
         ({"stop_token_ids": 5}, r"stop_token_ids \(5\) must be a list of non-negative token ids, e\.g\. \[5\]"),
+        ({"seed": 10**23}, r"seed \(100000000000000000000000\) must be an integer in \[0, 2\*\*63\) or None"),
+        ({"seed": -1}, r"seed \(-1\) must be an integer in \[0, 2\*\*63\)"),
     ],
 )
 def test_bad_sampling_params_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_a_sequence_longer_than_the_default_prefill_cap_is_generated():
+    """max_prefill_tokens defaults to 16384 or max_seq_len where that is larger (a Rollout, the command line and
+    TRL's adapter, which do not pass it, refused max_seq_len above 16384 in a message naming it); one set below
+    max_seq_len is still refused."""
+    model = make_model("qwen2")
+    gen = Generator(model, max_batch_size=1, max_seq_len=20000)
+    assert gen.scheduler.max_prefill_tokens == 20000
+    assert Generator(model, max_batch_size=1, max_seq_len=64).scheduler.max_prefill_tokens == 16384
+    out = gen.generate([list(range(1, 40))], SamplingParams(max_new_tokens=3, seed=0))
+    assert len(out[0].token_ids) == 3
+    with pytest.raises(ValueError, match=r"max_prefill_tokens \(64\) must be an integer >= max_seq_len \(128\)"):
+        Generator(model, max_batch_size=1, max_seq_len=128, max_prefill_tokens=64)
 
 
 def test_stop_ids_outside_the_vocabulary_are_refused():

@@ -41,6 +41,8 @@ from specdec.config import SpecConfig
 from specdec.proposers.suffix import SuffixProposer
 from specdec.tree import DraftLayout
 
+DEFAULT_PREFILL_TOKENS = 16384  # padded prompt tokens a prefill forward takes at most, unless max_seq_len is more
+
 
 class Generator(Admission, DecodeStep):
     """Batched generation for a transformers causal LM.
@@ -50,7 +52,8 @@ class Generator(Admission, DecodeStep):
         max_batch_size: slots, i.e. sequences decoded at once.
         max_seq_len: prompt + completion tokens a sequence may hold.
         spec: speculative decoding settings; None decodes one token per step.
-        max_prefill_tokens: cap on padded prompt tokens per prefill forward (bounds prefill memory).
+        max_prefill_tokens: cap on padded prompt tokens per prefill forward (bounds prefill memory); at least
+            max_seq_len (a prompt goes in one prefill). None: 16384, or max_seq_len where that is larger.
         kv_layout: "auto" (paged on a GPU, slots on a CPU), "paged" (KV blocks that follow the tokens in flight,
             attention through the function registered with transformers) or "slots" (a dense cache and 4D masks);
             see `rollout.engine.model_runner`.
@@ -74,7 +77,7 @@ class Generator(Admission, DecodeStep):
         max_batch_size: int = 64,
         max_seq_len: int = 2048,
         spec: SpecConfig | None = None,
-        max_prefill_tokens: int = 16384,
+        max_prefill_tokens: int | None = None,
         kv_layout: str = "auto",
         kv_pool_blocks: int | None = None,
         cuda_graphs: bool | str = "auto",
@@ -84,6 +87,8 @@ class Generator(Admission, DecodeStep):
         check_generator_args(
             model, max_batch_size, max_seq_len, max_prefill_tokens, cuda_graphs, spec, async_scheduling, compile_forward
         )
+        if max_prefill_tokens is None:
+            max_prefill_tokens = max(DEFAULT_PREFILL_TOKENS, max_seq_len)
         if spec is not None and not spec.methods:  # method None: speculation off
             spec = None
         self.model = model

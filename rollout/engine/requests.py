@@ -175,10 +175,10 @@ def check_generator_args(
     for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} ({value!r}) must be a positive integer")
-    if not isinstance(max_prefill_tokens, int) or max_prefill_tokens < max_seq_len:
+    if max_prefill_tokens is not None and (not isinstance(max_prefill_tokens, int) or max_prefill_tokens < max_seq_len):
         raise ValueError(
             f"max_prefill_tokens ({max_prefill_tokens!r}) must be an integer >= max_seq_len ({max_seq_len}) "
-            "so that the longest prompt fits one prefill"
+            "so that the longest prompt fits one prefill, or None (16384, or max_seq_len where that is larger)"
         )
     if cuda_graphs not in (True, False, "auto"):
         raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
