@@ -192,6 +192,8 @@ def test_report_says_a_run_is_incomplete_and_refuses_what_is_not_a_runs_steps(fi
     (stopped / "steps.jsonl").write_text("garbage\n")
     assert main(["report", str(stopped)]) == 2
     assert "holds no step record" in capsys.readouterr().err
+    assert main(["report", str(stopped / "steps.jsonl")]) == 2
+    assert "steps.jsonl is a file: give the output folder of a `rollout run`" in capsys.readouterr().err
 
 
 def test_bench_rows(tmp_path, capsys, monkeypatch):

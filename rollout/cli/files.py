@@ -50,6 +50,7 @@ def check_output_dir(path: str | pathlib.Path, overwrite: bool, resumable: bool 
     run's files, or other files, unless `overwrite`. (Hidden files, e.g. a half-written temporary one, are ignored.)"""
     folder = pathlib.Path(path)
     if not folder.exists():
+        check_makeable(folder)
         return
     if not folder.is_dir():
         raise ValueError(f"output_dir {folder} is a file: choose a folder")
@@ -69,6 +70,15 @@ def check_output_dir(path: str | pathlib.Path, overwrite: bool, resumable: bool 
             f"output_dir {folder} holds files that are not a run's ({shown}): choose another output_dir, or pass "
             "overwrite=true to write the run among them (only a run's own files are replaced)"
         )
+
+
+def check_makeable(folder: pathlib.Path) -> None:
+    """Refuse an output folder that cannot be made because a file stands where one of its parents would be."""
+    for parent in folder.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"output_dir {folder}: {parent} is a file, so no folder can be made in it")
+            return
 
 
 def check_resumable(path: str | pathlib.Path, config: dict | None) -> None:

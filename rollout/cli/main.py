@@ -178,6 +178,8 @@ def _report(args: argparse.Namespace) -> None:
 
     folder = pathlib.Path(args.output_dir)
     steps_path = folder / "steps.jsonl"
+    if folder.is_file():
+        raise ValueError(f"{folder} is a file: give the output folder of a `rollout run` (the one holding steps.jsonl)")
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such folder")
     if not steps_path.is_file():

@@ -26,7 +26,7 @@ import re
 import string
 from typing import TYPE_CHECKING
 
-from rollout.cli.files import check_output_dir, check_resumable
+from rollout.cli.files import check_makeable, check_output_dir, check_resumable
 from rollout.cli.hub import check_hub_id
 from rollout.cli.recipe import WANDB_MODES, DataRecipe, Recipe, recipe_dict
 from rollout.models import zoo
@@ -121,6 +121,7 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
         folder = pathlib.Path(recipe.output_dir)
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"output_dir {folder} is a file: choose a folder")
+        check_makeable(folder)
         if (folder / "bench.json").exists() and not recipe.overwrite:
             raise ValueError(
                 f"output_dir {folder} already holds a benchmark (bench.json): pass overwrite=true to replace it, or "
@@ -254,6 +255,8 @@ def data_columns(d: DataRecipe) -> list[str] | None:
         whole = json.loads(text)
     except json.JSONDecodeError:
         return _jsonl_columns(path, text)
+    if whole == [] or (isinstance(whole, dict) and whole and all(v == [] for v in whole.values())):
+        raise ValueError(f"data.dataset: {path} holds no rows: it needs one row per prompt")
     if isinstance(whole, list) and whole and isinstance(whole[0], dict):
         return list(whole[0])
     if isinstance(whole, dict) and all(isinstance(v, list) for v in whole.values()):

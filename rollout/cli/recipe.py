@@ -43,6 +43,14 @@ LR_SCHEDULER_TYPES = (
     "greedy",
 )
 
+# transformers' schedulers that `rollout train` cannot run, and why (they failed once the model had loaded)
+_NO_KWARGS = "needs lr_scheduler_kwargs, which a recipe does not pass"
+UNUSABLE_SCHEDULERS = {
+    "reduce_lr_on_plateau": "steps on an evaluation metric, and rollout train runs no evaluation",
+    "cosine_with_min_lr": f"{_NO_KWARGS} (min_lr or min_lr_rate)",
+    "cosine_warmup_with_min_lr": f"{_NO_KWARGS} (min_lr or min_lr_rate)",
+    "warmup_stable_decay": f"{_NO_KWARGS} (num_decay_steps)",
+}
 
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -212,9 +220,15 @@ class TrainRecipe:
             self.loss_type in TRL_LOSS_TYPES,
             f"train.loss_type ({self.loss_type!r}) must be one of TRL's GRPO losses: {', '.join(TRL_LOSS_TYPES)}",
         )
+        usable = [name for name in LR_SCHEDULER_TYPES if name not in UNUSABLE_SCHEDULERS]
         _require(
             self.lr_scheduler_type in LR_SCHEDULER_TYPES,
-            f"train.lr_scheduler_type ({self.lr_scheduler_type!r}) must be one of {', '.join(LR_SCHEDULER_TYPES)}",
+            f"train.lr_scheduler_type ({self.lr_scheduler_type!r}) must be one of {', '.join(usable)}",
+        )
+        _require(
+            self.lr_scheduler_type not in UNUSABLE_SCHEDULERS,
+            f"train.lr_scheduler_type {self.lr_scheduler_type} {UNUSABLE_SCHEDULERS.get(self.lr_scheduler_type)}: "
+            f"choose one of {', '.join(usable)}",
         )
 
 
