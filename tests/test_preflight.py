@@ -60,6 +60,9 @@ REFUSED = [
     (["train", GRPO, "sampling.temperature=0"], ["sampling.temperature is 0", "sampling.n 8"], {}),
     (["train", GRPO, "sampling.n=1"], ["sampling.n (1) must be at least 2 for GRPO"], {}),
     (["train", GRPO, "resume=true"], ["does not resume a stopped training"], {}),
+    (["run", QUICKSTART, "rewards=[arithmetic]"], ["rewards[0]: each entry is a mapping of fields", "got a str"], {}),
+    (["run", QUICKSTART, "rollout.max_seq_len=0"], ["rollout.max_seq_len (0) must be >= 2"], {}),
+    (["run", QUICKSTART, "logging.num_table_rows=-5"], ["logging.num_table_rows (-5) must be >= 0"], {}),
     (["bench", QUICKSTART, "resume=true"], ["`rollout bench` runs every row again: drop resume=true"], {}),
     (["bench", QUICKSTART, "output_dir=benched"], ["benched already holds a benchmark (bench.json)", "overwrite"], {}),
     # no network here: the hub cannot be reached; with one, the hub answers that the id is not there
@@ -254,3 +257,12 @@ def test_the_checked_trainer_choices_are_the_installed_trl_and_transformers_ones
     help_text = next(f for f in dataclasses.fields(GRPOConfig) if f.name == "loss_type").metadata["help"]
     supported = help_text.split("Supported values are ", 1)[1].split(". ", 1)[0]
     assert sorted(TRL_LOSS_TYPES) == sorted(re.findall(r"'(\w+)'", supported))
+
+
+def test_the_header_warns_when_the_data_holds_fewer_rows_than_asked_for():
+    from rollout.cli.runs import RecipeInputs, header_warning
+
+    recipe = load_recipe(QUICKSTART, ["data.num_prompts=5", "sampling.max_new_tokens=8"])
+    inputs = RecipeInputs(None, None, None, ["a", "b"], [[1, 2], [1, 2, 3]], 100)
+    assert header_warning(recipe, inputs) == "warning: data.num_prompts is 5 but the data holds 2 rows: using them all"
+    assert header_warning(load_recipe(QUICKSTART, ["data.num_prompts=2", "sampling.max_new_tokens=8"]), inputs) is None

@@ -23,7 +23,7 @@ from rollout.cli.recipe import Recipe, method_name, spec_config
 from rollout.cli.runs import (
     RecipeInputs,
     batch_size,
-    length_warning,
+    header_warning,
     load_inputs,
     make_rollout,
     on_rank_device,
@@ -72,7 +72,7 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
             f"bench.static_k ({too_wide[0]}) must be below max_seq_len ({inputs.max_seq_len}): a step feeds K drafts "
             "after a row's last token"
         )
-    if (warning := length_warning(recipe, inputs)) is not None:
+    if (warning := header_warning(recipe, inputs)) is not None:
         log(warning)
     num_prompts = len(inputs.prompt_ids)
     if ranks.distributed:

@@ -20,8 +20,8 @@ from rollout.cli.files import append_lines
 from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe
 from rollout.cli.runs import (
+    header_warning,
     kept_responses,
-    length_warning,
     load_inputs,
     make_rollout,
     make_tracker,
@@ -70,7 +70,7 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     local = on_rank_device(recipe, ranks)
     inputs = load_inputs(local)
     rollout = make_rollout(local, inputs, recipe_spec(local), ranks.world_size)
-    if ranks.is_main and (warning := length_warning(recipe, inputs)) is not None:
+    if ranks.is_main and (warning := header_warning(recipe, inputs)) is not None:
         print(warning, flush=True)
     tracker, error = None, None
     if ranks.is_main:

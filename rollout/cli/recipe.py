@@ -159,6 +159,12 @@ class RolloutRecipe:
         )
         p = self.prompts_per_rollout
         _require(p is None or p >= 1, f"rollout.prompts_per_rollout ({p}) must be >= 1, or null for all prompts")
+        m = self.max_seq_len
+        _require(
+            m is None or m >= 2,
+            f"rollout.max_seq_len ({m}) must be >= 2 (a prompt token and a completion token), or null to size it "
+            "from the longest prompt and sampling.max_new_tokens",
+        )
         size = self.max_batch_size
         _require(
             size == "auto" or (isinstance(size, int) and not isinstance(size, bool) and size >= 1),
@@ -269,6 +275,10 @@ class LoggingRecipe:
         _require(
             self.wandb_mode in WANDB_MODES,
             f"logging.wandb_mode ({self.wandb_mode!r}) must be one of {', '.join(WANDB_MODES)}",
+        )
+        _require(
+            self.num_table_rows >= 0,
+            f"logging.num_table_rows ({self.num_table_rows}) must be >= 0 (0 = no table of completions)",
         )
 
 
@@ -383,6 +393,9 @@ def _error(err: OmegaConfBaseException, source: str, config=None, given=None) ->
         key, message = shape
     elif key and "is not a ListConfig" in message:  # a list field whose default is None
         message = f"takes a list, e.g. '{key}=[...]'"
+    elif key and "Invalid type assigned" in message and "is not a subclass of" in message:  # `rewards: [arithmetic]`
+        kind = message.partition("assigned: ")[2].partition(" is not")[0]
+        message = f"each entry is a mapping of fields, e.g. {{name: arithmetic}} (in YAML: '- name: ...'), got a {kind}"
     return ValueError(f"{source}: {key}: {message}" if key else f"{source}: {message}")
 
 

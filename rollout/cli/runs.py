@@ -66,11 +66,20 @@ def load_inputs(recipe: Recipe) -> RecipeInputs:
     return RecipeInputs(model, tokenizer, data, prompts, prompt_ids, max_seq_len)
 
 
-def length_warning(recipe: Recipe, inputs: RecipeInputs) -> str | None:
-    """The header's warning when rollout.max_seq_len cuts completions shorter than sampling.max_new_tokens."""
+def header_warning(recipe: Recipe, inputs: RecipeInputs) -> str | None:
+    """The header's warnings, a line each, or None: rollout.max_seq_len cuts completions shorter than
+    sampling.max_new_tokens; the data holds fewer rows than data.num_prompts asks for."""
+    lines = []
     wanted = [recipe.sampling.max_new_tokens] * len(inputs.prompt_ids)
     note = length_cap_note(inputs.prompt_ids, wanted, inputs.max_seq_len)
-    return None if note is None else f"warning: {note} (sampling.max_new_tokens, rollout.max_seq_len)"
+    if note is not None:
+        lines.append(f"warning: {note} (sampling.max_new_tokens, rollout.max_seq_len)")
+    asked = recipe.data.num_prompts
+    if asked is not None and len(inputs.prompt_ids) < asked:
+        lines.append(
+            f"warning: data.num_prompts is {asked} but the data holds {len(inputs.prompt_ids)} rows: using them all"
+        )
+    return "\n".join(lines) or None
 
 
 def on_rank_device(recipe: Recipe, ranks: Ranks) -> Recipe:
@@ -146,7 +155,7 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
     inputs = load_inputs(recipe)
     rollout = make_rollout(recipe, inputs, recipe_spec(recipe))
     print(kv_cache_header(rollout.generator, inputs.max_seq_len), flush=True)
-    if (warning := length_warning(recipe, inputs)) is not None:
+    if (warning := header_warning(recipe, inputs)) is not None:
         print(warning, flush=True)
     log = recipe.logging
     tracker = make_tracker(recipe)

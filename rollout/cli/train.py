@@ -27,7 +27,7 @@ from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.preflight import preflight
 from rollout.cli.recipe import Recipe, recipe_dict
-from rollout.cli.runs import engine_options, length_warning, load_inputs, on_rank_device, recipe_spec
+from rollout.cli.runs import engine_options, header_warning, load_inputs, on_rank_device, recipe_spec
 from rollout.cli.tracking import start_wandb_run, stop_reason
 from rollout.distributed import Ranks, RankStopped, signals_ignored
 from rollout.rewards import RewardError, WeightedReward, build_rewards, score
@@ -64,7 +64,7 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
         recipe, report_to="none" if wandb_mode == "disabled" else "wandb", num_processes=ranks.world_size
     )
     inputs = load_inputs(on_rank_device(recipe, ranks))
-    if ranks.is_main and (warning := length_warning(recipe, inputs)) is not None:
+    if ranks.is_main and (warning := header_warning(recipe, inputs)) is not None:
         print(warning, flush=True)
     output_dir = pathlib.Path(recipe.output_dir)
     error = None
