@@ -196,6 +196,24 @@ def test_report_says_a_run_is_incomplete_and_refuses_what_is_not_a_runs_steps(fi
     assert "steps.jsonl is a file: give the output folder of a `rollout run`" in capsys.readouterr().err
 
 
+def test_report_into_a_closed_pipe_ends_quietly(finished_run, tmp_path):
+    """`rollout report DIR | head -1`: the reader has gone when the table is written. No error line (it said
+    `error: [Errno 32] Broken pipe`) and no traceback at exit: the shell's status for a broken pipe."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+        "from rollout.cli.main import main\n"
+        f"status = main(['report', {str(finished_run)!r}])\n"
+        f"open({str(tmp_path / 'status')!r}, 'w').write(str(status))\n"
+        "sys.exit(status)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (tmp_path / "status").read_text() == "141" and done.returncode == 141
+    assert done.stderr == "", done.stderr
+
+
 def test_bench_rows(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "disabled")
     code = main(["bench", QUICKSTART, "data.num_prompts=2", "sampling.n=2", "sampling.max_new_tokens=16",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import signal
 import sys
@@ -300,6 +301,10 @@ def _main(args: argparse.Namespace) -> int:
         succeeded = True
     except RankStopped:
         return 1  # another rank failed and said so
+    except BrokenPipeError:  # the reader of the output went away (`rollout report ... | head`): nothing to say to it
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (the interpreter's last flush at exit would raise again)
+        return 141  # a shell's status for SIGPIPE
     except (ValueError, TypeError, OSError) as err:  # OSError: missing files, unreachable hub ids
         if signal_behind(err) is not None:  # a signal that compiled code reported as its own error
             return _interrupted(args, signal_behind(err))
