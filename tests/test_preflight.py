@@ -42,6 +42,9 @@ def scratch(tmp_path):
     (tmp_path / "bad_reward.yaml").write_text("rewards:\n  - name: accuracy\n")
     (tmp_path / "empty.yaml").write_text("# nothing yet\n")
     (tmp_path / "none.json").write_text("[]\n")
+    for name, config in (("untyped", "{}"), ("weightless", '{"model_type": "llama"}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(config)
     (tmp_path / "benched").mkdir()
     (tmp_path / "benched" / "bench.json").write_text('{"rows": []}\n')
     return tmp_path
@@ -84,6 +87,8 @@ REFUSED = [
     (["run", QUICKSTART, "data.dataset=none.json"], ["data.dataset: none.json holds no rows"], {}),
     (["run", QUICKSTART, "resume=true", "output_dir=nothing"], ["resume=true but nothing holds no run"], {}),
     (["run", QUICKSTART, "model.name=./notes"], ["model.name: ./notes is not a transformers model folder"], {}),
+    (["run", QUICKSTART, "model.name=./untyped"], ["model.name: ./untyped/config.json names no model_type"], {}),
+    (["run", QUICKSTART, "spec.model=./weightless"], ["spec.model: ./weightless holds a config.json but no"], {}),
     (["run", QUICKSTART, "data.split=test"], ["data.split ('test')", "'train' or 'eval'"], {}),
     (["run", QUICKSTART, "rewards.0.name=no_such_module:score"], ["cannot import module 'no_such_module'"], {}),
     (["run", "empty.yaml"], ["empty.yaml: a recipe is a mapping of sections", "got nothing (an empty file)"], {}),

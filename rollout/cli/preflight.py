@@ -204,6 +204,21 @@ def check_model_name(name: str, key: str) -> str:
                 f"{key}: {name} is not a transformers model folder (no config.json in it): give the folder that "
                 "save_pretrained wrote, a shipped name or a hub id"
             )
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{key}: {name}/config.json is not JSON ({err}): the folder is damaged") from None
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise ValueError(
+                f"{key}: {name}/config.json names no model_type, which transformers needs to build the model: give "
+                "the folder that save_pretrained wrote"
+            )
+        weights = [*path.glob("*.safetensors"), *path.glob("pytorch_model*.bin"), *path.glob("*.index.json")]
+        if not weights:
+            raise ValueError(
+                f"{key}: {name} holds a config.json but no weights (model.safetensors or pytorch_model.bin): give the "
+                "folder that save_pretrained wrote"
+            )
     elif kind == "hub":
         check_hub_id(name, "model", key)
     return kind
