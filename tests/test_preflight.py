@@ -271,3 +271,13 @@ def test_the_header_warns_when_the_data_holds_fewer_rows_than_asked_for():
     inputs = RecipeInputs(None, None, None, ["a", "b"], [[1, 2], [1, 2, 3]], 100)
     assert header_warning(recipe, inputs) == "warning: data.num_prompts is 5 but the data holds 2 rows: using them all"
     assert header_warning(load_recipe(QUICKSTART, ["data.num_prompts=2", "sampling.max_new_tokens=8"]), inputs) is None
+
+
+def test_the_header_notes_a_setting_the_command_does_not_use(tmp_path):
+    from rollout.cli.preflight import preflight
+
+    settings = ["rollout.num_rollouts=5", f"output_dir={tmp_path / 'out'}"]
+    for command, what in (("bench", "bench times one rollout of every prompt"), ("train", "train runs train.steps")):
+        recipe = load_recipe(GRPO if command == "train" else QUICKSTART, settings)
+        assert f"note: rollout.num_rollouts (5) is for rollout run: {what}" in "\n".join(preflight(recipe, command))
+    assert not any("num_rollouts" in note for note in preflight(load_recipe(QUICKSTART, settings), "run"))

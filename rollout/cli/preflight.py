@@ -137,6 +137,10 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
             f"note: sampling.temperature is 0 (greedy): the n={s.n} samples of each prompt are identical, and a GRPO "
             "group of identical samples has zero advantage"
         )
+    unused = {"bench": "bench times one rollout of every prompt", "train": "train runs train.steps or train.epochs"}
+    if command in unused and recipe.rollout.num_rollouts > 1:
+        num = recipe.rollout.num_rollouts
+        notes.append(f"note: rollout.num_rollouts ({num}) is for rollout run: {unused[command]}")
     return notes
 
 
