@@ -270,6 +270,16 @@ def test_a_stopped_bench_keeps_the_rows_that_finished(tmp_path, capsys, monkeypa
     assert main(["bench", QUICKSTART, *small, "bench.baseline=false", f"output_dir={tmp_path}", "overwrite=true"]) == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["complete"] is True and len(report["rows"]) == 3  # none, K=2, the recipe's policy
+    capsys.readouterr()
+
+    def stopped_loading(recipe):
+        raise KeyboardInterrupt
+
+    # stopped while the model loads, under overwrite=true: the earlier benchmark stays, and is not claimed as this one
+    monkeypatch.setattr(bench, "load_inputs", stopped_loading)
+    assert main(["bench", QUICKSTART, *small, f"output_dir={tmp_path}", "overwrite=true"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "rollout bench: interrupted"
+    assert json.loads((tmp_path / "bench.json").read_text()) == report
 
 
 def all_nan(completions, **kwargs):

@@ -166,6 +166,21 @@ def test_a_signal_while_wandb_starts_leaves_an_incomplete_summary(tmp_path, monk
     assert summary["num_samples"] == 0 and (tmp_path / "run" / "config.yaml").is_file()
 
 
+def test_a_run_stopped_in_its_first_rollout_says_how_long_it_ran(tmp_path):
+    """The run's clock moves on a rollout at a time; a run stopped inside its first one said wall_seconds 0.0. Its
+    summary gives the time to its last step."""
+    from rollout.cli.tracking import RunTracker
+
+    tracker = RunTracker(tmp_path / "run", {"sampling": {"n": 2}}, wandb_mode="disabled", plot=False)
+    step = {"kind": "decode", "phase": "bulk", "seconds": 0.5, "batch_size": 2, "num_emitted": 2, "num_drafted": 0}
+    step.update(num_accepted=0, num_draft_tokens=0)
+    for elapsed in (0.5, 1.0, 1.5):
+        tracker.log_step({**step, "elapsed": elapsed})
+    summary = tracker.finish(complete=False, reason="interrupted (SIGINT)")
+    assert summary["wall_seconds"] == 1.5 and summary["num_rollouts"] == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["wall_seconds"] == 1.5
+
+
 def in_warm_up(frame) -> bool:
     """Whether `frame` runs inside the generator's making (model load and warm-up), before the run's folder exists.
     How many compiled-kernel callbacks the warm-up makes depends on its timing (a stalled step is timed again)."""

@@ -431,8 +431,7 @@ def test_bad_prompts_are_clear_errors(prompts, kwargs, match):
         ({"n": True}, r"n \(True\) must be an integer"),
         ({"ignore_eos": "no"}, r"ignore_eos \('no'\) must be True or False"),
         ({"stop_token_ids": 5}, r"stop_token_ids \(5\) must be a list of non-negative token ids, e\.g\. \[5\]"),
-        ({"seed": 10**23}, r"seed \(100000000000000000000000\) must be an integer in \[0, 2\*\*63\) or None"),
-        ({"seed": -1}, r"seed \(-1\) must be an integer in \[0, 2\*\*63\)"),
+        ({"seed": 1.5}, r"seed \(1\.5\) must be an integer or None"),
     ],
 )
 def test_bad_sampling_params_are_clear_errors(kwargs, match):

@@ -269,26 +269,33 @@ def test_a_completion_a_stop_id_ended_counts_as_finished_for_trl(tmp_path):
     completion a stop id ended, and the loss was 0. The adapter adds its stop ids to the trainer's EOS ids: those
     completions keep their loss mask, and only those cut at max_completion_length are masked and counted clipped."""
     period = 15  # "." in the shipped tokenizer (EOS is 0)
-    func = trl_rollout_func(stop_token_ids=[period])
-    trainer = make_trainer(tmp_path, func, reward_funcs=(length,), max_steps=1, mask_truncated_completions=True)
+    inner = trl_rollout_func(stop_token_ids=[period])
+    returned = []
+
+    def func(prompts, trainer):
+        out = inner(prompts, trainer)
+        returned.extend(out["completion_ids"])
+        return out
+
+    # 20 tokens: some completions reach a "." within them, the others are cut there
+    settings = dict(max_steps=1, mask_truncated_completions=True, max_completion_length=20)
+    trainer = make_trainer(tmp_path, func, reward_funcs=(length,), **settings)
     eos_before = list(trainer.eos_token_ids)
-    batches = []
-    inner = trainer._generate_and_score_completions
+    masks = []
+    inner_score = trainer._generate_and_score_completions
 
     def recorded(inputs):
-        out = inner(inputs)
-        batches.append(out)
+        out = inner_score(inputs)
+        masks.extend(out["completion_mask"].sum(1).tolist())
         return out
 
     trainer._generate_and_score_completions = recorded
     trainer.train()
     assert trainer.eos_token_ids == [*eos_before, period]
-    (out,) = batches
-    ended = [(ids[m.bool()][-1].item() in (period, 0)) for ids, m in zip(out["completion_ids"], out["completion_mask"])]
-    lengths = out["completion_mask"].sum(1).tolist()
-    assert any(ended), "no completion ended at a stop id: the test checks nothing"
-    for stopped, n in zip(ended, lengths):
-        assert n > 0 if stopped else n == 0  # masked only where cut at max_completion_length
+    ended = [ids[-1] in (period, 0) for ids in returned]
+    assert any(ended) and not all(ended), f"expected completions of both kinds: {[len(ids) for ids in returned]}"
+    for ids, stopped, kept in zip(returned, ended, masks):
+        assert kept == (len(ids) if stopped else 0)  # masked only where cut at max_completion_length
     log = next(e for e in trainer.state.log_history if "completions/clipped_ratio" in e)
     assert log["completions/clipped_ratio"] == pytest.approx(1 - sum(ended) / len(ended))
 

@@ -37,16 +37,17 @@ from rollout.rewards import build_rewards, mean_reward, score
 BASELINE = "model.generate (padded)"
 
 
-def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict]:
+def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None, on_write=None) -> list[dict]:
     """Run every row of the benchmark on the recipe's prompts; write bench.json (again after each row, `complete`
     false until the last: a stopped benchmark keeps the rows that finished); return the rows. `log(line)` hears of
-    each configuration as it starts and ends (the command line prints them).
+    each configuration as it starts and ends (the command line prints them); `on_write(path)` of each writing.
 
     Under `accelerate launch` (`ranks` of several processes) each rank runs every row on its shard of the prompt
     groups (`distributed.balance`), the ranks start each row together, and rank 0 combines them: tokens summed,
     seconds of the slowest rank, tokens/s = tokens / those seconds. Rank 0 writes bench.json; the others return []."""
     ranks = ranks or Ranks()
     log = log if log is not None and ranks.is_main else (lambda line: None)
+
     recipe = on_rank_device(recipe, ranks)
     # every prompt in one call, on each rank its own shard: `max_batch_size=auto` sizes the slots for that
     recipe = replace(recipe, rollout=replace(recipe.rollout, prompts_per_rollout=None))
@@ -101,9 +102,13 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None) -> list[dict
             out.mkdir(parents=True, exist_ok=True)
             report = {"workload": workload, "rows": rows, "complete": len(rows) == num_rows}
             write_atomic(out / "bench.json", json.dumps(report, indent=2) + "\n")
+            if on_write is not None:
+                on_write(out / "bench.json")
 
-    if ranks.is_main:  # an earlier benchmark's (overwrite=true: preflight refused it otherwise) goes before any row
+    if ranks.is_main:  # an earlier benchmark's (overwrite=true: preflight refused it otherwise) goes as the rows
+        # begin (one whose new run fails on its inputs stays): a stop leaves this one's rows or none, not the old ones
         (pathlib.Path(recipe.output_dir) / "bench.json").unlink(missing_ok=True)
+
     if recipe.bench.baseline:
         log(f"[1] {BASELINE} ...")
         ranks.barrier()

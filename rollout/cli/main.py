@@ -151,8 +151,9 @@ def _bench(args: argparse.Namespace) -> None:
         for note in args.notes:
             print(note, file=sys.stderr, flush=True)
 
-    args.bench_file = pathlib.Path(recipe.output_dir) / "bench.json"  # what a stop keeps (`_interrupted`)
-    rows = run_bench(recipe, log=lambda line: print(line, file=sys.stderr, flush=True), ranks=args.ranks)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    # what a stop keeps (`_interrupted`): this benchmark's file, once it has written one
+    rows = run_bench(recipe, log=log, ranks=args.ranks, on_write=lambda path: setattr(args, "bench_file", path))
     if not args.ranks.is_main:
         return
     print(format_bench(rows))
@@ -169,6 +170,7 @@ _STEP_KEYS = (
     "num_drafted",
     "num_accepted",
     "num_draft_tokens",
+    "elapsed",  # (the plot's)
 )
 
 

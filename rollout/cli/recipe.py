@@ -370,6 +370,13 @@ class Recipe:
             f"sampling.seed ({self.sampling.seed!r}) must be an integer: a recipe's rollouts are seeded, so that they "
             "reproduce and a stopped run resumes",
         )
+        # torch (and, under rollout train, numpy) are seeded with it, rollout i of a run with seed + i
+        top = 2**32 - 1 - (self.rollout.num_rollouts - 1)
+        _require(
+            0 <= self.sampling.seed <= top,
+            f"sampling.seed ({self.sampling.seed}) must be in [0, {top}] (2**32 - rollout.num_rollouts: torch and "
+            "numpy are seeded with it, rollout i with seed + i)",
+        )
         _require(
             self.sampling.spec == SpecDecodeParams(),
             "sampling.spec (a request's own speculation settings) is not set from a recipe: set the spec section "

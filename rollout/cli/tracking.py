@@ -13,7 +13,8 @@ Output folder contract (external tools read these names):
 - `summary.json`: `phases` = {prefill|bulk|tail: {seconds, tokens, tokens_per_s, mean_batch_size, mean_k,
   acceptance_rate, mean_accepted_length, num_steps}}, `total` with the same keys, `reward_mean` (see
   `rollout.phases.summarize`), plus `reward_terms`, `wall_seconds`, `num_samples`, `num_rollouts`, and
-  `complete` (false when an error or a signal stopped the run, with `incomplete_reason`).
+  `complete` (false when an error or a signal stopped the run, with `incomplete_reason`; `wall_seconds` then runs to
+  its last step).
 - `rollout.png`: batch size, K and tokens/s over time with the phases shaded.
 - `wandb/`: the W&B run folder (unless `WANDB_DIR` points elsewhere or W&B is disabled).
 
@@ -285,6 +286,8 @@ class RunTracker:
         summary["complete"] = complete
         if not complete:
             summary["incomplete_reason"] = reason
+            if self.steps:  # the run's clock moves on a rollout at a time: a stopped one ran until its last step
+                summary["wall_seconds"] = max(summary["wall_seconds"], self.steps[-1].get("elapsed", 0.0))
         write_atomic(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plot_path = plot_steps(self.steps, self.output_dir / PLOT_NAME) if self.plot and self.steps else None
         if self.wandb_run is not None:

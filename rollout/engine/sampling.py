@@ -22,7 +22,7 @@ class SamplingParams:
         max_new_tokens: the completion length cap (`finish_reason` "length").
         stop_token_ids: extra stop tokens besides the model's EOS ids.
         ignore_eos: keep generating past the model's EOS ids (`stop_token_ids` still stop).
-        seed: the same seed and inputs give the same completions; None draws a fresh seed. In [0, 2**63).
+        seed: the same seed and inputs give the same completions; None draws a fresh seed.
         spec: this request's speculation settings (off, a K cap, one proposer); None = drafted as configured.
     """
 
@@ -67,9 +67,8 @@ class SamplingParams:
             ):
                 example = f"e.g. [{ids}]" if isinstance(ids, int) else "e.g. [2]"
                 raise ValueError(f"stop_token_ids ({ids!r}) must be a list of non-negative token ids, {example}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            # (torch.manual_seed, which the command line seeds with, takes 64 bits; a run adds its rollout index)
-            raise ValueError(f"seed ({self.seed!r}) must be an integer in [0, 2**63) or None")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed ({self.seed!r}) must be an integer or None")
         if self.spec is None:
             self.spec = SpecDecodeParams()
         elif not isinstance(self.spec, SpecDecodeParams):
