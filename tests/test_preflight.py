@@ -283,3 +283,9 @@ def test_the_header_notes_a_setting_the_command_does_not_use(tmp_path):
         recipe = load_recipe(GRPO if command == "train" else QUICKSTART, settings)
         assert f"note: rollout.num_rollouts (5) is for rollout run: {what}" in "\n".join(preflight(recipe, command))
     assert not any("num_rollouts" in note for note in preflight(load_recipe(QUICKSTART, settings), "run"))
+    # spec's settings with speculation off (SpecConfig checks them only with a method: a typo there passed unseen)
+    off = ["spec.method=null", "spec.model=tiny-drft", "spec.prompt_lookup_max=2"]
+    recipe = load_recipe(QUICKSTART, [*settings, *off])
+    [note] = [note for note in preflight(recipe, "run") if note.startswith("note: spec.method is null")]
+    assert "spec.model" in note and "spec.prompt_lookup_max" in note and note.endswith("not used")
+    assert not any("spec.method" in note for note in preflight(load_recipe(QUICKSTART, settings), "run"))

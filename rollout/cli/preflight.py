@@ -18,6 +18,7 @@ It returns the notes a run's header prints: what the recipe will do that a user 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
@@ -33,6 +34,7 @@ from rollout.models import zoo
 from rollout.prompts import check_prompt_column
 from rollout.rewards import build_rewards, check_reward_columns
 from rollout.tasks.arithmetic import ARITHMETIC_COLUMNS
+from specdec.config import SpecConfig
 
 if TYPE_CHECKING:
     import torch
@@ -137,6 +139,12 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
             f"note: sampling.temperature is 0 (greedy): the n={s.n} samples of each prompt are identical, and a GRPO "
             "group of identical samples has zero advantage"
         )
+    if recipe.spec.method in (None, "none"):  # (SpecConfig checks its fields only when a method is set)
+        default = SpecConfig(method=None)
+        changed = [f"spec.{f.name}" for f in dataclasses.fields(default) if f.name != "method"
+                   and getattr(recipe.spec, f.name) != getattr(default, f.name)]  # fmt: skip
+        if changed:
+            notes.append(f"note: spec.method is null (no speculation): {', '.join(changed)} not used")
     unused = {"bench": "bench times one rollout of every prompt", "train": "train runs train.steps or train.epochs"}
     if command in unused and recipe.rollout.num_rollouts > 1:
         num = recipe.rollout.num_rollouts
