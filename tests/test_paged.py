@@ -339,6 +339,31 @@ def test_a_window_applied_through_the_mask_only_holds_on_the_paged_layout(name):
     assert [o.token_ids for o in paged.generate(prompts, params)] == [o.token_ids for o in slots]
 
 
+def test_the_paged_probe_counts_attention_calls_not_what_they_stored():
+    """The probe that decides whether a model can run paged fed token 0 and looked for keys in the pools: a model
+    whose pad token is 0 has a zero embedding row there (nn.Embedding's padding_idx), so zero keys and values, and it
+    fell back to slots with a warning that its layers bypass the attention interface. It counts the layers that call
+    the paged attention now: such a model runs paged, and one whose layer does bypass it still falls back."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    assert bool((model.model.embed_tokens.weight[0] == 0).all())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen = Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="paged")
+    assert gen.runner.kv_layout == "paged"
+    # a layer that reads a config of its own, so that its attention never reaches the registered paged function
+    model.model.layers[1].self_attn.config = copy.copy(model.config)
+    with pytest.warns(UserWarning, match=r"runs on the slot KV cache: 1 of its 2 attention layers do not call"):
+        gen = Generator(model, max_batch_size=2, max_seq_len=32, kv_layout="paged")
+    assert gen.runner.kv_layout == "slots"
+
+
 def test_a_model_calling_its_attention_twice_a_layer_runs_on_slots():
     """DiffLlama's differential attention calls the attention twice a layer: the paged cache would keep the second
     call's values only, so the model runs on the slot layout, with a warning, and samples what it samples there."""
