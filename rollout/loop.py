@@ -9,6 +9,7 @@ for step, rows in enumerate(prompt_batches):
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -153,9 +154,9 @@ class Rollout:
         """Sample `n` completions for every prompt of `data` and score them.
 
         Args:
-            data: a `datasets.Dataset` or a list of dicts, each with the prompt column; or a list of prompts, each
-                a string, a list of chat messages (`{"role", "content"}` dicts, formatted with the tokenizer's chat
-                template) or a list of token ids (used as they are).
+            data: a `datasets.Dataset`, a pandas DataFrame or a list of dicts, each with the prompt column; or a list
+                of prompts, each a string, a list of chat messages (`{"role", "content"}` dicts, formatted with the
+                tokenizer's chat template) or a list of token ids (used as they are).
             seed: overrides `sampling.seed` for this call (pass the training step for fresh samples every step);
                 the same seed and inputs give the same completions.
             on_step: called after every generator step with (step dict, finished samples, total samples).
@@ -171,6 +172,10 @@ class Rollout:
             if callback is not None and not callable(callback):
                 raise TypeError(f"{name} must be a function or None, got {type(callback).__name__}")
         rows, prompts, prompt_ids = self._prompts(data)
+        if group_indices is not None:
+            odd = [i for i in group_indices if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+            if odd:  # int() would cut 0.7 to 0, and the index seeds the prompt's samples
+                raise ValueError(f"group_indices must be integers, one per prompt; got {odd[0]!r}")
         indices = list(range(len(rows))) if group_indices is None else [int(i) for i in group_indices]
         if len(indices) != len(rows):
             raise ValueError(f"group_indices holds {len(indices)} values for {len(rows)} prompts: give one each")
@@ -235,10 +240,13 @@ class Rollout:
     def _prompts(self, data) -> tuple[list[dict], list[str], list[list[int]]]:
         """(rows, prompt texts, prompt ids) of the call's data: dataset rows, or bare prompts as rows of one column."""
         refused = ValueError(
-            f"data must be a list of prompts or rows (or a datasets.Dataset), got one {type(data).__name__}"
+            f"data must be a list of prompts or rows (or a datasets.Dataset, or a pandas DataFrame), got one "
+            f"{type(data).__name__}"
         )
         if isinstance(data, (str, dict)):
             raise refused
+        if hasattr(data, "iterrows") and hasattr(data, "to_dict"):  # a pandas DataFrame iterates its column names
+            data = data.to_dict("records")
         try:
             items = list(data)
         except TypeError:  # not iterable (None, a number)

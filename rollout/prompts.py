@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import string
 from collections.abc import Sequence
 
 
@@ -66,6 +67,16 @@ class PromptFormatter:
                 "data.chat_template is true but the tokenizer has no chat template; "
                 "set data.chat_template=false and give a plain data.template"
             )
+        if template is not None:
+            try:
+                fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+            except ValueError as err:
+                raise ValueError(f"data.template ({template!r:.60}) is not a str.format template: {err}") from None
+            if not fields:  # every prompt would be this same text
+                raise ValueError(
+                    f"data.template ({template!r:.60}) names no column, so every prompt would be that same text: put "
+                    "the prompt's column in braces, e.g. 'Question: {question}\\nAnswer:'"
+                )
         self.tokenizer = tokenizer
         self.prompt_column = prompt_column
         self.template = template

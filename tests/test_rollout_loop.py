@@ -423,6 +423,15 @@ def test_misused_arguments_are_named_before_anything_runs(tiny):
         rollout(["1 + 1 ="], on_step=5)
     with pytest.raises(ValueError, match=r"group_indices holds 5 more than once: give each prompt a group of its own"):
         rollout(["1 + 1 =", "2 + 2 ="], group_indices=[5, 5])
+    # a fraction was cut to an integer (0.7 -> 0), and the index seeds the prompt's samples
+    with pytest.raises(ValueError, match=r"group_indices must be integers, one per prompt; got 0\.7"):
+        rollout(["1 + 1 =", "2 + 2 ="], group_indices=[0.7, 1.2])
+    with pytest.raises(ValueError, match=r"seed_indices must be integers, one per prompt; got 1\.0"):
+        rollout.generator.generate([[1, 2]], params, seed_indices=[1.0])
+    with pytest.raises(TypeError, match=r"on_group must be a function or None, got str"):
+        rollout.generator.generate([[1, 2]], params, on_group="print")
+    with pytest.raises(ValueError, match=r"data.template \('Q: A:'\) names no column, so every prompt would be"):
+        Rollout(model, tokenizer, sampling=params, template="Q: A:")
 
 
 def test_data_that_list_takes_is_taken(tiny):
@@ -441,6 +450,19 @@ def test_data_that_list_takes_is_taken(tiny):
     params = SamplingParams(n=2, max_new_tokens=4, seed=0)
     batch = Rollout(model, tokenizer, rewards=None, sampling=params, max_batch_size=2, max_seq_len=64)(Prompts())
     assert len(batch) == 2
+
+
+def test_a_pandas_data_frame_is_taken_as_its_rows(tiny):
+    """Iterated, a DataFrame yields its column names: those were the prompts. Its rows are now."""
+    import pandas
+
+    model, tokenizer = tiny
+    frame = pandas.DataFrame({"prompt": ["1 + 1 =", "2 + 3 ="], "answer": ["2", "5"]})
+    params = SamplingParams(n=2, max_new_tokens=4, seed=0)
+    rollout = Rollout(model, tokenizer, rewards=["arithmetic"], sampling=params, max_batch_size=4, max_seq_len=64)
+    batch = rollout(frame)
+    assert batch.prompt == ["1 + 1 =", "1 + 1 =", "2 + 3 =", "2 + 3 ="]
+    assert batch.completion_ids == rollout(frame.to_dict("records")).completion_ids
 
 
 def test_rewards_as_a_dict_of_weights_weigh_as_pairs(tiny):

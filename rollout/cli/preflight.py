@@ -303,6 +303,11 @@ def check_template(template: str | None, columns: list[str]) -> None:
     if odd:
         raise ValueError(f"data.template ({template!r:.60}) has the conversion !{odd[0]}: use !r, !s or !a, or none")
     fields = [field for field, _ in parsed if field is not None]
+    if not fields:
+        raise ValueError(
+            f"data.template ({template!r:.60}) names no column, so every prompt would be that same text: put the "
+            "prompt's column in braces, e.g. 'Question: {question}\\nAnswer:'"
+        )
     for field in fields:
         name = re.split(r"[.\[]", field, maxsplit=1)[0]
         if not name or name.isdigit():

@@ -50,7 +50,9 @@ def paged_attention_forward(
     if rollout_step is None:
         raise StepMetadataMissing(
             f"the {ATTENTION_NAME!r} attention runs inside the rollout engine only (it needs the step's paged-cache "
-            "metadata); load the model with attn_implementation='sdpa' to run it elsewhere"
+            "metadata); load the model with attn_implementation='sdpa' to run it elsewhere. A paged Generator sets it "
+            "on the model's config during its forwards: a forward of the same model object from another thread then "
+            "meets it; run them one after another, or give that thread its own model object"
         )
     extra = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
     if extra:

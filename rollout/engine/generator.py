@@ -188,6 +188,9 @@ class Generator(Admission, DecodeStep):
         Returns:
             `params.n` completions per prompt, prompt-major (all samples of prompt 0 first).
         """
+        for name, callback in (("on_step", on_step), ("on_group", on_group)):
+            if callback is not None and not callable(callback):
+                raise TypeError(f"{name} must be a function or None, got {type(callback).__name__}")
         with self._one_call():
             self._check_not_generating("generate")
             return self._generate(prompt_ids, params, on_step, on_group, seed_indices)

@@ -216,8 +216,14 @@ def checked_sequences(
     """A call's prompts and settings checked (one clear error each), then one Sequence per sample, prompt-major; a
     warning when a length cap cuts requests short (a silent cap looks like a model that stops early)."""
     prompt_ids = check_prompts(prompt_ids, vocab_size, max_seq_len)
-    if seed_indices is not None and len(seed_indices) != len(prompt_ids):
-        raise ValueError(f"seed_indices holds {len(seed_indices)} values for {len(prompt_ids)} prompts: give one each")
+    if seed_indices is not None:
+        if len(seed_indices) != len(prompt_ids):
+            raise ValueError(
+                f"seed_indices holds {len(seed_indices)} values for {len(prompt_ids)} prompts: give one each"
+            )
+        odd = [i for i in seed_indices if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+        if odd:  # a float or a text seeds other samples than the integer it stands for (the index is hashed)
+            raise ValueError(f"seed_indices must be integers, one per prompt; got {odd[0]!r}")
     per_prompt = check_params(params, len(prompt_ids), methods, vocab_size)
     sequences = make_sequences(prompt_ids, per_prompt, eos_ids, max_seq_len, max_k, seed_indices)
     note = length_cap_note(prompt_ids, [p.max_new_tokens for p in per_prompt], max_seq_len)

@@ -184,20 +184,26 @@ class SuffixTries(Proposer):
         return not ids.size or (ids.dtype.kind in "iu" and ids.min() >= 0 and ids.max() < self.separator)
 
     def save(self, path: str | pathlib.Path) -> None:
-        """Write the cached responses (oldest first, each with its prompt) to an `.npz` file."""
+        """Write the cached responses (oldest first, each with its prompt) to `path` (that name as given: numpy would
+        add `.npz` to one without it, and `load(path)` then found nothing), an `.npz` archive; or to a binary file
+        object."""
         self.wait()
         keys = [k for k, _ in self.history]
         number = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct prompt once
         prompts = [np.frombuffer(k, dtype=np.int32) for k in number]
         responses = [r for _, r in self.history]
-        np.savez_compressed(
-            path,
+        arrays = dict(
             prompt_tokens=np.concatenate(prompts or [np.zeros(0, np.int32)]),
             prompt_lens=np.array([len(p) for p in prompts], dtype=np.int64),
             response_tokens=np.concatenate(responses or [np.zeros(0, np.int32)]),
             response_lens=np.array([len(r) for r in responses], dtype=np.int64),
             response_prompt=np.array([number[k] for k in keys], dtype=np.int64),
         )
+        if isinstance(path, (str, os.PathLike)):
+            with open(path, "wb") as file:
+                np.savez_compressed(file, **arrays)
+        else:
+            np.savez_compressed(path, **arrays)
 
     def load(self, path: str | pathlib.Path) -> None:
         """Replace the history by the responses saved in `path` (rows in flight are dropped). A file that cannot be

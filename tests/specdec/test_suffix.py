@@ -245,6 +245,12 @@ def test_save_and_load_round_trip(tmp_path):
     assert [(r.num_drafted, r.num_accepted) for r in other.last_trace] == second
     with pytest.raises(ValueError, match="cannot load a suffix history"):
         other.draft_history.load(tmp_path / "missing.npz")
+    # a name without .npz is the file's name (numpy added .npz, and load of the same name found nothing)
+    gen.draft_history.save(str(tmp_path / "history"))
+    assert (tmp_path / "history").is_file() and not (tmp_path / "history.npz.npz").exists()
+    third = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec)
+    third.draft_history.load(str(tmp_path / "history"))
+    assert third.draft_history.stats()["responses"] == gen.draft_history.stats()["responses"]
 
 
 def test_a_history_made_for_another_vocabulary_is_refused_on_load(tmp_path):
