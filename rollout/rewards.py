@@ -113,7 +113,7 @@ def build_rewards(specs: Sequence[tuple[str | RewardFn, float]]) -> list[Weighte
         if any(t.name == name for t in terms):  # the same function twice: keep the reported names apart
             name = f"{name}#{len(terms)}"
         try:
-            value = float(weight)
+            value = math.nan if isinstance(weight, (str, bytes)) else float(weight)  # ("2" is a typo to name)
         except (TypeError, ValueError):
             value = math.nan
         if not math.isfinite(value):  # every total would be NaN (or infinite)
@@ -210,6 +210,9 @@ def score(
             raise RewardError(
                 f"reward {term.name!r} returned {len(values)} values for {num} completions: return one each"
             )
+        text = next((v for v in values if isinstance(v, (str, bytes))), None)
+        if text is not None:  # float() would read "1.0" as 1.0: a reward that returns its text is a bug to name
+            raise RewardError(f"reward {term.name!r} returned {text!r:.40}, text, not a number: return floats")
         try:
             values = [float(v) for v in values]
         except (TypeError, ValueError):

@@ -439,6 +439,20 @@ def test_bad_sampling_params_are_clear_errors(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_numpy_numbers_are_taken_as_sampling_params():
+    """Settings read from numpy (a config built with it) were refused as 'must be an integer >= 1' (np.int64(4)
+    is one); they are taken as Python's numbers."""
+    import numpy as np
+
+    params = SamplingParams(n=np.int64(2), top_k=np.int32(5), max_new_tokens=np.int64(3), temperature=np.float32(0.5))
+    assert (params.n, params.top_k, params.max_new_tokens) == (2, 5, 3) and type(params.n) is int
+    assert type(params.temperature) is float and params.temperature == pytest.approx(0.5)
+    gen = Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32)
+    assert len(gen.generate([[1, 2]], params)) == 2
+    with pytest.raises(ValueError, match=r"ignore_eos \(np\.True_\) must be True or False"):
+        SamplingParams(ignore_eos=np.bool_(True))
+
+
 def test_a_sequence_longer_than_the_default_prefill_cap_is_generated():
     """max_prefill_tokens defaults to 16384 or max_seq_len where that is larger (a Rollout, the command line and
     TRL's adapter, which do not pass it, refused max_seq_len above 16384 in a message naming it); one set below

@@ -413,6 +413,8 @@ def test_misused_arguments_are_named_before_anything_runs(tiny):
         Rollout(model, tokenizer, sampling=dict(n=4))
     with pytest.raises(ValueError, match=r"rewards\[0\] \(\('arithmetic',\)\) must be a reward or a \(reward, weight"):
         Rollout(model, tokenizer, rewards=[("arithmetic",)])
+    with pytest.raises(ValueError, match=r"the weight of reward 'arithmetic' \('2'\) must be a finite number"):
+        Rollout(model, tokenizer, rewards=[("arithmetic", "2")])
     with pytest.raises(ValueError, match=r"num_problems \('16'\) must be an integer >= 1"):
         arithmetic_dataset("16")
     params = SamplingParams(n=2, max_new_tokens=4)
@@ -492,9 +494,11 @@ def test_a_raising_reward_is_named_with_its_type(tiny, data):
         ((v for v in (1.0, 0.0)), r"returned generator .*, not a list"),
         (None, r"returned NoneType None, not a list"),
         ([1.0], r"returned 1 values for 2 completions: return one each"),
-        (["yes", "no"], r"returned 'yes', not a number: return floats"),
+        (["yes", "no"], r"returned 'yes', text, not a number: return floats"),
+        ([1.0, "1.0"], r"returned '1\.0', text, not a number: return floats"),  # float() read it as 1.0
+        ([b"1", 0.0], r"returned b'1', text, not a number"),
     ],
-    ids=["scalar", "generator", "none", "short", "text"],
+    ids=["scalar", "generator", "none", "short", "text", "numeric text", "bytes"],
 )
 def test_a_reward_returning_other_than_one_number_each_is_named(returned, message):
     from rollout.rewards import RewardError, WeightedReward, score

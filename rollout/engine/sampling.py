@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from specdec.config import SpecDecodeParams
 
@@ -37,6 +40,16 @@ class SamplingParams:
     spec: SpecDecodeParams | None = None
 
     def __post_init__(self) -> None:
+        # numpy's integers and floats (what a config built with numpy holds) as Python's: the checks and the
+        # engine's tensors take those
+        for name in ("n", "top_k", "max_new_tokens", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool, np.bool_)):
+                setattr(self, name, int(value))
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (int, float, bool, np.bool_)):
+                setattr(self, name, float(value))
         for name in ("n", "top_k", "max_new_tokens", "seed", "ignore_eos"):  # (a bool is an int to Python)
             value = getattr(self, name)
             if isinstance(value, bool) != (name == "ignore_eos"):
