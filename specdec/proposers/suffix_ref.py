@@ -349,8 +349,8 @@ class SuffixProposerRef(SuffixProposer):
 
     # ---- keeping the tries in step with the rows: vectorised numpy, finished rows' tokens deferred in a list ------
 
-    def clear(self) -> None:
-        super().clear()
+    def _start_empty(self) -> None:
+        super()._start_empty()
         # finished rows' last tokens, inserted with the next step's (frontiers [2N, D], tokens [2N, L], lengths [2N])
         self._deferred: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 

@@ -102,7 +102,7 @@ class SuffixTries(Proposer):
         self._sync_kernels = suffix_sync_kernels
         self.background = background
         self._taking_in: Future | None = None  # the background insertion in progress (`_taking_in_thread`)
-        self.clear()
+        self._start_empty()
 
     # ---- history: what a user keeps, inspects, saves and loads ---------------------------------------------------
 
@@ -119,6 +119,20 @@ class SuffixTries(Proposer):
                 self._taking_in = None
 
     def clear(self) -> None:
+        """Forget every cached response. Rows in flight (a call under way, as when an `on_step` callback clears, or a
+        server's requests) stay in the tries, and join the history as they finish."""
+        self.wait()
+        if not self._in_flight.any():
+            self._start_empty()
+            return
+        cap = self.max_cached_requests
+        self.max_cached_requests = 0  # evicting past 0 drops every cached response, and the tries only they held
+        try:
+            self._evict()
+        finally:
+            self.max_cached_requests = cap
+
+    def _start_empty(self) -> None:
         """Forget every response and every row in flight."""
         self.wait()
         depth, slots = self.max_tree_depth, self._num_slots
@@ -206,8 +220,8 @@ class SuffixTries(Proposer):
             np.savez_compressed(path, **arrays)
 
     def load(self, path: str | pathlib.Path) -> None:
-        """Replace the history by the responses saved in `path` (rows in flight are dropped). A file that cannot be
-        read as one `save` writes is refused with a ValueError, the history left as it was."""
+        """Replace the history by the responses saved in `path` (rows in flight stay, and join it as they finish). A
+        file that cannot be read as one `save` writes is refused with a ValueError, the history left as it was."""
         self.wait()
         where = f"cannot load a suffix history from {str(path)!r}"
         try:
@@ -232,13 +246,14 @@ class SuffixTries(Proposer):
         owners = arrays["response_prompt"].tolist()
         self.clear()
         if len(arrays["response_lens"]):
+            self.flush()  # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
             self._add_history([(prompts[o].tobytes(), r) for o, r in zip(owners, responses)])
             self._evict()
 
     # ---- the generator's hooks ---------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        self.clear()
+        self._start_empty()
 
     def begin(self) -> None:
         """A call starts: rows left in flight by an interrupted call (or the warm-up) are removed; a store that
@@ -250,7 +265,7 @@ class SuffixTries(Proposer):
         live = sum(len(r) for _, r in self.history) + sum(len(e.prompt) for e in self.prompts.values())
         if self._dead_tokens > max(live, 1 << 16):
             history = list(self.history)
-            self.clear()
+            self._start_empty()
             self._add_history(history)
 
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:

@@ -218,6 +218,38 @@ def test_eviction_drops_the_oldest_responses_first():
     assert gen.draft_history.stats()["responses"] == 0
 
 
+def test_the_history_cleared_or_loaded_mid_call_keeps_the_rows_in_flight(tmp_path):
+    """`clear()` or `load()` from an `on_step` callback dropped the rows in flight from the tries, and the call then
+    failed at their finish (KeyError). The cached responses go now; the rows in flight stay and join the history as
+    they finish, the counts stay exact, and the samples are the ones the call draws without it."""
+    model = make_model("llama")
+    prompts = [p * 2 for p in random_prompts(6, max_len=6, seed=11)]
+    spec = SpecConfig(method="suffix", num_speculative_tokens=3)
+    params = SamplingParams(n=2, max_new_tokens=14, seed=0)
+    plain = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec)
+    plain.generate(prompts, params)
+    plain.draft_history.save(tmp_path / "history.npz")
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    for action in ("clear", "load"):
+        gen = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec)
+        gen.generate(prompts, params)  # a history to drop
+        history = gen.draft_history
+        done = []
+
+        def midway(record, num_finished, total, history=history, action=action, done=done):
+            # rows in flight and some finished: the case this is about
+            if record.kind == "decode" and num_finished >= 2 and history._in_flight.any() and not done:
+                done.append(len(history.history))
+                history.clear() if action == "clear" else history.load(tmp_path / "history.npz")
+
+        outs = gen.generate(prompts, params, on_step=midway)
+        assert [o.token_ids for o in outs] == expected, action
+        assert done and done[0] > 0
+        num_loaded = 0 if action == "clear" else 2 * len(prompts)
+        assert 0 < len(history.history) - num_loaded < 2 * len(prompts)  # those that finished after it, not before
+        assert_counts_exact(history)
+
+
 def test_no_cached_requests_keeps_no_history():
     model = make_model("qwen2")
     spec = SpecConfig(method="suffix", num_speculative_tokens=3, suffix_decoding_max_cached_requests=0)
