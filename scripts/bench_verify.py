@@ -17,7 +17,8 @@ warm-up; perf_counter on a CPU), each call on the next of several input sets (on
 per drafted depth: (t(W) - t(1)) / (W - 1). The floor beside them: the logits read once, `rows * vocab * itemsize`
 bytes a depth, over the bandwidth a device copy measures. Before timing, each shape's replay is checked against its
 eager call (the same tokens and log-probs, bit for bit) and the chains against `verify_exact` (the same tokens).
-Writes `bench_verify.json` under `--out` and prints the table last.
+Writes `bench_verify.json` under `--out` (again after every shape: a run its time limit stops keeps what it measured)
+and prints the table last.
 """
 
 from __future__ import annotations

@@ -47,7 +47,6 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None, on_write=Non
     seconds of the slowest rank, tokens/s = tokens / those seconds. Rank 0 writes bench.json; the others return []."""
     ranks = ranks or Ranks()
     log = log if log is not None and ranks.is_main else (lambda line: None)
-
     recipe = on_rank_device(recipe, ranks)
     # every prompt in one call, on each rank its own shard: `max_batch_size=auto` sizes the slots for that
     recipe = replace(recipe, rollout=replace(recipe.rollout, prompts_per_rollout=None))
