@@ -467,6 +467,13 @@ def test_a_sequence_longer_than_the_default_prefill_cap_is_generated():
         Generator(model, max_batch_size=1, max_seq_len=128, max_prefill_tokens=64)
 
 
+def test_a_draft_model_that_is_no_model_is_named_by_its_type():
+    """A tokenizer passed as the draft model was refused with its whole repr (pages of special tokens)."""
+    spec = SpecConfig(method="draft_model", num_speculative_tokens=2, model=["tiny-draft"])
+    with pytest.raises(ValueError, match=r"^spec\.model must be a path, .* causal LM\), got a list$"):
+        Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32, spec=spec)
+
+
 def test_stop_ids_outside_the_vocabulary_are_refused():
     """A stop id the model cannot sample would never stop anything: the request would run to its length cap."""
     gen = Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32)

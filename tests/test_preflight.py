@@ -290,3 +290,10 @@ def test_the_header_notes_a_setting_the_command_does_not_use(tmp_path):
     [note] = [note for note in preflight(recipe, "run") if note.startswith("note: spec.method is null")]
     assert "spec.model" in note and "spec.prompt_lookup_max" in note and note.endswith("not used")
     assert not any("spec.method" in note for note in preflight(load_recipe(QUICKSTART, settings), "run"))
+    # a local file's split and a config name for anything but a hub dataset
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1 + 1 =", "answer": "2"}\n')
+    local = [f"data.dataset={tmp_path / 'rows.jsonl'}", "data.split=test", "data.config_name=main"]
+    notes = preflight(load_recipe(QUICKSTART, [*settings, *local]), "run")
+    assert "note: data.split ('test') is not used: a data file is read whole" in notes
+    assert "note: data.config_name ('main') is not used: it names a hub dataset's config" in notes
+    assert not any("data." in note for note in preflight(load_recipe(QUICKSTART, settings), "run"))

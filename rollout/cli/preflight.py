@@ -145,6 +145,11 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
                    and getattr(recipe.spec, f.name) != getattr(default, f.name)]  # fmt: skip
         if changed:
             notes.append(f"note: spec.method is null (no speculation): {', '.join(changed)} not used")
+    d, kind = recipe.data, name_kind(recipe.data.dataset, EMBEDDED_DATASETS)
+    if kind == "path" and pathlib.Path(d.dataset).expanduser().is_file() and d.split != DataRecipe.split:
+        notes.append(f"note: data.split ({d.split!r}) is not used: a data file is read whole")
+    if kind != "hub" and d.config_name is not None:
+        notes.append(f"note: data.config_name ({d.config_name!r}) is not used: it names a hub dataset's config")
     unused = {"bench": "bench times one rollout of every prompt", "train": "train runs train.steps or train.epochs"}
     if command in unused and recipe.rollout.num_rollouts > 1:
         num = recipe.rollout.num_rollouts

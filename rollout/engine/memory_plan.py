@@ -225,7 +225,10 @@ def draft_kv_bytes_per_slot(spec: SpecConfig | None, itemsize: int, num_position
 def draft_model_path(model) -> pathlib.Path:
     """The folder of a draft model named by a shipped short name or a local path."""
     if not isinstance(model, (str, pathlib.Path)):
-        raise ValueError(f"spec.model ({model!r}) must be a path, a shipped short name or a loaded model")
+        raise ValueError(  # (not its repr: a tokenizer's runs to pages)
+            "spec.model must be a path, a shipped short name or a loaded model (a transformers causal LM), got a "
+            f"{type(model).__name__}"
+        )
     from rollout.models import zoo
 
     path = zoo.model_path(model) if str(model) in zoo.MODEL_NAMES else pathlib.Path(model)
