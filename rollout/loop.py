@@ -9,7 +9,6 @@ for step, rows in enumerate(prompt_batches):
 
 from __future__ import annotations
 
-import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -18,6 +17,7 @@ import torch
 
 from rollout.batch import SAMPLE_FIELDS, RolloutBatch
 from rollout.engine.generator import Generator
+from rollout.engine.requests import integer_indices
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.phases import PhaseLabeler, summarize
 from rollout.prompts import PromptFormatter, check_prompt_column, prompt_kind
@@ -172,11 +172,7 @@ class Rollout:
             if callback is not None and not callable(callback):
                 raise TypeError(f"{name} must be a function or None, got {type(callback).__name__}")
         rows, prompts, prompt_ids = self._prompts(data)
-        if group_indices is not None:
-            odd = [i for i in group_indices if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
-            if odd:  # int() would cut 0.7 to 0, and the index seeds the prompt's samples
-                raise ValueError(f"group_indices must be integers, one per prompt; got {odd[0]!r}")
-        indices = list(range(len(rows))) if group_indices is None else [int(i) for i in group_indices]
+        indices = list(range(len(rows))) if group_indices is None else integer_indices(group_indices, "group_indices")
         if len(indices) != len(rows):
             raise ValueError(f"group_indices holds {len(indices)} values for {len(rows)} prompts: give one each")
         if len(set(indices)) != len(indices):  # two prompts in one group would share their advantages' baseline

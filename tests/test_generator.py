@@ -447,6 +447,9 @@ def test_numpy_numbers_are_taken_as_sampling_params():
     params = SamplingParams(n=np.int64(2), top_k=np.int32(5), max_new_tokens=np.int64(3), temperature=np.float32(0.5))
     assert (params.n, params.top_k, params.max_new_tokens) == (2, 5, 3) and type(params.n) is int
     assert type(params.temperature) is float and params.temperature == pytest.approx(0.5)
+    # np.float64 is a float, and still numpy's (OmegaConf, which the recipes go through, refuses it)
+    other = SamplingParams(top_p=np.float64(0.9), stop_token_ids=[np.int64(3)], max_new_tokens=3)
+    assert type(other.top_p) is float and other.stop_token_ids == [3] and type(other.stop_token_ids[0]) is int
     gen = Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32)
     assert len(gen.generate([[1, 2]], params)) == 2
     with pytest.raises(ValueError, match=r"ignore_eos \(np\.True_\) must be True or False"):

@@ -8,6 +8,7 @@ import io
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -430,6 +431,16 @@ def test_misused_arguments_are_named_before_anything_runs(tiny):
         rollout(["1 + 1 =", "2 + 2 ="], group_indices=[0.7, 1.2])
     with pytest.raises(ValueError, match=r"seed_indices must be integers, one per prompt; got 1\.0"):
         rollout.generator.generate([[1, 2]], params, seed_indices=[1.0])
+    # integers of any kind are taken, from any iterable: the same samples as a list of ints
+    rows = [{"prompt": "1 + 1 =", "answer": "2"}, {"prompt": "2 + 2 =", "answer": "4"}]
+    plain = rollout(rows, seed=0, group_indices=[3, 4]).completion_ids
+    for indices in ((i for i in (3, 4)), torch.tensor([3, 4]), np.array([3, 4])):
+        assert rollout(rows, seed=0, group_indices=indices).completion_ids == plain
+    seeded_params = dataclasses.replace(params, seed=0)
+    seeded = rollout.generator.generate([[1, 2]], seeded_params, seed_indices=[7])
+    for indices in (torch.tensor([7]), np.array([7]), iter([7])):
+        again = rollout.generator.generate([[1, 2]], seeded_params, seed_indices=indices)
+        assert [o.token_ids for o in again] == [o.token_ids for o in seeded]
     with pytest.raises(TypeError, match=r"on_group must be a function or None, got str"):
         rollout.generator.generate([[1, 2]], params, on_group="print")
     with pytest.raises(ValueError, match=r"data.template \('Q: A:'\) names no column, so every prompt would be"):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import operator
 import os
 import random
 import sys
 import warnings
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -203,6 +205,20 @@ def check_generator_args(
             )
 
 
+def integer_indices(values, name: str) -> list[int]:
+    """`values` (any iterable of integers: Python's, numpy's, 0-d integer tensors) as a list of Python ints; a float,
+    a bool or a text is refused, naming `name` (int() would cut 0.7 to 0, and an index seeds a prompt's samples)."""
+    out = []
+    for value in values:
+        try:
+            if isinstance(value, (bool, np.bool_)):
+                raise TypeError
+            out.append(operator.index(value))
+        except TypeError:
+            raise ValueError(f"{name} must be integers, one per prompt; got {value!r}") from None
+    return out
+
+
 def checked_sequences(
     prompt_ids,
     params,
@@ -217,13 +233,11 @@ def checked_sequences(
     warning when a length cap cuts requests short (a silent cap looks like a model that stops early)."""
     prompt_ids = check_prompts(prompt_ids, vocab_size, max_seq_len)
     if seed_indices is not None:
+        seed_indices = integer_indices(seed_indices, "seed_indices")
         if len(seed_indices) != len(prompt_ids):
             raise ValueError(
                 f"seed_indices holds {len(seed_indices)} values for {len(prompt_ids)} prompts: give one each"
             )
-        odd = [i for i in seed_indices if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
-        if odd:  # a float or a text seeds other samples than the integer it stands for (the index is hashed)
-            raise ValueError(f"seed_indices must be integers, one per prompt; got {odd[0]!r}")
     per_prompt = check_params(params, len(prompt_ids), methods, vocab_size)
     sequences = make_sequences(prompt_ids, per_prompt, eos_ids, max_seq_len, max_k, seed_indices)
     note = length_cap_note(prompt_ids, [p.max_new_tokens for p in per_prompt], max_seq_len)

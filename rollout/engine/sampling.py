@@ -44,12 +44,15 @@ class SamplingParams:
         # engine's tensors take those
         for name in ("n", "top_k", "max_new_tokens", "seed"):
             value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and not isinstance(value, (int, bool, np.bool_)):
+            if isinstance(value, numbers.Integral) and type(value) is not int and not isinstance(value, bool):
                 setattr(self, name, int(value))
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p"):  # (np.float64 is a float, and still numpy's: OmegaConf refuses it)
             value = getattr(self, name)
-            if isinstance(value, numbers.Real) and not isinstance(value, (int, float, bool, np.bool_)):
+            if isinstance(value, numbers.Real) and type(value) not in (int, float) and not isinstance(value, bool):
                 setattr(self, name, float(value))
+        ids = self.stop_token_ids
+        if isinstance(ids, (list, tuple)) and any(isinstance(t, np.integer) for t in ids):
+            self.stop_token_ids = [int(t) if isinstance(t, np.integer) else t for t in ids]
         for name in ("n", "top_k", "max_new_tokens", "seed", "ignore_eos"):  # (a bool is an int to Python)
             value = getattr(self, name)
             if isinstance(value, bool) != (name == "ignore_eos"):
