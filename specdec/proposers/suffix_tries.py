@@ -125,12 +125,7 @@ class SuffixTries(Proposer):
         if not self._in_flight.any():
             self._start_empty()
             return
-        cap = self.max_cached_requests
-        self.max_cached_requests = 0  # evicting past 0 drops every cached response, and the tries only they held
-        try:
-            self._evict()
-        finally:
-            self.max_cached_requests = cap
+        self._evict(keep=0)  # every cached response, and the tries only they held
 
     def _start_empty(self) -> None:
         """Forget every response and every row in flight."""
@@ -415,9 +410,10 @@ class SuffixTries(Proposer):
         self._apply([e.root for e in entries], [r for _, r in responses], +1)
         self.history.extend(responses)
 
-    def _evict(self) -> None:
-        """Drop the oldest responses past `max_cached_requests`, and prompt tries nothing refers to any more."""
-        excess = len(self.history) - self.max_cached_requests
+    def _evict(self, keep: int | None = None) -> None:
+        """Drop the oldest responses past `keep` (None: `max_cached_requests`), and prompt tries nothing refers to any
+        more."""
+        excess = len(self.history) - (self.max_cached_requests if keep is None else keep)
         if excess <= 0:
             return
         if excess > len(self.history) - self._deferred_responses:  # removing a response needs all of it inserted
