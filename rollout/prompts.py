@@ -36,6 +36,21 @@ def prompt_kind(item) -> str:
     )
 
 
+def template_fields(template: str) -> list[tuple[str, str | None]]:
+    """The (field, conversion) of each replacement field of a `str.format` template; refused (ValueError) when it is
+    not one, or when it names no field (every prompt would be that same text)."""
+    try:
+        fields = [(field, conv) for _, field, _, conv in string.Formatter().parse(template) if field is not None]
+    except ValueError as err:
+        raise ValueError(f"data.template ({template!r:.60}) is not a str.format template: {err}") from None
+    if not fields:
+        raise ValueError(
+            f"data.template ({template!r:.60}) names no column, so every prompt would be that same text: put the "
+            "prompt's column in braces, e.g. 'Question: {question}\\nAnswer:'"
+        )
+    return fields
+
+
 class PromptFormatter:
     """Formats rows into prompts.
 
@@ -68,15 +83,7 @@ class PromptFormatter:
                 "set data.chat_template=false and give a plain data.template"
             )
         if template is not None:
-            try:
-                fields = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
-            except ValueError as err:
-                raise ValueError(f"data.template ({template!r:.60}) is not a str.format template: {err}") from None
-            if not fields:  # every prompt would be this same text
-                raise ValueError(
-                    f"data.template ({template!r:.60}) names no column, so every prompt would be that same text: put "
-                    "the prompt's column in braces, e.g. 'Question: {question}\\nAnswer:'"
-                )
+            template_fields(template)
         self.tokenizer = tokenizer
         self.prompt_column = prompt_column
         self.template = template

@@ -24,14 +24,13 @@ import json
 import os
 import pathlib
 import re
-import string
 from typing import TYPE_CHECKING
 
 from rollout.cli.files import check_makeable, check_output_dir, check_resumable
 from rollout.cli.hub import check_hub_id
 from rollout.cli.recipe import WANDB_MODES, DataRecipe, Recipe, recipe_dict
 from rollout.models import zoo
-from rollout.prompts import check_prompt_column
+from rollout.prompts import check_prompt_column, template_fields
 from rollout.rewards import build_rewards, check_reward_columns
 from rollout.tasks.arithmetic import ARITHMETIC_COLUMNS
 from specdec.config import SpecConfig
@@ -300,20 +299,11 @@ def check_template(template: str | None, columns: list[str]) -> None:
     """Every field of the `str.format` template is a column of the data."""
     if template is None:
         return
-    try:
-        parsed = [(field, conversion) for _, field, _, conversion in string.Formatter().parse(template)]
-    except ValueError as err:
-        raise ValueError(f"data.template ({template!r:.60}) is not a str.format template: {err}") from None
-    odd = [conversion for field, conversion in parsed if field is not None and conversion not in (None, "r", "s", "a")]
+    parsed = template_fields(template)
+    odd = [conversion for _, conversion in parsed if conversion not in (None, "r", "s", "a")]
     if odd:
         raise ValueError(f"data.template ({template!r:.60}) has the conversion !{odd[0]}: use !r, !s or !a, or none")
-    fields = [field for field, _ in parsed if field is not None]
-    if not fields:
-        raise ValueError(
-            f"data.template ({template!r:.60}) names no column, so every prompt would be that same text: put the "
-            "prompt's column in braces, e.g. 'Question: {question}\\nAnswer:'"
-        )
-    for field in fields:
+    for field, _ in parsed:
         name = re.split(r"[.\[]", field, maxsplit=1)[0]
         if not name or name.isdigit():
             raise ValueError(
