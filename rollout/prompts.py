@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import re
 import string
 from collections.abc import Sequence
 
@@ -48,7 +49,26 @@ def template_fields(template: str) -> list[tuple[str, str | None]]:
             f"data.template ({template!r:.60}) names no column, so every prompt would be that same text: put the "
             "prompt's column in braces, e.g. 'Question: {question}\\nAnswer:'"
         )
+    for field, _ in fields:
+        attribute = _attribute(field)
+        if attribute is not None:  # {prompt.upper} would format the method's repr into every prompt
+            raise ValueError(
+                f"data.template ({template!r:.60}) reads the attribute .{attribute} in {{{field}}}: a template takes "
+                "columns and items of them ({question}, {choices[0]}, {meta[topic]}), not attributes or methods"
+            )
     return fields
+
+
+def _attribute(field: str) -> str | None:
+    """The first attribute a `str.format` field name reads (`upper` in `prompt.upper`), None if it reads none (dots
+    inside an item's brackets are part of its key)."""
+    inside = False
+    for i, char in enumerate(field):
+        if char in "[]":
+            inside = char == "["
+        elif char == "." and not inside:
+            return re.split(r"[.\[]", field[i + 1 :], maxsplit=1)[0]
+    return None
 
 
 class PromptFormatter:

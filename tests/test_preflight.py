@@ -67,6 +67,7 @@ REFUSED = [
     (["run", QUICKSTART, "sampling.seed=4294967295", "rollout.num_rollouts=2"], ["sampling.seed (4294967295)"], {}),
     (["train", GRPO, "sampling.seed=-1"], ["sampling.seed (-1) must be in [0, 4294967295]"], {}),
     (["run", QUICKSTART, "data.template='Q: A:'"], ["data.template ('Q: A:') names no column"], {}),
+    (["run", QUICKSTART, "data.template='{prompt.upper}'"], ["reads the attribute .upper in {prompt.upper}"], {}),
     (["run", QUICKSTART, "rollout.max_seq_len=0"], ["rollout.max_seq_len (0) must be >= 2"], {}),
     (["run", QUICKSTART, "logging.num_table_rows=-5"], ["logging.num_table_rows (-5) must be >= 0"], {}),
     (["bench", QUICKSTART, "resume=true"], ["`rollout bench` runs every row again: drop resume=true"], {}),

@@ -347,8 +347,12 @@ def test_local_data_files_and_templates(tmp_path, tiny, capfd):
         PromptFormatter(tokenizer, "question", system_prompt="Be brief.")
     # a template names its own columns: the prompt column ("prompt" by default) need not be there
     assert PromptFormatter(tokenizer, template="Q: {question}")(list(rows))[0] == ["Q: 1 + 1?"]
-    with pytest.raises(ValueError, match=r"data.template \('Q: \{question.x\}'\) cannot be filled from a row"):
-        PromptFormatter(tokenizer, template="Q: {question.x}")(list(rows))
+    with pytest.raises(ValueError, match=r"data.template \('Q: \{question\[9\]\}'\) cannot be filled from a row"):
+        PromptFormatter(tokenizer, template="Q: {question[9]}")(list(rows))
+    # an attribute would format a method's repr ("<built-in method upper ...>") into every prompt: refused up front
+    with pytest.raises(ValueError, match=r"reads the attribute .upper in \{question.upper\}: a template takes columns"):
+        PromptFormatter(tokenizer, template="Q: {question.upper}")
+    assert PromptFormatter(tokenizer, template="Q: {question[0]}")(list(rows))[0] == ["Q: 1"]  # an item is taken
     chat = copy.deepcopy(tokenizer)
     chat.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     own = [{"role": "system", "content": "Be long."}, {"role": "user", "content": "Hi"}]
