@@ -243,3 +243,42 @@ def test_a_signal_inside_compiled_code_stops_the_run_as_a_signal(tmp_path, refer
     assert summary["num_samples"] < NUM_SAMPLES
     assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}", "resume=true"]) == 0
     check_complete(tmp_path, reference)
+
+
+SECOND_CTRL_C = """
+import atexit, os, signal, sys, time
+import rollout.cli.main as cli
+
+def late():  # a library's exit callback (W&B's, torch's), running as the second Ctrl-C arrives
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(1)
+    print("the callback ran on", file=sys.stderr)
+
+atexit.register(late)
+build = cli.build_parser
+
+def stopped_at_once():  # every command stopped by the first Ctrl-C (or SIGTERM) as it begins
+    parser = build()
+    for command in parser.commands.values():
+        command.set_defaults(func=lambda args: os.kill(os.getpid(), signal.{sig}) or time.sleep(5))
+    return parser
+
+cli.build_parser = stopped_at_once
+sys.argv = ["rollout", "report", "."]
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_second_signal_while_the_process_exits_ends_it_quietly(sig):
+    """An impatient user's second Ctrl-C (or a scheduler's second SIGTERM) arriving while the interpreter runs the
+    libraries' exit callbacks, after the run said in one line what stopped it: the process ends at once with the same
+    status, with no traceback of the callback it broke off (a real process: the exit callbacks run only at its end)."""
+    result = subprocess.run(
+        [sys.executable, "-c", SECOND_CTRL_C.format(sig=sig)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's Ctrl-C delivers it
+    )  # fmt: skip
+    lines = result.stderr.splitlines()
+    assert result.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], result.stderr
+    assert lines == [f"rollout report: {'interrupted' if sig == 'SIGINT' else 'terminated (SIGTERM)'}"], lines

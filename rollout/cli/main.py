@@ -289,7 +289,20 @@ def main(argv: list[str] | None = None) -> int:
         status = _main(args)
         if status == 0:
             log.report(args.command)
+    if argv is None and status in (130, 143):  # the process's own command, stopped by a signal
+        _exit_at_the_next_signal(status)
     return status
+
+
+def _exit_at_the_next_signal(status: int) -> None:
+    """After a run stopped by a signal has said so (its files written), a second Ctrl-C or SIGTERM while the
+    interpreter shuts down (libraries' exit callbacks: W&B's, torch's) ends the process at once with the same status,
+    not with a traceback of the callback it broke off after the one line. Only for `main()` run as the process's
+    command (`argv` None): a caller's own process keeps its handlers."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: os._exit(status))
 
 
 def _main(args: argparse.Namespace) -> int:
