@@ -53,7 +53,8 @@ def summarize(steps: Iterable[dict]) -> dict:
     - `seconds`: the summed wall time of the steps (generator-measured; host time between steps excluded).
     - `tokens`: completion tokens emitted and kept: `num_emitted` (a prefill step emits each sample's first token)
       less `num_discarded` (what rows preempted for lack of blocks had emitted before they started over, counted in
-      the phase of the step that preempted them), so that `total` is the completions' tokens.
+      the phase of the step that preempted them; in a run's files, also what the rows a stop cut off had emitted, on
+      the stopped rollout's last step), so that `total` is the completions' tokens.
     - `tokens_per_s`: tokens / seconds.
     - `mean_batch_size`: mean `batch_size` per step: active rows for decode steps, prompts admitted per step for
       prefill. `total` averages over its decode steps only (prefill batches count prompts, not rows): 0.0 without.

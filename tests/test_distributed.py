@@ -369,7 +369,9 @@ def test_a_run_stopped_by_a_rank_resumes_to_every_sample_once(one_process, tmp_p
     ones, outs = records(one), records(out)
     assert [key(r) for r in outs] == sorted(key(r) for r in ones)
     assert {key(r): r["completion_ids"] for r in outs} == {key(r): r["completion_ids"] for r in ones}
-    assert json.loads((out / "summary.json").read_text())["complete"] is True
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is True
+    assert summary["total"]["tokens"] == sum(len(r["completion_ids"]) for r in outs)  # the redone work counted once
 
 
 def test_bench_on_two_ranks_reports_the_whole_of_the_one_process_work(tmp_path):

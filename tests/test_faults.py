@@ -16,6 +16,7 @@ import time
 import pytest
 
 from rollout.cli.main import main
+from rollout.phases import summarize
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "recipes" / "quickstart_suffix.yaml")
@@ -86,9 +87,13 @@ def check_complete(out: pathlib.Path, reference: dict) -> None:
     assert len(keys) == len(set(keys)), "a sample is in rollouts.jsonl twice"
     assert set(keys) == set(reference), "samples are missing"
     assert all(r["completion_ids"] == reference[(r["rollout"], r["prompt_index"], r["sample_index"])] for r in records)
-    read_lines(out / "steps.jsonl")
+    steps = read_lines(out / "steps.jsonl")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] and summary["num_samples"] == len(reference)
+    # the totals are the completions' tokens, over a stop and a resume too (the tokens of the rows the stop cut off,
+    # generated again, counted once): in summary.json and in what `rollout report` rebuilds from steps.jsonl
+    tokens = sum(len(r["completion_ids"]) for r in records)
+    assert summary["total"]["tokens"] == summarize(steps)["total"]["tokens"] == tokens
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=["kill", "int", "term"])
@@ -108,7 +113,9 @@ def test_an_interrupted_run_resumes_with_every_sample_exactly_once(tmp_path, ref
             assert err.strip().count("\n") == 0 and "resume=true continues" in err, err
             summary = json.loads((out / "summary.json").read_text())
             assert summary["complete"] is False and "SIG" in summary["incomplete_reason"]
-            assert summary["num_samples"] == len(read_lines(out / "rollouts.jsonl"))
+            kept = read_lines(out / "rollouts.jsonl")
+            assert summary["num_samples"] == len(kept)
+            assert summary["total"]["tokens"] == sum(len(r["completion_ids"]) for r in kept)
         for line in (out / "rollouts.jsonl").read_text().splitlines():
             json.loads(line)  # whole lines only, even after SIGKILL
         before = (out / "rollouts.jsonl").read_bytes()

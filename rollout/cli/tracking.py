@@ -9,7 +9,8 @@ Output folder contract (external tools read these names):
 - `steps.jsonl`: one line per generator step: the step-trace fields (`kind` = prefill / decode,
   `phase` = prefill / bulk / tail, `batch_size`, `num_draft_tokens`, `num_drafted`, `num_accepted`, `num_emitted`,
   `seconds`, ...) plus `elapsed` (seconds into the rollout plus the wall time of the rollouts before it: the host
-  work between rollouts is not counted) and `rollout` (which call of the rollout loop).
+  work between rollouts is not counted) and `rollout` (which call of the rollout loop). A stopped rollout's last step
+  also counts, in `num_discarded`, the tokens of the rows and groups the stop cut off (not kept; a resume redoes them).
 - `summary.json`: `phases` = {prefill|bulk|tail: {seconds, tokens, tokens_per_s, mean_batch_size, mean_k,
   acceptance_rate, mean_accepted_length, num_steps}}, `total` with the same keys, `reward_mean` (see
   `rollout.phases.summarize`), plus `reward_terms`, `wall_seconds`, `num_samples`, `num_rollouts`, and
@@ -99,6 +100,7 @@ class RunTracker:
         self.reward_terms: dict[str, list[float | None]] = {}
         self.num_rollouts = 0
         self.num_samples = 0
+        self.kept_tokens: dict[int, int] = {}  # each rollout's completion tokens in rollouts.jsonl
         self.wall_seconds = 0.0
         self._streamed: set[int] = set()  # rollouts whose samples went out group by group
         self._streamed_steps: set[int] = set()
@@ -127,12 +129,43 @@ class RunTracker:
             self.done.setdefault(rollout, set()).add(prompt_index)
         self.kept_records = kept
         self._count_rewards(kept)
+        self._count_kept_tokens(kept)
         self.num_samples = len(kept)
         self.steps = read_jsonl(self.output_dir / "steps.jsonl")
+        self._mark_unkept_tokens()  # a kill left them unmarked; a caught signal marked them already
+        self._write_steps()
+        self.wall_seconds = self.steps[-1]["elapsed"] if self.steps else 0.0
+
+    def _write_steps(self) -> None:
         write_atomic(
             self.output_dir / "steps.jsonl", "".join(json.dumps(s, allow_nan=False) + "\n" for s in self.steps)
         )
-        self.wall_seconds = self.steps[-1]["elapsed"] if self.steps else 0.0
+
+    def _count_kept_tokens(self, records: list[dict], rollout: int | None = None) -> None:
+        for r in records:
+            index = r["rollout"] if rollout is None else rollout
+            self.kept_tokens[index] = self.kept_tokens.get(index, 0) + len(r["completion_ids"])
+
+    def _mark_unkept_tokens(self) -> bool:
+        """Add to each rollout's last step, as `num_discarded`, the completion tokens its steps emitted that no sample
+        in rollouts.jsonl holds: the rows and groups a stop cut off (a resumed run generates them again). So the
+        summary's `tokens` stay the completions' tokens (`rollout.phases.summarize`), also over a stop and a resume.
+        Returns whether a step changed (marked steps have nothing left to mark)."""
+        emitted: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, step in enumerate(self.steps):
+            index = step["rollout"]
+            emitted[index] = emitted.get(index, 0) + step["num_emitted"] - step.get("num_discarded", 0)
+            last[index] = i
+        changed = False
+        for index, i in last.items():
+            # (below 0 only if a kill lost a step line written after its samples' lines: nothing to take away then)
+            unkept = emitted[index] - self.kept_tokens.get(index, 0)
+            if unkept > 0:
+                step = self.steps[i]
+                self.steps[i] = {**step, "num_discarded": step.get("num_discarded", 0) + unkept}
+                changed = True
+        return changed
 
     def _start_wandb(self, mode: str, project: str, run_name: str | None):
         run = start_wandb_run(mode, project, run_name, self.output_dir, self.config)
@@ -160,6 +193,7 @@ class RunTracker:
         append_lines(self.output_dir / "rollouts.jsonl", "".join(lines))
         self._streamed.add(index)
         self._count_rewards(records)
+        self._count_kept_tokens(records, index)
         self.num_samples += len(records)
 
     def _count_rewards(self, records: list[dict]) -> None:
@@ -282,6 +316,8 @@ class RunTracker:
     def finish(self, complete: bool = True, reason: str | None = None) -> dict:
         """Write summary.json and the plot, close the W&B run; returns the summary. `complete=False` (a run stopped
         by an error or a signal) marks the summary incomplete with `reason`: the files hold what finished."""
+        if not complete and self._mark_unkept_tokens():  # the rows in flight were not kept: out of the totals
+            self._write_steps()
         summary = self.summary()
         summary["complete"] = complete
         if not complete:
