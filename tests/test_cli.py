@@ -156,6 +156,17 @@ def test_report_prints_the_phase_table_and_writes_the_plot(finished_run, capsys)
     assert (finished_run / "rollout.png").is_file()
 
 
+def test_the_plotted_rate_counts_what_was_kept_and_never_goes_below_zero():
+    """A stopped rollout's last step discards the tokens of the rows the stop cut off, more than the window emitted:
+    the plotted tokens/s is 0 there, not negative; elsewhere it is the kept tokens over their seconds."""
+    from rollout.cli.plots import _windowed_rate
+
+    steps = [{"num_emitted": 10, "seconds": 0.5}] * 3 + [{"num_emitted": 10, "num_discarded": 200, "seconds": 0.5}]
+    steps += [{"num_emitted": 4, "num_discarded": 2, "seconds": 0.5}]
+    assert _windowed_rate(steps, window=2) == [20.0, 20.0, 20.0, 0.0, 0.0]
+    assert _windowed_rate(steps, window=1)[-1] == 4.0  # a preemption's few discarded tokens are taken off
+
+
 def test_report_reads_a_run_a_machine_failure_cut_short(finished_run, tmp_path, capsys):
     """A kill can cut the last line of steps.jsonl, and leave summary.json damaged: the report reads the whole lines."""
     import shutil

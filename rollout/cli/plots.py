@@ -71,12 +71,12 @@ def _one_clock(steps: list[dict], title: str | None) -> tuple[list[dict], str | 
 
 def _windowed_rate(steps: list[dict], window: int) -> list[float]:
     """Tokens/s of the last `window` steps at every step: tokens kept (emitted less discarded) over the seconds they
-    took."""
+    took, 0 where more was discarded than emitted (a stopped rollout's last step discards the rows the stop cut off)."""
     rates = []
     for i in range(len(steps)):
         chunk = steps[max(0, i - window + 1) : i + 1]
         seconds = sum(s["seconds"] for s in chunk)
-        kept = sum(s["num_emitted"] - s.get("num_discarded", 0) for s in chunk)
+        kept = max(sum(s["num_emitted"] - s.get("num_discarded", 0) for s in chunk), 0)
         rates.append(kept / seconds if seconds > 0 else 0.0)
     return rates
 
