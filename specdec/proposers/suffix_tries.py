@@ -215,8 +215,9 @@ class SuffixTries(Proposer):
             np.savez_compressed(path, **arrays)
 
     def load(self, path: str | pathlib.Path) -> None:
-        """Replace the history by the responses saved in `path` (rows in flight stay, and join it as they finish). A
-        file that cannot be read as one `save` writes is refused with a ValueError, the history left as it was."""
+        """Replace the history by the responses saved in `path`, the newest `max_cached_requests` of them (rows in
+        flight stay, and join it as they finish). A file that cannot be read as one `save` writes is refused with a
+        ValueError, the history left as it was."""
         self.wait()
         where = f"cannot load a suffix history from {str(path)!r}"
         try:
@@ -240,9 +241,12 @@ class SuffixTries(Proposer):
         responses = np.split(arrays["response_tokens"].astype(np.int32), np.cumsum(arrays["response_lens"])[:-1])
         owners = arrays["response_prompt"].tolist()
         self.clear()
-        if len(arrays["response_lens"]):
+        # only what the history keeps goes in: the older ones, inserted and evicted at once, left their nodes in the
+        # store (all of them with max_cached_requests=0) until a later call rebuilt it
+        kept = range(max(len(owners) - max(self.max_cached_requests, 0), 0), len(owners))
+        if kept:
             self.flush()  # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
-            self._add_history([(prompts[o].tobytes(), r) for o, r in zip(owners, responses)])
+            self._add_history([(prompts[owners[i]].tobytes(), responses[i]) for i in kept])
             self._evict()
 
     # ---- the generator's hooks ---------------------------------------------------------------------------------

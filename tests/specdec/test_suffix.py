@@ -15,6 +15,7 @@ from rollout import Generator, SamplingParams
 from specdec.config import SpecConfig, SpecDecodeParams
 from specdec.proposers.base import ProposalBatch
 from specdec.proposers.suffix import SuffixProposer
+from specdec.proposers.suffix_tries import SuffixTries
 from specdec.suffix_index import SuffixIndex
 
 SEP = 97  # the separator of a proposer built for a 97-token vocabulary
@@ -283,6 +284,26 @@ def test_save_and_load_round_trip(tmp_path):
     third = Generator(model, max_batch_size=4, max_seq_len=64, spec=spec)
     third.draft_history.load(str(tmp_path / "history"))
     assert third.draft_history.stats()["responses"] == gen.draft_history.stats()["responses"]
+
+
+def test_load_takes_only_the_newest_responses_the_history_keeps(tmp_path):
+    """A file of more responses than `max_cached_requests` loads as its newest ones: the store is the one those alone
+    build (the older ones, inserted and evicted at once, left their nodes in it until a later call's rebuild: with
+    `max_cached_requests=0`, a whole loaded history's memory for nothing)."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 50, 5).tolist() for _ in range(6)]
+    responses = [rng.integers(0, 50, 30).tolist() for _ in range(6)]
+    full = SuffixTries(vocab_size=50, num_slots=2, num_positions=64, max_tree_depth=6)
+    full.add_responses(prompts, responses)
+    full.save(tmp_path / "six.npz")
+    for keep in (0, 2, 6, 9):
+        loaded = SuffixTries(vocab_size=50, num_slots=2, num_positions=64, max_tree_depth=6, max_cached_requests=keep)
+        loaded.load(tmp_path / "six.npz")
+        newest = SuffixTries(vocab_size=50, num_slots=2, num_positions=64, max_tree_depth=6)
+        if keep:
+            newest.add_responses(prompts[-keep:], responses[-keep:])
+        assert loaded.stats() == newest.stats(), keep
+        assert [r.tolist() for _, r in loaded.history] == responses[len(responses) - min(keep, 6) :]
 
 
 def test_a_history_made_for_another_vocabulary_is_refused_on_load(tmp_path):
