@@ -374,9 +374,40 @@ def test_verl_sampling_params_map_onto_the_library():
         ({"stop_token_ids": [2.5]}, r"\['stop_token_ids'\] \(2.5\) must be an integer"),
         ({"top_k": -2}, r"\['top_k'\] \(-2\) must be -1 \(off\)"),
         ({"max_tokens": "32"}, r"\['max_tokens'\] \('32'\) must be an integer"),
+        # the settings taken only when off are numbers too (they failed in float()'s words, not naming the key)
+        ({"repetition_penalty": "abc"}, r"\['repetition_penalty'\] \('abc'\) must be a number"),
+        ({"min_p": [0.0]}, r"\['min_p'\] \(\[0.0\]\) must be a number"),
     ]:
         with pytest.raises(ValueError, match=message):
             sampling_params_from_verl(bad, 10, LIMITS)
+
+
+def test_a_prompt_is_taken_in_the_forms_verls_servers_take_and_only_as_integer_ids(tiny32):
+    """A tokenizer's output (a BatchEncoding under transformers 5), a batch of one, a tensor or an array give the same
+    ids as the plain list; ids that are not integers reach the engine's check as they are and are refused naming the
+    value (`int()` on each id took 5.7 as 5 and True as 1, and failed on a BatchEncoding in Python's words)."""
+    from rollout.integrations.verl.params import prompt_token_ids
+
+    model, tokenizer = tiny32
+    encoded = tokenizer("12 + 7 =")
+    ids = encoded["input_ids"]
+    for form in (encoded, {"input_ids": ids}, [ids], tuple(ids), torch.tensor([ids]), np.array(ids)):
+        taken = prompt_token_ids(form)
+        assert taken == ids and all(type(t) is int for t in taken), type(form)
+    for text in ("12 + 7 =", 5, None):
+        with pytest.raises(ValueError, match="prompt_ids must be the prompt's token ids"):
+            prompt_token_ids(text)
+    engine = ServingEngine(model, max_batch_size=2, max_seq_len=64)
+    try:
+        for bad, shown in (
+            ([5.7, 6.2], r"5\.7 \(float\)"),
+            ([True, 6], r"True \(bool\)"),
+            ([[1, 2], [3]], r"\[1, 2\] \(list\)"),
+        ):
+            with pytest.raises(ValueError, match=shown + ": token ids are integers"):
+                asyncio.run(engine.generate(prompt_token_ids(bad), SamplingParams(max_new_tokens=2)))
+    finally:
+        engine.close()
 
 
 def test_a_vllm_speculative_config_carries_over():
@@ -473,6 +504,29 @@ def test_the_adapter_sends_weights_to_the_server_actor_then_greedy_equals_genera
     assert len(output.log_probs) == len(output.token_ids)
 
 
+def test_the_server_refuses_a_position_table_shorter_than_its_sequences_at_start(verl, tmp_path):
+    """A learned position table (GPT-2's) shorter than prompt_length + response_length is refused when the server
+    starts, in veRL's names (it failed at the first request, naming the library's max_seq_len)."""
+    import shutil
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from verl.workers.config import HFModelConfig
+
+    from rollout.integrations.verl.server import RolloutServer
+
+    path = tmp_path / "gpt2"
+    shutil.copytree(model_path("tiny-target"), path)
+    for weights in path.glob("*.safetensors"):
+        weights.unlink()
+    config = GPT2Config(vocab_size=476, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(path)
+    config = rollout_config(verl, prompt_length=60, response_length=32, load_format="auto")
+    with pytest.raises(
+        ValueError, match=r"fewer than rollout.max_model_len \(or prompt_length \+ response_length\) \(92\)"
+    ):
+        RolloutServer(config, HFModelConfig(path=str(path)))
+
+
 def test_the_server_builds_the_policy_from_the_trainers_config(verl):
     """`model.override_config` changes the actor's config: the server's policy is built from the same config, with
     attention the generator runs (veRL's config asks flash-attn), and the trainer's config object is left as it is."""
@@ -543,10 +597,17 @@ def test_the_server_refuses_what_it_cannot_do(verl):
         ValueError, match=r"logprobs_mode \('raw_logprobs'\) is not supported .* returns processed_logprobs"
     ):
         RolloutServer(rollout_config(verl, logprobs_mode="raw_logprobs"), model_config)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.max_num_seqs \(0\) must be a positive integer"):
+        RolloutServer(rollout_config(verl, max_num_seqs=0), model_config)
     server = RolloutServer(rollout_config(verl), model_config)
     try:
         with pytest.raises(ValueError, match="multimodal"):
             asyncio.run(server.generate([5, 6], {}, "r", image_data=["x"]))
+        with pytest.raises(ValueError, match=r"prompt 0 holds 5.7 \(float\): token ids are integers"):
+            asyncio.run(server.generate([5.7, 6.2], {}, "r"))  # (it was cut to [5, 6], and generated)
+        batch_of_one = asyncio.run(server.generate([[5, 6, 7]], {"temperature": 0, "max_tokens": 3}, "r"))
+        plain = asyncio.run(server.generate([5, 6, 7], {"temperature": 0, "max_tokens": 3}, "r"))
+        assert batch_of_one.token_ids == plain.token_ids and len(plain.token_ids) == 3
     finally:
         server.engine.close()
     from verl.workers.config import CheckpointEngineConfig

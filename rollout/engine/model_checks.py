@@ -76,10 +76,12 @@ def check_supported(model: PreTrainedModel) -> str:
     return impl
 
 
-def check_positions(model: torch.nn.Module, max_seq_len: int, role: str = "the model") -> None:
+def check_positions(
+    model: torch.nn.Module, max_seq_len: int, role: str = "the model", setting: str = "max_seq_len"
+) -> None:
     """A ValueError where a learned position table (GPT-2's `wpe`, OPT's `embed_positions`) holds fewer positions than
     a sequence of `max_seq_len` tokens takes: a row past it would index outside the table mid-call. Rotary models
-    have no such table."""
+    have no such table. `setting` names the length where the caller's user sets it."""
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     try:  # the language model's own modules (not a vision tower's position table)
         decoder = model.get_decoder()
@@ -96,8 +98,8 @@ def check_positions(model: torch.nn.Module, max_seq_len: int, role: str = "the m
         if num_positions < max_seq_len:
             raise ValueError(
                 f"{role} ({type(model).__name__}) has a learned position table of {num_positions} positions "
-                f"({path}), fewer than max_seq_len ({max_seq_len}): a longer sequence would index outside it; lower "
-                f"max_seq_len to {num_positions} or less"
+                f"({path}), fewer than {setting} ({max_seq_len}): a longer sequence would index outside it; lower "
+                f"{setting} to {num_positions} or less"
             )
 
 

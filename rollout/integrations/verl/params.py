@@ -46,6 +46,30 @@ class RequestLimits:
                 raise ValueError(f"{name} ({value!r}) must be a positive integer")
 
 
+def prompt_token_ids(prompt_ids: Any) -> list:
+    """A request's prompt as a list of token ids, taken in the forms veRL's own servers take: a list or tuple, a
+    tensor or array, a tokenizer's output (`apply_chat_template(tokenize=True)` gives a `BatchEncoding` under
+    transformers 5) or a batch of that one prompt. Integer ids become Python ints; anything else is left for the
+    engine's check, which refuses it naming the value (a float was cut to an int, a bool taken as 0 or 1).
+
+    Raises:
+        ValueError: text, or no sequence at all.
+    """
+    ids = prompt_ids
+    if not isinstance(ids, (list, tuple, str)) and hasattr(ids, "keys") and "input_ids" in ids.keys():
+        ids = ids["input_ids"]  # a tokenizer's output (a BatchEncoding, a dict)
+    if hasattr(ids, "tolist") and not isinstance(ids, str):
+        ids = ids.tolist()
+    if isinstance(ids, (list, tuple)) and len(ids) == 1 and isinstance(ids[0], (list, tuple)):
+        ids = ids[0]  # a batch of one prompt
+    if isinstance(ids, str) or not isinstance(ids, (list, tuple)):
+        raise ValueError(
+            f"prompt_ids must be the prompt's token ids (a list of integers), got {type(prompt_ids).__name__} "
+            f"{prompt_ids!r:.60}: the 'rollout' backend takes tokenized prompts"
+        )
+    return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
+
+
 def sampling_params_from_verl(
     sampling_params: dict[str, Any], num_prompt_tokens: int, limits: RequestLimits
 ) -> tuple[SamplingParams, bool]:
@@ -68,7 +92,7 @@ def sampling_params_from_verl(
             f"{', '.join(SAMPLING_KEYS)} (and {', '.join(NEUTRAL_VALUES)} at their off values)"
         )
     for key, off in NEUTRAL_VALUES.items():
-        if key in params and params[key] is not None and float(params[key]) != off:
+        if _number(params.get(key), key, off) != off:
             raise ValueError(
                 f"sampling_params[{key!r}] ({params[key]!r}) is not supported by the 'rollout' backend (it would break "
                 f"exact drafting): set it to {off}"

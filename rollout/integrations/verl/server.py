@@ -21,8 +21,9 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
+from rollout.engine.model_checks import check_positions
 from rollout.integrations.verl.engine import ABORTED, ServingEngine
-from rollout.integrations.verl.params import EngineOptions, RequestLimits, sampling_params_from_verl
+from rollout.integrations.verl.params import EngineOptions, RequestLimits, prompt_token_ids, sampling_params_from_verl
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +71,22 @@ class RolloutServer:
         options = EngineOptions.from_dict(engine_kwargs.get(NAME), vllm_kwargs.get("speculative_config"))
         max_model_len = config.max_model_len or config.prompt_length + config.response_length
         self.limits = RequestLimits(config.prompt_length, config.response_length, max_model_len, config.ignore_eos)
+        max_num_seqs = config.max_num_seqs
+        if options.max_batch_size is None and (
+            not isinstance(max_num_seqs, int) or isinstance(max_num_seqs, bool) or max_num_seqs < 1
+        ):  # (the generator's own check names its max_batch_size, a setting a veRL user never sees)
+            raise ValueError(
+                f"actor_rollout_ref.rollout.max_num_seqs ({max_num_seqs!r}) must be a positive integer: the most "
+                f"sequences a replica generates at once (this backend uses up to {MAX_BATCH_SIZE})"
+            )
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_policy(model_config, config.dtype, config.load_format, self.device)
+        # at start, not at the first request (the generator is built then), and in veRL's names
+        length = "rollout.max_model_len (or prompt_length + response_length)"
+        check_positions(self.model, max_model_len, "the policy", length)
         self.engine = ServingEngine(
             self.model,
-            max_batch_size=options.max_batch_size or min(config.max_num_seqs, MAX_BATCH_SIZE),
+            max_batch_size=options.max_batch_size or min(max_num_seqs, MAX_BATCH_SIZE),
             max_seq_len=max_model_len,
             spec=options.spec,
             kv_layout=options.kv_layout,
@@ -86,7 +98,7 @@ class RolloutServer:
         )
         logger.warning(
             "rollout backend: replica %d on %s, %s slots x %d positions, speculation %s",
-            replica_rank, self.device, options.max_batch_size or min(config.max_num_seqs, MAX_BATCH_SIZE),
+            replica_rank, self.device, options.max_batch_size or min(max_num_seqs, MAX_BATCH_SIZE),
             max_model_len, options.spec,
         )  # fmt: skip
 
@@ -107,7 +119,7 @@ class RolloutServer:
         ("completed", or "aborted" when `abort_all_requests` dropped it)."""
         if image_data is not None or video_data is not None or audio_data is not None:
             raise ValueError("the 'rollout' backend generates from text prompts only: multimodal data is not supported")
-        prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids = prompt_token_ids(prompt_ids)  # (not int() on each: 5.7 was taken as 5, True as 1)
         params, want_logprobs = sampling_params_from_verl(sampling_params, len(prompt_ids), self.limits)
         completion = await self.engine.generate(prompt_ids, params)
         extra_fields = {"global_steps": self.global_steps}
