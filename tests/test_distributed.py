@@ -330,7 +330,7 @@ def test_the_summary_and_the_report_of_a_run_resumed_on_another_number_of_ranks(
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share):
+def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share, monkeypatch):
     """`rollout train` under accelerate: TRL's GRPOTrainer on 2 processes, each generating its own 2 prompts x 2
     samples per step; with sharing each drafter holds both ranks' responses after every step."""
     out = tmp_path / "train"
@@ -347,6 +347,18 @@ def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share):
     assert [s["rollout/history_responses"] for s in steps] == ([2 * own, 4 * own] if share else [own, 2 * own])
     assert json.loads((out / "summary.json").read_text())["complete"] is True
     assert result.stdout.count("steps in") == 1
+    if share:  # (once) a training that rank 1 stops at step 2 resumes on two ranks from its checkpoint of step 1
+        out = tmp_path / "checkpointed"
+        checkpointed = [*args, "train.save_steps=1", f"output_dir={out}"]
+        checkpointed += ["rewards=[{name: 'rank_rewards:fails_late_on_rank_one'}]"]
+        monkeypatch.setenv("RANK_FAIL_AT", "2")
+        assert launch(2, checkpointed).returncode != 0
+        monkeypatch.delenv("RANK_FAIL_AT")
+        assert [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()] == [1]
+        resumed = launch(2, [*checkpointed, "resume=true"])
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()] == [1, 2]
+        assert "2 steps in" in resumed.stdout and json.loads((out / "summary.json").read_text())["complete"]
 
 
 def test_a_run_stopped_by_a_rank_resumes_to_every_sample_once(one_process, tmp_path, monkeypatch):

@@ -156,7 +156,74 @@ def test_bad_train_settings_are_one_line(tmp_path, capsys):
     assert main(["run", GRPO, "rollout.num_rollouts=0", f"output_dir={tmp_path}"]) == 2
     assert "rollout.num_rollouts (0) must be >= 1" in capsys.readouterr().err
     assert main(["train", GRPO, "resume=true", f"output_dir={tmp_path}"]) == 2
-    assert "does not resume a stopped training" in capsys.readouterr().err
+    assert "with train.save_steps 0 it keeps none" in capsys.readouterr().err
+    assert main(["train", GRPO, "train.save_steps=-1", f"output_dir={tmp_path}"]) == 2
+    assert "train.save_steps (-1) must be >= 0" in capsys.readouterr().err
+
+
+def digit_share(completions, problem, **kwargs):
+    """A reward for the test below that moves with the policy and tells the prompts apart: the share of digits in
+    the completion, times 1 to 5 by the length of the problem."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [(1 + len(p) % 5) * sum(ch.isdigit() for ch in t) / max(len(t), 1) for t, p in zip(texts, problem)]
+
+
+def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, monkeypatch, capsys):
+    """With train.save_steps, Ctrl-C at step 4 keeps the checkpoint of step 3 and says so; resume=true then makes
+    steps 4 and 5 exactly as the uninterrupted training did (rewards, losses and gradient norms: the model,
+    optimiser, scheduler and RNG restored, the rollouts seeded by their step, and the second epoch's prompts in the
+    uninterrupted order). Without a checkpoint it is refused."""
+    pytest.importorskip("trl", reason="the trl extra is not installed")
+    import rollout.cli.train as train
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("rewards:\n  - name: test_train:digit_share\n")
+    # 3 steps an epoch: the checkpoint of step 3 ends the first, and the resumed steps are the second epoch's
+    args = ["train.steps=5", "train.save_steps=3", "train.prompts_per_step=2", "train.learning_rate=3e-3"]
+    args += ["sampling.n=4", "sampling.max_new_tokens=24", "data.num_prompts=6", "logging.wandb_mode=disabled"]
+    args += ["logging.plot=false"]
+    assert main(["train", str(recipe), *args, f"output_dir={tmp_path / 'whole'}"]) == 0
+    whole = read_jsonl(tmp_path / "whole" / "train.jsonl")
+    capsys.readouterr()
+    assert [p.name for p in (tmp_path / "whole" / "trainer").glob("checkpoint-*")] == ["checkpoint-5"]  # the last
+
+    logged = train.StepLog.on_log
+
+    def stopped_at(step: int):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logged(self, args, state, control, logs=logs, **kwargs)
+            if logs and "loss" in logs and state.global_step == step:
+                raise KeyboardInterrupt  # as Ctrl-C's handler raises it
+
+        return on_log
+
+    out = tmp_path / "stopped"
+    with monkeypatch.context() as patch:
+        patch.setattr(train.StepLog, "on_log", stopped_at(4))
+        assert main(["train", str(recipe), *args, f"output_dir={out}"]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["rollout train: interrupted: the checkpoint of step 3 is kept; resume=true continues from it"], err
+    assert [s["step"] for s in read_jsonl(out / "train.jsonl")] == [1, 2, 3, 4]
+    assert json.loads((out / "summary.json").read_text())["complete"] is False
+    assert main(["train", str(recipe), *args, f"output_dir={out}", "resume=true"]) == 0
+    capsys.readouterr()
+    resumed = read_jsonl(out / "train.jsonl")
+    assert [s["step"] for s in resumed] == [1, 2, 3, 4, 5]  # step 4 made again, once
+    for key in ("reward", "loss", "grad_norm"):
+        assert [s[key] for s in resumed] == [s[key] for s in whole], key
+    # a real check: the steps differ, and the model had moved before the checkpoint (its weights and the
+    # optimiser's moments are what the resume restores)
+    assert len({s["reward"] for s in whole}) > 1 and all(s["grad_norm"] > 0 for s in whole[:3]), whole
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is True and summary["num_steps"] == 5
+    # stopped before its first checkpoint: nothing to resume from, and the line does not promise it
+    early = tmp_path / "early"
+    with monkeypatch.context() as patch:
+        patch.setattr(train.StepLog, "on_log", stopped_at(1))
+        assert main(["train", str(recipe), *args, f"output_dir={early}"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["rollout train: interrupted"]
+    assert main(["train", str(recipe), *args, f"output_dir={early}", "resume=true"]) == 2
+    assert "holds no complete checkpoint" in capsys.readouterr().err
 
 
 def test_plain_pytorch_grpo_raises_the_reward_of_the_prompts_it_trains_on():

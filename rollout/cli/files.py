@@ -81,6 +81,33 @@ def check_makeable(folder: pathlib.Path) -> None:
             return
 
 
+def last_checkpoint(output_dir: str | pathlib.Path) -> tuple[pathlib.Path, int] | None:
+    """The newest complete checkpoint `rollout train` keeps (`output_dir/trainer/checkpoint-N`) and its step N, or
+    None. Complete: its `trainer_state.json` is there (the trainer writes it last; a stop while it saves leaves a
+    folder without it, and the one before stays until the new one is whole)."""
+    found = []
+    for path in (pathlib.Path(output_dir) / "trainer").glob("checkpoint-*"):
+        step = path.name[len("checkpoint-") :]
+        if step.isdigit() and (path / "trainer_state.json").is_file():
+            found.append((int(step), path))
+    if not found:
+        return None
+    step, path = max(found)
+    return path, step
+
+
+def checkpoint_to_resume(output_dir: str | pathlib.Path, save_steps: int) -> tuple[pathlib.Path, int]:
+    """`last_checkpoint`, refused (ValueError) where there is none."""
+    found = last_checkpoint(output_dir)
+    if found is None:
+        raise ValueError(
+            f"resume=true but {output_dir} holds no complete checkpoint (trainer/checkpoint-N, written every "
+            f"train.save_steps={save_steps} steps: the training stopped before the first): run it again with "
+            "overwrite=true"
+        )
+    return found
+
+
 def check_resumable(path: str | pathlib.Path, config: dict | None) -> None:
     """Refuse to resume where there is no run, or a run made with another recipe (sections that change samples)."""
     folder = pathlib.Path(path)

@@ -18,6 +18,7 @@ import pathlib
 import signal
 import sys
 
+from rollout.cli.files import last_checkpoint
 from rollout.cli.library_log import capture_library_warnings, route_transformers
 from rollout.distributed import VANISHED, Ranks, RankStopped, signal_behind, signals_ignored, start_ranks
 
@@ -118,6 +119,7 @@ def _train(args: argparse.Namespace) -> None:
     from rollout.cli.train import run_training
 
     args.ranks = start_ranks(cpu=recipe.model.device == "cpu")  # before TRL's accelerator, which reuses it
+    args.train_recipe = recipe  # a stop's line names its last checkpoint
     t = recipe.train
     length = f"{t.steps} steps" if t.steps is not None else f"{t.epochs:g} epochs"
     if args.ranks.is_main:
@@ -372,6 +374,11 @@ def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
             bench_file = getattr(args, "bench_file", None)
             if bench_file is not None and bench_file.is_file():
                 kept = f": the rows that finished are in {bench_file} (marked incomplete)"
+        elif args.command == "train":
+            recipe = getattr(args, "train_recipe", None)
+            found = last_checkpoint(recipe.output_dir) if recipe is not None and recipe.train.save_steps else None
+            if found is not None:
+                kept = f": the checkpoint of step {found[1]} is kept; resume=true continues from it"
         print(f"rollout {args.command}: {rank}{what}{kept}", file=sys.stderr)
     return code
 

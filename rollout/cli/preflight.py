@@ -10,7 +10,8 @@ loaded, or after a whole rollout:
 - `rollout train`: options TRL would refuse only after a rollout, and a group of identical samples (greedy);
 - a device other than the CPU (the one check that imports torch): CUDA must be there;
 - last, the output folder: one that holds a run (unless `overwrite` or `resume` say what to do with it), one that
-  holds other files (unless `overwrite`), a file in its place, a `resume` with no run or another recipe there.
+  holds other files (unless `overwrite`), a file in its place, a `resume` with no run or another recipe there (or,
+  for `rollout train`, no complete checkpoint).
 
 It returns the notes a run's header prints: what the recipe will do that a user may not expect.
 """
@@ -26,7 +27,7 @@ import pathlib
 import re
 from typing import TYPE_CHECKING
 
-from rollout.cli.files import check_makeable, check_output_dir, check_resumable
+from rollout.cli.files import check_makeable, check_output_dir, check_resumable, checkpoint_to_resume
 from rollout.cli.hub import check_hub_id
 from rollout.cli.recipe import WANDB_MODES, DataRecipe, Recipe, recipe_dict
 from rollout.models import zoo
@@ -46,10 +47,10 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def preflight(recipe: Recipe, command: str) -> list[str]:
     """Check what `recipe` states for `command` ("run", "train" or "bench"); raise ValueError (or FileNotFoundError)
     with one line at the first problem. Returns the header's notes."""
-    if command == "train" and recipe.resume:
+    if command == "train" and recipe.resume and recipe.train.save_steps == 0:
         raise ValueError(
-            "resume=true continues a `rollout run`; `rollout train` does not resume a stopped training (it keeps no "
-            "optimiser checkpoint): run it again with overwrite=true, or into another output_dir"
+            "resume=true continues a training from its last checkpoint, and with train.save_steps 0 it keeps none: "
+            "run it again with overwrite=true (and train.save_steps=N to checkpoint every N steps)"
         )
     if command == "bench" and recipe.resume:
         raise ValueError(
@@ -130,8 +131,11 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
             )
     elif recipe.resume:
         check_resumable(recipe.output_dir, recipe_dict(recipe))
+        if command == "train":
+            checkpoint_to_resume(recipe.output_dir, recipe.train.save_steps)
     else:
-        check_output_dir(recipe.output_dir, recipe.overwrite, resumable=command == "run")
+        resumable = command == "run" or (command == "train" and recipe.train.save_steps > 0)
+        check_output_dir(recipe.output_dir, recipe.overwrite, resumable=resumable)
     notes = []
     if identical:
         notes.append(

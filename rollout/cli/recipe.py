@@ -194,6 +194,9 @@ class TrainRecipe:
         loss_type: TRL's GRPO loss: grpo | dr_grpo | dapo | bnpo | ...
         gradient_checkpointing: trades compute for memory in the training forward.
         save_model: write the trained model and tokenizer to output_dir/model.
+        save_steps: every this many optimiser steps, a checkpoint (model, optimiser, scheduler, RNG states) to
+            output_dir/trainer/checkpoint-N, the last one kept; `resume=true` continues a stopped training from it.
+            0 = none.
     """
 
     steps: int | None = 30
@@ -208,9 +211,11 @@ class TrainRecipe:
     loss_type: str = "dapo"
     gradient_checkpointing: bool = False
     save_model: bool = False
+    save_steps: int = 0
 
     def __post_init__(self) -> None:
         _require(self.steps is None or self.steps >= 1, f"train.steps ({self.steps}) must be >= 1, or null for epochs")
+        _require(self.save_steps >= 0, f"train.save_steps ({self.save_steps}) must be >= 0 (0 = no checkpoints)")
         _require(self.epochs > 0, f"train.epochs ({self.epochs}) must be > 0")
         _require(self.prompts_per_step >= 1, f"train.prompts_per_step ({self.prompts_per_step}) must be >= 1")
         _require(self.learning_rate > 0, f"train.learning_rate ({self.learning_rate}) must be > 0, e.g. 1e-5")

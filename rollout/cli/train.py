@@ -9,21 +9,33 @@ The recipe's model, data, sampling, spec, rollout and rewards sections mean what
 - `summary.json`: steps, wall time, the reward of the first and last 10% of steps and their difference, the rollout
   share of the step time, and rollout tokens/s per epoch;
 - `config.yaml`, `train.png` (reward and rollout tokens/s over the steps), `model/` with `train.save_model`, and the
-  trainer's W&B run (offline by default) holding the same per-step metrics but `rollout/share`.
+  trainer's W&B run (offline by default) holding the same per-step metrics but `rollout/share`;
+- with `train.save_steps` N, `trainer/checkpoint-<step>`: every N steps the model, optimiser, scheduler and RNG states
+  (the last one kept). `resume=true` continues a stopped training from it: `train.jsonl` keeps the steps up to it,
+  the trainer restores the rest, and the rollouts of the steps after it are seeded by their step as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import pathlib
 import time
 
+import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
-from rollout.cli.files import atomic_path, prepare_output_dir, write_atomic
+from rollout.cli.files import (
+    atomic_path,
+    check_resumable,
+    checkpoint_to_resume,
+    prepare_output_dir,
+    read_jsonl,
+    write_atomic,
+)
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.preflight import preflight
 from rollout.cli.recipe import Recipe, recipe_dict
@@ -67,14 +79,19 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
     if ranks.is_main and (warning := header_warning(recipe, inputs)) is not None:
         print(warning, flush=True)
     output_dir = pathlib.Path(recipe.output_dir)
-    error = None
+    error, checkpoint, kept = None, None, None
     if ranks.is_main:
         try:
-            output_dir = prepare_output_dir(recipe.output_dir, recipe.overwrite, resumable=False)
+            if recipe.resume:
+                checkpoint, kept = _resume_point(output_dir, recipe)
+            else:
+                resumable = recipe.train.save_steps > 0
+                output_dir = prepare_output_dir(recipe.output_dir, recipe.overwrite, resumable=resumable)
             attach_library_log(output_dir)
         except (ValueError, OSError) as err:
             error = err
-    if ranks.broadcast(None if error is None else str(error)) is not None:  # every rank stops; rank 0 says why
+    failure, checkpoint = ranks.broadcast((None if error is None else str(error), checkpoint))
+    if failure is not None:  # every rank stops; rank 0 says why
         raise error if error is not None else RankStopped()
     from omegaconf import OmegaConf
 
@@ -91,8 +108,8 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
         stop_token_ids=recipe.sampling.stop_token_ids,
         ignore_eos=recipe.sampling.ignore_eos,
     )
-    record = StepLog(output_dir / "train.jsonl" if ranks.is_main else None)
-    trainer = trl.GRPOTrainer(
+    record = StepLog(output_dir / "train.jsonl" if ranks.is_main else None, kept)
+    trainer = _resumable_trainer(trl.GRPOTrainer, _epochs_done(checkpoint))(
         model=inputs.model,
         reward_funcs=[_trl_reward(term, recipe.rollout.non_finite_rewards_as_null) for term in terms],
         args=args,
@@ -106,10 +123,11 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
     run = None
     if ranks.is_main:
         run = start_wandb_run(wandb_mode, log.project, log.run_name, output_dir, recipe_dict(recipe))
-    start = time.perf_counter()
+    # a resumed training's clock goes on from the steps it keeps (their step times: its stop and restart are not on it)
+    start = time.perf_counter() - sum(s.get("step_time") or 0.0 for s in kept or [])
     failed = True
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=checkpoint)
         failed = False
     except BaseException as err:  # an error, Ctrl-C, SIGTERM: the steps so far are in train.jsonl; say so
         if ranks.is_main:
@@ -127,6 +145,45 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
     if not ranks.is_main:
         return None
     return _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot)
+
+
+def _epochs_done(checkpoint: str | None) -> int:
+    """Whole epochs a checkpoint's training had finished (0 without one)."""
+    if checkpoint is None:
+        return 0
+    state = json.loads((pathlib.Path(checkpoint) / "trainer_state.json").read_text())
+    return int((state.get("epoch") or 0.0) + 1e-9)  # (an epoch's end is logged as a whole number)
+
+
+def _resumable_trainer(base: type, epochs_done: int) -> type:
+    """`base` (TRL's GRPOTrainer) whose prompt sampler, in a training resumed after `epochs_done` whole epochs, first
+    draws those epochs' orders. TRL's sampler shuffles every epoch from one generator, and transformers does not go
+    through the finished epochs again on a resume: the resumed epochs would repeat the first epochs' orders, and
+    their steps would not be the uninterrupted training's."""
+    if epochs_done == 0:
+        return base
+
+    class Resumed(base):
+        def _get_train_sampler(self, *args, **kwargs):
+            sampler = super()._get_train_sampler(*args, **kwargs)
+            generator = getattr(sampler, "generator", None)
+            if getattr(sampler, "shuffle", False) and isinstance(generator, torch.Generator):
+                for _ in range(epochs_done):  # as each finished epoch's `iter(sampler)` drew
+                    torch.randperm(sampler.num_samples, generator=generator)
+            return sampler
+
+    return Resumed
+
+
+def _resume_point(output_dir: pathlib.Path, recipe: Recipe) -> tuple[str, list[dict]]:
+    """The last checkpoint of the stopped training in `output_dir` (made with the same recipe) and the steps of
+    train.jsonl up to it (the file is cut back to them; the steps after it are made again)."""
+    check_resumable(output_dir, recipe_dict(recipe))
+    path, step = checkpoint_to_resume(output_dir, recipe.train.save_steps)
+    kept = [s for s in read_jsonl(output_dir / "train.jsonl") if s.get("step", 0) <= step]
+    write_atomic(output_dir / "train.jsonl", "".join(json.dumps(s) + "\n" for s in kept))
+    (output_dir / "summary.json").unlink(missing_ok=True)  # the stopped training's: this one writes its own
+    return str(path), kept
 
 
 def _write_summary(steps: list[dict], wall: float, output_dir: pathlib.Path, plot: bool, stopped: str | None = None):
@@ -163,6 +220,9 @@ def grpo_config(recipe: Recipe, report_to: str, num_processes: int = 1):
     from trl import GRPOConfig
 
     t, s = recipe.train, recipe.sampling
+    # transformers 5.24 renamed gradient_checkpointing, and warns at the old name (a line in every run's warnings.log)
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     return GRPOConfig(
         output_dir=str(pathlib.Path(recipe.output_dir) / "trainer"),
         use_cpu=recipe.model.device == "cpu",
@@ -182,10 +242,12 @@ def grpo_config(recipe: Recipe, report_to: str, num_processes: int = 1):
         max_grad_norm=t.max_grad_norm,
         beta=t.beta,
         loss_type=t.loss_type,
-        gradient_checkpointing=t.gradient_checkpointing,
+        **{checkpointing: t.gradient_checkpointing},
         seed=recipe.sampling.seed,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if t.save_steps else "no",
+        save_steps=t.save_steps or 500,  # (the default, unused with "no")
+        save_total_limit=1,
         report_to=report_to,
         run_name=recipe.logging.run_name,
         disable_tqdm=True,
@@ -221,11 +283,11 @@ def _trl_reward(term: WeightedReward, as_null: bool):
 class StepLog(TrainerCallback):
     """A trainer callback: each optimiser step's logged metrics to train.jsonl and one line on stdout."""
 
-    def __init__(self, path: pathlib.Path | None):
+    def __init__(self, path: pathlib.Path | None, kept: list[dict] | None = None):
         self.path = path  # None: record nothing (a rank other than 0)
-        if path is not None:
+        if path is not None and kept is None:
             path.write_text("")
-        self.steps: list[dict] = []
+        self.steps: list[dict] = list(kept or [])  # a resumed training's steps so far (already in the file)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.path is None or not logs or "loss" not in logs:  # no file: not rank 0; no loss: the final summary
