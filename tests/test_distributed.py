@@ -217,6 +217,7 @@ def test_rank_zero_writes_steps_with_ranks_and_a_summary_per_rank(two_processes,
     assert [s["history_responses"] for s in summary["history_sharing"]] == [[10, 10], [20, 20]]
     assert all(path.read_text() == "" for path in (two / "ranks").rglob("*.jsonl"))  # all merged into the run's files
     assert "straggler ratio" in result.stdout and result.stdout.count("samples, reward mean") == 1  # rank 0 prints
+    assert result.stdout.count("rank 0: KV cache ") == 1  # the header's KV line, rank 0's (it printed none)
     # each rollout's line counts as the table does: the ranks side by side (tokens/s summed, the slowest rank's time)
     for index in (0, 1):
         mine = [s for s in steps if s["rollout"] == index]

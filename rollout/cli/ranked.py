@@ -22,6 +22,7 @@ from rollout.cli.recipe import Recipe
 from rollout.cli.runs import (
     header_warning,
     kept_responses,
+    kv_cache_header,
     load_inputs,
     make_rollout,
     make_tracker,
@@ -70,6 +71,8 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     local = on_rank_device(recipe, ranks)
     inputs = load_inputs(local)
     rollout = make_rollout(local, inputs, recipe_spec(local), ranks.world_size)
+    if ranks.is_main:  # (each rank plans its own generator; rank 0's stands for them, as one machine's ranks agree)
+        print(f"rank 0: {kv_cache_header(rollout.generator, inputs.max_seq_len)}", flush=True)
     if ranks.is_main and (warning := header_warning(recipe, inputs)) is not None:
         print(warning, flush=True)
     tracker, error = None, None
