@@ -248,6 +248,34 @@ def test_sleep_frees_the_cache_keeps_the_history_and_holds_requests(tiny32):
         engine.close()
 
 
+def test_a_history_kept_over_a_sleep_drafts_as_if_the_engine_never_slept(tiny32):
+    """The tries move to the woken generator as they are (no save and rebuild, seconds for a large history): an
+    engine that slept between two calls drafts the second exactly as one that did not."""
+    model, tokenizer = tiny32
+    prompts = prompts_of(tokenizer, 3, seed=5)
+    spec = SpecConfig(method="suffix", num_speculative_tokens=4)
+    params = SamplingParams(temperature=1.0, max_new_tokens=48, seed=3)
+    traces = []
+    for slept in (False, True):
+        engine = ServingEngine(model, max_batch_size=4, max_seq_len=LIMITS.max_model_len, spec=spec, seed=0)
+        try:
+            run_all(engine, [(ids, params) for ids in prompts])
+            if slept:
+                kept = engine.generator.draft_history
+                engine.sleep()
+                engine.wake_up()
+                assert engine.generator.draft_history is not kept and kept.stats()["responses"] == 0  # moved over
+            stats = engine.generator.draft_history.stats()
+            before = dict(engine.totals)
+            second = run_all(engine, [(ids, params) for ids in prompts])
+            drafting = {key: engine.totals[key] - before[key] for key in ("steps", "num_drafted", "num_accepted")}
+            traces.append((stats, [c.token_ids for c in second], drafting))
+        finally:
+            engine.close()
+    assert traces[0] == traces[1] and traces[0][0]["responses"] == 3
+    assert traces[0][2]["num_drafted"] > 0  # (the second call drafted from the history)
+
+
 def test_abort_all_answers_aborted_and_resume_serves_again(tiny32):
     model, tokenizer = tiny32
     prompt = prompts_of(tokenizer, 1, seed=5)[0]

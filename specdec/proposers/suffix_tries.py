@@ -186,6 +186,28 @@ class SuffixTries(Proposer):
         )
         self._evict()
 
+    def adopt(self, other: SuffixTries) -> None:
+        """Take the history of `other` (another generator's `draft_history`: its tries and cached responses, as they
+        are) in place of this one's, without the rebuild that `save` and `load` make (seconds for a large history);
+        `other` is left empty. For a generator built again over the same model, e.g. after one closed to free its
+        device memory. Both must count n-grams of the same depth over the same vocabulary, and neither may have rows
+        in flight. Past this one's `max_cached_requests`, the oldest responses are evicted."""
+        if not isinstance(other, SuffixTries) or type(other.index) is not type(self.index):
+            raise ValueError(f"adopt takes another suffix proposer's history, got {type(other).__name__}")
+        if (other.separator, other.max_tree_depth) != (self.separator, self.max_tree_depth):
+            raise ValueError(
+                f"adopt: that history counts n-grams up to {other.max_tree_depth} tokens over a vocabulary of "
+                f"{other.separator}, this one up to {self.max_tree_depth} over {self.separator}: load a saved one"
+            )
+        other.flush()  # (its background insertion waited for, its finished rows' last tokens inserted)
+        self.flush()
+        if other._in_flight.any() or self._in_flight.any():
+            raise ValueError("adopt: a history with rows in flight cannot move: call it between generate calls")
+        self.index, self.global_root, self.prompts = other.index, other.global_root, other.prompts
+        self.history, self._dead_tokens = other.history, other._dead_tokens
+        other._start_empty()
+        self._evict()
+
     def _in_vocabulary(self, ids: np.ndarray) -> bool:
         """Whether `ids` is one sequence of token ids of the target's vocabulary (empty is)."""
         if ids.ndim != 1:

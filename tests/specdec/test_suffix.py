@@ -306,6 +306,29 @@ def test_load_takes_only_the_newest_responses_the_history_keeps(tmp_path):
         assert [r.tolist() for _, r in loaded.history] == responses[len(responses) - min(keep, 6) :]
 
 
+def test_adopt_moves_a_history_as_it_is_and_refuses_what_cannot_move():
+    """`adopt` takes another proposer's tries as they are (the same counts and nodes, where `load` rebuilds them),
+    empties the other, evicts past its own `max_cached_requests`, and refuses another depth or vocabulary."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 50, 5).tolist() for _ in range(4)]
+    responses = [rng.integers(0, 50, 20).tolist() for _ in range(4)]
+    old = SuffixTries(vocab_size=50, num_slots=2, num_positions=64, max_tree_depth=6)
+    old.add_responses(prompts, responses)
+    stats = old.stats()
+    new = SuffixTries(vocab_size=50, num_slots=2, num_positions=64, max_tree_depth=6)
+    new.adopt(old)
+    assert new.stats() == stats and old.stats()["responses"] == 0 and old.stats()["nodes"] == 1
+    small = SuffixTries(vocab_size=50, num_slots=2, num_positions=64, max_tree_depth=6, max_cached_requests=1)
+    small.adopt(new)
+    assert [r.tolist() for _, r in small.history] == responses[-1:]
+    for other in (SuffixTries(vocab_size=50, num_slots=2, num_positions=64, max_tree_depth=5),
+                  SuffixTries(vocab_size=60, num_slots=2, num_positions=64, max_tree_depth=6)):  # fmt: skip
+        with pytest.raises(ValueError, match="adopt: that history counts n-grams up to"):
+            small.adopt(other)
+    with pytest.raises(ValueError, match="adopt takes another suffix proposer's history, got str"):
+        small.adopt("history.npz")
+
+
 def test_a_history_made_for_another_vocabulary_is_refused_on_load(tmp_path):
     """`load` checks token ids as `add_responses` does: a history saved for a larger vocabulary (or a damaged file)
     would otherwise be drafted from, feeding the target ids past its vocabulary."""

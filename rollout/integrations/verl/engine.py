@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
-import io
 import logging
 import random
 import threading
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +26,9 @@ from rollout.engine.requests import check_params, check_prompts
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.integrations.verl.weights import copy_weights
 from specdec.config import SpecConfig
+
+if TYPE_CHECKING:
+    from specdec.proposers.suffix_tries import SuffixTries
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ class ServingEngine:
         self.generator: Generator | None = None  # None while asleep (and before the first request)
         # steps taken, draft tokens proposed / accepted, tokens emitted, seconds by step kind, over the engine's life
         self.totals: dict[str, float] = {"steps": 0, "num_drafted": 0, "num_accepted": 0, "num_emitted": 0}
-        self._history: io.BytesIO | None = None  # the suffix drafter's history kept over a sleep
+        self._history: SuffixTries | None = None  # the suffix drafter's history kept over a sleep (host memory)
         self._incoming: list[_Request] = []
         self._num_admitting = 0  # requests the engine's thread took from `_incoming` and has not yet queued
         self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}  # (prompt_index, sample_index) in flight
@@ -331,8 +334,7 @@ class ServingEngine:
         if self.generator is None:
             self.generator = Generator(self.model, **self._generator_kwargs)
             if self._history is not None and self.generator.draft_history is not None:
-                self._history.seek(0)
-                self.generator.draft_history.load(self._history)
+                self.generator.draft_history.adopt(self._history)  # as it was: no rebuild (seconds for a large one)
             self._history = None
         return self.generator
 
@@ -340,10 +342,8 @@ class ServingEngine:
         gen, self.generator = self.generator, None
         if gen is None:
             return
-        if gen.draft_history is not None:
-            self._history = io.BytesIO()
-            gen.draft_history.save(self._history)
         gen.close()
+        self._history = gen.draft_history  # the tries stay in host memory until the next generator adopts them
 
 
 def _settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> None:
