@@ -2,6 +2,6 @@
 
 import sys
 
-from rollout.cli.main import main
+from rollout.cli.main import command
 
-sys.exit(main())
+sys.exit(command())

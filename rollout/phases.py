@@ -54,7 +54,7 @@ def summarize(steps: Iterable[dict]) -> dict:
     - `tokens`: completion tokens emitted and kept: `num_emitted` (a prefill step emits each sample's first token)
       less `num_discarded` (what rows preempted for lack of blocks had emitted before they started over, counted in
       the phase of the step that preempted them; in a run's files, also what the rows a stop cut off had emitted, on
-      the stopped rollout's last step), so that `total` is the completions' tokens.
+      the stopped rollout's last steps), so that `total` is the completions' tokens.
     - `tokens_per_s`: tokens / seconds.
     - `mean_batch_size`: mean `batch_size` per step: active rows for decode steps, prompts admitted per step for
       prefill. `total` averages over its decode steps only (prefill batches count prompts, not rows): 0.0 without.

@@ -272,7 +272,7 @@ def stopped_at_once():  # every command stopped by the first Ctrl-C (or SIGTERM)
 
 cli.build_parser = stopped_at_once
 sys.argv = ["rollout", "report", "."]
-sys.exit(cli.main())
+sys.exit(cli.command() if {command} else cli.main())
 """
 
 
@@ -282,10 +282,82 @@ def test_a_second_signal_while_the_process_exits_ends_it_quietly(sig):
     libraries' exit callbacks, after the run said in one line what stopped it: the process ends at once with the same
     status, with no traceback of the callback it broke off (a real process: the exit callbacks run only at its end)."""
     result = subprocess.run(
-        [sys.executable, "-c", SECOND_CTRL_C.format(sig=sig)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", SECOND_CTRL_C.format(sig=sig, command=True)], cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal's Ctrl-C delivers it
     )  # fmt: skip
     lines = result.stderr.splitlines()
     assert result.returncode == {"SIGINT": 130, "SIGTERM": 143}[sig], result.stderr
     assert lines == [f"rollout report: {'interrupted' if sig == 'SIGINT' else 'terminated (SIGTERM)'}"], lines
+
+
+def test_a_program_that_calls_main_keeps_its_own_signal_handlers(monkeypatch, capsys):
+    """Only the `rollout` command's own process (`command()`) ends at a second signal: a program that calls `main()`
+    (with the command line in sys.argv) and goes on after a stopped run keeps its handlers, its `except` and `finally`
+    included."""
+    import rollout.cli.main as cli
+
+    build = cli.build_parser
+
+    def stopped_at_once():
+        parser = build()
+        for each in parser.commands.values():
+            each.set_defaults(func=lambda args: signal.raise_signal(signal.SIGINT))
+        return parser
+
+    monkeypatch.setattr(cli, "build_parser", stopped_at_once)
+    monkeypatch.setattr(sys, "argv", ["rollout", "report", "."])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a background job's SIGINT is ignored)
+    try:
+        assert cli.main() == 130
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) == handlers[signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert capsys.readouterr().err.strip() == "rollout report: interrupted"
+
+
+@pytest.mark.parametrize("where", ["after_a_prefill", "between_a_groups_lines_and_its_count"])
+def test_a_stop_anywhere_leaves_totals_that_are_the_completions_tokens_and_no_phase_below_zero(
+    tmp_path, monkeypatch, where
+):
+    """The tokens of the rows a stop cut off are marked unkept from the last step back, none past what a step
+    emitted: a stop right after a prefill step in mid-rollout (which emitted a token a row) leaves no phase below
+    zero, before and after the resume. A stop between a group's lines and its count (a few bytecodes) marks too few
+    at the stop, and the resume makes up the rest (too many could not be taken back)."""
+    from rollout.cli.tracking import RunTracker
+
+    args = ["run", RECIPE, *SETTINGS, "rollout.num_rollouts=1", "logging.plot=false", f"output_dir={tmp_path}"]
+    with monkeypatch.context() as patch:
+        if where == "after_a_prefill":
+            logged, seen = RunTracker.log_step, []
+
+            def log_step(self, step, rollout=None):
+                logged(self, step, rollout)
+                seen.append(step["kind"])
+                if step["kind"] == "prefill" and seen.count("prefill") == 3:
+                    raise KeyboardInterrupt  # as Ctrl-C's handler raises it
+
+            patch.setattr(RunTracker, "log_step", log_step)
+        else:
+            appended, groups = RunTracker._count_rewards, []
+
+            def count_rewards(self, records):
+                groups.append(records)
+                if len(groups) == 3:
+                    raise KeyboardInterrupt  # the third group's lines are written, its rewards not yet counted
+                appended(self, records)
+
+            patch.setattr(RunTracker, "_count_rewards", count_rewards)
+        assert main(args) == 130
+    for resumed in (False, True):
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["complete"] is resumed
+        assert all(phase["tokens"] >= 0 for phase in summary["phases"].values()), summary["phases"]
+        if resumed or where == "after_a_prefill":
+            records = read_lines(tmp_path / "rollouts.jsonl")
+            assert summary["total"]["tokens"] == sum(len(r["completion_ids"]) for r in records)
+        if not resumed:
+            assert main([*args, "resume=true"]) == 0

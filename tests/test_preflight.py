@@ -62,7 +62,7 @@ REFUSED = [
     (["train", GRPO, "data.num_prompts=1"], ["data.num_prompts (1) is below train.prompts_per_step (8)"], {}),
     (["train", GRPO, "sampling.temperature=0"], ["sampling.temperature is 0", "sampling.n 8"], {}),
     (["train", GRPO, "sampling.n=1"], ["sampling.n (1) must be at least 2 for GRPO"], {}),
-    (["train", GRPO, "resume=true"], ["with train.save_steps 0 it keeps none"], {}),
+    (["train", GRPO, "resume=true", "train.save_steps=0"], ["with train.save_steps 0 it keeps none"], {}),
     (["run", QUICKSTART, "rewards=[arithmetic]"], ["rewards[0]: each entry is a mapping of fields", "got a str"], {}),
     (["run", QUICKSTART, "sampling.seed=4294967295", "rollout.num_rollouts=2"], ["sampling.seed (4294967295)"], {}),
     (["train", GRPO, "sampling.seed=-1"], ["sampling.seed (-1) must be in [0, 4294967295]"], {}),

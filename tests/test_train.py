@@ -155,7 +155,7 @@ def test_bad_train_settings_are_one_line(tmp_path, capsys):
     assert "train.warmup_steps (1.5) must be a whole number of steps" in capsys.readouterr().err
     assert main(["run", GRPO, "rollout.num_rollouts=0", f"output_dir={tmp_path}"]) == 2
     assert "rollout.num_rollouts (0) must be >= 1" in capsys.readouterr().err
-    assert main(["train", GRPO, "resume=true", f"output_dir={tmp_path}"]) == 2
+    assert main(["train", GRPO, "resume=true", "train.save_steps=0", f"output_dir={tmp_path}"]) == 2
     assert "with train.save_steps 0 it keeps none" in capsys.readouterr().err
     assert main(["train", GRPO, "train.save_steps=-1", f"output_dir={tmp_path}"]) == 2
     assert "train.save_steps (-1) must be >= 0" in capsys.readouterr().err
@@ -224,6 +224,9 @@ def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_
     assert capsys.readouterr().err.strip().splitlines() == ["rollout train: interrupted"]
     assert main(["train", str(recipe), *args, f"output_dir={early}", "resume=true"]) == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
+    # a finished training has nothing left to run (transformers went on into the unfinished epoch, past train.steps)
+    assert main(["train", str(recipe), *args, f"output_dir={tmp_path / 'whole'}", "resume=true"]) == 2
+    assert "finished: its last checkpoint is of step 5 of 5" in capsys.readouterr().err
 
 
 def test_plain_pytorch_grpo_raises_the_reward_of_the_prompts_it_trains_on():

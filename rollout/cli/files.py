@@ -97,13 +97,21 @@ def last_checkpoint(output_dir: str | pathlib.Path) -> tuple[pathlib.Path, int] 
 
 
 def checkpoint_to_resume(output_dir: str | pathlib.Path, save_steps: int) -> tuple[pathlib.Path, int]:
-    """`last_checkpoint`, refused (ValueError) where there is none."""
+    """`last_checkpoint`, refused (ValueError) where there is none, or where it ends the training (a resume would
+    have nothing to run: transformers then goes on into the unfinished epoch, past `train.steps`)."""
     found = last_checkpoint(output_dir)
     if found is None:
         raise ValueError(
             f"resume=true but {output_dir} holds no complete checkpoint (trainer/checkpoint-N, written every "
             f"train.save_steps={save_steps} steps: the training stopped before the first): run it again with "
             "overwrite=true"
+        )
+    path, step = found
+    total = json.loads((path / "trainer_state.json").read_text()).get("max_steps") or 0
+    if 0 < total <= step:
+        raise ValueError(
+            f"resume=true but the training in {output_dir} finished: its last checkpoint is of step {step} of "
+            f"{total}, and holds the trained model ({path}); nothing is left to run (overwrite=true trains it again)"
         )
     return found
 

@@ -291,7 +291,15 @@ def main(argv: list[str] | None = None) -> int:
         status = _main(args)
         if status == 0:
             log.report(args.command)
-    if argv is None and status in (130, 143):  # the process's own command, stopped by a signal
+    return status
+
+
+def command() -> int:
+    """The `rollout` command as its own process runs it (the console script, `python -m rollout`): `main()`, and
+    after a run stopped by a signal, a second signal ends the process at once (`_exit_at_the_next_signal`). A program
+    that calls `main()` itself keeps its own signal handlers."""
+    status = main()
+    if status in (130, 143):
         _exit_at_the_next_signal(status)
     return status
 
@@ -299,8 +307,7 @@ def main(argv: list[str] | None = None) -> int:
 def _exit_at_the_next_signal(status: int) -> None:
     """After a run stopped by a signal has said so (its files written), a second Ctrl-C or SIGTERM while the
     interpreter shuts down (libraries' exit callbacks: W&B's, torch's) ends the process at once with the same status,
-    not with a traceback of the callback it broke off after the one line. Only for `main()` run as the process's
-    command (`argv` None): a caller's own process keeps its handlers."""
+    not with a traceback of the callback it broke off after the one line."""
     sys.stdout.flush()
     sys.stderr.flush()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -9,8 +9,9 @@ Output folder contract (external tools read these names):
 - `steps.jsonl`: one line per generator step: the step-trace fields (`kind` = prefill / decode,
   `phase` = prefill / bulk / tail, `batch_size`, `num_draft_tokens`, `num_drafted`, `num_accepted`, `num_emitted`,
   `seconds`, ...) plus `elapsed` (seconds into the rollout plus the wall time of the rollouts before it: the host
-  work between rollouts is not counted) and `rollout` (which call of the rollout loop). A stopped rollout's last step
-  also counts, in `num_discarded`, the tokens of the rows and groups the stop cut off (not kept; a resume redoes them).
+  work between rollouts is not counted) and `rollout` (which call of the rollout loop). A stopped rollout's last
+  steps also count, in `num_discarded`, the tokens of the rows and groups the stop cut off (not kept; a resume redoes
+  them).
 - `summary.json`: `phases` = {prefill|bulk|tail: {seconds, tokens, tokens_per_s, mean_batch_size, mean_k,
   acceptance_rate, mean_accepted_length, num_steps}}, `total` with the same keys, `reward_mean` (see
   `rollout.phases.summarize`), plus `reward_terms`, `wall_seconds`, `num_samples`, `num_rollouts`, and
@@ -147,24 +148,28 @@ class RunTracker:
             self.kept_tokens[index] = self.kept_tokens.get(index, 0) + len(r["completion_ids"])
 
     def _mark_unkept_tokens(self) -> bool:
-        """Add to each rollout's last step, as `num_discarded`, the completion tokens its steps emitted that no sample
+        """Mark as `num_discarded`, on each rollout's last steps, the completion tokens its steps emitted that no sample
         in rollouts.jsonl holds: the rows and groups a stop cut off (a resumed run generates them again). So the
         summary's `tokens` stay the completions' tokens (`rollout.phases.summarize`), also over a stop and a resume.
-        Returns whether a step changed (marked steps have nothing left to mark)."""
-        emitted: dict[int, int] = {}
-        last: dict[int, int] = {}
+        The marks go from the last step back, none past what a step kept, so that no step, and no phase, counts below
+        zero. Returns whether a step changed (marked steps have nothing left to mark)."""
+        steps_of: dict[int, list[int]] = {}
         for i, step in enumerate(self.steps):
-            index = step["rollout"]
-            emitted[index] = emitted.get(index, 0) + step["num_emitted"] - step.get("num_discarded", 0)
-            last[index] = i
+            steps_of.setdefault(step["rollout"], []).append(i)
         changed = False
-        for index, i in last.items():
+        for index, positions in steps_of.items():
+            kept = [self.steps[i]["num_emitted"] - self.steps[i].get("num_discarded", 0) for i in positions]
             # (below 0 only if a kill lost a step line written after its samples' lines: nothing to take away then)
-            unkept = emitted[index] - self.kept_tokens.get(index, 0)
-            if unkept > 0:
-                step = self.steps[i]
-                self.steps[i] = {**step, "num_discarded": step.get("num_discarded", 0) + unkept}
-                changed = True
+            unkept = sum(kept) - self.kept_tokens.get(index, 0)
+            for i, step_kept in zip(reversed(positions), reversed(kept)):
+                if unkept <= 0:
+                    break
+                marked = min(unkept, max(step_kept, 0))
+                if marked:
+                    step = self.steps[i]
+                    self.steps[i] = {**step, "num_discarded": step.get("num_discarded", 0) + marked}
+                    unkept -= marked
+                    changed = True
         return changed
 
     def _start_wandb(self, mode: str, project: str, run_name: str | None):
@@ -190,10 +195,12 @@ class RunTracker:
         """Append samples given as `rollouts.jsonl` records (`RolloutBatch.records()`) in one write."""
         index = self.num_rollouts if rollout is None else rollout
         lines = [json.dumps({"rollout": index, **record}, allow_nan=False) + "\n" for record in records]
+        # counted before the lines go out: a stop between the two then marks too few tokens unkept, which the resume's
+        # count from the file makes up (too many, for lines written but not counted, it could not take back)
+        self._count_kept_tokens(records, index)
         append_lines(self.output_dir / "rollouts.jsonl", "".join(lines))
         self._streamed.add(index)
         self._count_rewards(records)
-        self._count_kept_tokens(records, index)
         self.num_samples += len(records)
 
     def _count_rewards(self, records: list[dict]) -> None:

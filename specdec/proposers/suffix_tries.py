@@ -192,6 +192,8 @@ class SuffixTries(Proposer):
         `other` is left empty. For a generator built again over the same model, e.g. after one closed to free its
         device memory. Both must count n-grams of the same depth over the same vocabulary, and neither may have rows
         in flight. Past this one's `max_cached_requests`, the oldest responses are evicted."""
+        if other is self:
+            return  # (it would be emptied)
         if not isinstance(other, SuffixTries) or type(other.index) is not type(self.index):
             raise ValueError(f"adopt takes another suffix proposer's history, got {type(other).__name__}")
         if (other.separator, other.max_tree_depth) != (self.separator, self.max_tree_depth):

@@ -318,6 +318,8 @@ def test_adopt_moves_a_history_as_it_is_and_refuses_what_cannot_move():
     new = SuffixTries(vocab_size=50, num_slots=2, num_positions=64, max_tree_depth=6)
     new.adopt(old)
     assert new.stats() == stats and old.stats()["responses"] == 0 and old.stats()["nodes"] == 1
+    new.adopt(new)  # its own history: kept (it was emptied)
+    assert new.stats() == stats
     small = SuffixTries(vocab_size=50, num_slots=2, num_positions=64, max_tree_depth=6, max_cached_requests=1)
     small.adopt(new)
     assert [r.tolist() for _, r in small.history] == responses[-1:]
