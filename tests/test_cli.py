@@ -157,8 +157,8 @@ def test_report_prints_the_phase_table_and_writes_the_plot(finished_run, capsys)
 
 
 def test_the_plotted_rate_counts_what_was_kept_and_never_goes_below_zero():
-    """A stopped rollout's last step discards the tokens of the rows the stop cut off, more than the window emitted:
-    the plotted tokens/s is 0 there, not negative; elsewhere it is the kept tokens over their seconds."""
+    """A step that discards more than its window emitted (rows preempted, their earlier tokens given up): the plotted
+    tokens/s is 0 there, not negative; elsewhere it is the kept tokens over their seconds."""
     from rollout.cli.plots import _windowed_rate
 
     steps = [{"num_emitted": 10, "seconds": 0.5}] * 3 + [{"num_emitted": 10, "num_discarded": 200, "seconds": 0.5}]

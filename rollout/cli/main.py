@@ -18,7 +18,7 @@ import pathlib
 import signal
 import sys
 
-from rollout.cli.files import last_checkpoint
+from rollout.cli.files import checkpoint_to_resume
 from rollout.cli.library_log import capture_library_warnings, route_transformers
 from rollout.distributed import VANISHED, Ranks, RankStopped, signal_behind, signals_ignored, start_ranks
 
@@ -383,9 +383,12 @@ def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
                 kept = f": the rows that finished are in {bench_file} (marked incomplete)"
         elif args.command == "train":
             recipe = getattr(args, "train_recipe", None)
-            found = last_checkpoint(recipe.output_dir) if recipe is not None and recipe.train.save_steps else None
-            if found is not None:
-                kept = f": the checkpoint of step {found[1]} is kept; resume=true continues from it"
+            try:  # (none, or one that ends the training: nothing to resume)
+                _, step = checkpoint_to_resume(recipe.output_dir, recipe.train.save_steps) if recipe else (None, None)
+            except ValueError:
+                step = None
+            if step is not None:
+                kept = f": the checkpoint of step {step} is kept; resume=true continues from it"
         print(f"rollout {args.command}: {rank}{what}{kept}", file=sys.stderr)
     return code
 

@@ -71,7 +71,7 @@ def _one_clock(steps: list[dict], title: str | None) -> tuple[list[dict], str | 
 
 def _windowed_rate(steps: list[dict], window: int) -> list[float]:
     """Tokens/s of the last `window` steps at every step: tokens kept (emitted less discarded) over the seconds they
-    took, 0 where more was discarded than emitted (a stopped rollout's last step discards the rows the stop cut off)."""
+    took, 0 where more was discarded than emitted (a step that preempts rows discards what they emitted before)."""
     rates = []
     for i in range(len(steps)):
         chunk = steps[max(0, i - window + 1) : i + 1]
