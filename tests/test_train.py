@@ -227,6 +227,18 @@ def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_
     # a finished training has nothing left to run (transformers went on into the unfinished epoch, past train.steps)
     assert main(["train", str(recipe), *args, f"output_dir={tmp_path / 'whole'}", "resume=true"]) == 2
     assert "finished: its last checkpoint is of step 5 of 5" in capsys.readouterr().err
+    # stopped after its last checkpoint was saved (in the final save_model, say): the line promises no resume
+    late = tmp_path / "late"
+    with monkeypatch.context() as patch:
+
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == state.max_steps:
+                raise KeyboardInterrupt
+
+        patch.setattr(train.StepLog, "on_save", on_save, raising=False)
+        assert main(["train", str(recipe), *args, f"output_dir={late}"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "rollout train: interrupted"
+    assert (late / "trainer" / "checkpoint-5" / "trainer_state.json").is_file()
 
 
 def test_plain_pytorch_grpo_raises_the_reward_of_the_prompts_it_trains_on():
