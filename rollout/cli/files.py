@@ -81,39 +81,31 @@ def check_makeable(folder: pathlib.Path) -> None:
             return
 
 
-def last_checkpoint(output_dir: str | pathlib.Path) -> tuple[pathlib.Path, int] | None:
-    """The newest complete checkpoint `rollout train` keeps (`output_dir/trainer/checkpoint-N`) and its step N, or
-    None. Complete: its `trainer_state.json` is there (the trainer writes it last; a stop while it saves leaves a
-    folder without it, and the one before stays until the new one is whole)."""
+def checkpoint_to_resume(output_dir: str | pathlib.Path, save_steps: int) -> tuple[pathlib.Path, int]:
+    """The newest complete checkpoint `rollout train` keeps (`output_dir/trainer/checkpoint-N`) and its step N.
+    Complete: its `trainer_state.json` is there (the trainer writes it last; a stop while it saves leaves a folder
+    without it, and the one before stays until the new one is whole). Refused (ValueError) where there is none, or
+    where it ends the training (a resume would have nothing to run: transformers then goes on into the unfinished
+    epoch, past `train.steps`)."""
     found = []
     for path in (pathlib.Path(output_dir) / "trainer").glob("checkpoint-*"):
         step = path.name[len("checkpoint-") :]
         if step.isdigit() and (path / "trainer_state.json").is_file():
             found.append((int(step), path))
     if not found:
-        return None
-    step, path = max(found)
-    return path, step
-
-
-def checkpoint_to_resume(output_dir: str | pathlib.Path, save_steps: int) -> tuple[pathlib.Path, int]:
-    """`last_checkpoint`, refused (ValueError) where there is none, or where it ends the training (a resume would
-    have nothing to run: transformers then goes on into the unfinished epoch, past `train.steps`)."""
-    found = last_checkpoint(output_dir)
-    if found is None:
         raise ValueError(
             f"resume=true but {output_dir} holds no complete checkpoint (trainer/checkpoint-N, written every "
             f"train.save_steps={save_steps} steps: the training stopped before the first): run it again with "
             "overwrite=true"
         )
-    path, step = found
+    step, path = max(found)
     total = json.loads((path / "trainer_state.json").read_text()).get("max_steps") or 0
     if 0 < total <= step:
         raise ValueError(
             f"resume=true but the training in {output_dir} finished: its last checkpoint is of step {step} of "
             f"{total}, and holds the trained model ({path}); nothing is left to run (overwrite=true trains it again)"
         )
-    return found
+    return path, step
 
 
 def check_resumable(path: str | pathlib.Path, config: dict | None) -> None:
@@ -165,6 +157,11 @@ def append_lines(path: str | pathlib.Path, text: str) -> None:
             view = view[written:]
     finally:
         os.close(fd)
+
+
+def write_jsonl(path: str | pathlib.Path, records: list[dict], allow_nan: bool = False) -> None:
+    """Replace `path` with `records`, one JSON object a line, in one write (`write_atomic`)."""
+    write_atomic(path, "".join(json.dumps(r, allow_nan=allow_nan) + "\n" for r in records))
 
 
 def read_jsonl(path: str | pathlib.Path) -> list[dict]:

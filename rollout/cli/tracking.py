@@ -34,7 +34,7 @@ import pathlib
 import sys
 
 from rollout.batch import RolloutBatch
-from rollout.cli.files import append_lines, check_resumable, prepare_output_dir, read_jsonl, write_atomic
+from rollout.cli.files import append_lines, check_resumable, prepare_output_dir, read_jsonl, write_atomic, write_jsonl
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.plots import plot_steps
 from rollout.cli.recipe import WANDB_MODES
@@ -125,7 +125,7 @@ class RunTracker:
             counts[key] = counts.get(key, 0) + 1
         complete = {key for key, count in counts.items() if group_size is None or count == group_size}
         kept = [r for r in records if (r["rollout"], r["prompt_index"]) in complete]
-        write_atomic(self.output_dir / "rollouts.jsonl", "".join(json.dumps(r, allow_nan=False) + "\n" for r in kept))
+        write_jsonl(self.output_dir / "rollouts.jsonl", kept)
         for rollout, prompt_index in complete:
             self.done.setdefault(rollout, set()).add(prompt_index)
         self.kept_records = kept
@@ -134,13 +134,8 @@ class RunTracker:
         self.num_samples = len(kept)
         self.steps = read_jsonl(self.output_dir / "steps.jsonl")
         self._mark_unkept_tokens()  # a kill left them unmarked; a caught signal marked them already
-        self._write_steps()
+        write_jsonl(self.output_dir / "steps.jsonl", self.steps)
         self.wall_seconds = self.steps[-1]["elapsed"] if self.steps else 0.0
-
-    def _write_steps(self) -> None:
-        write_atomic(
-            self.output_dir / "steps.jsonl", "".join(json.dumps(s, allow_nan=False) + "\n" for s in self.steps)
-        )
 
     def _count_kept_tokens(self, records: list[dict], rollout: int | None = None) -> None:
         for r in records:
@@ -247,9 +242,9 @@ class RunTracker:
         records = sorted(({"rollout": rollout, **r} for r in records), key=order)
         self.log_records(records, rollout)
         if resumed:
-            ordered = sorted(read_jsonl(self.output_dir / "rollouts.jsonl"), key=order)
-            lines = "".join(json.dumps(r, allow_nan=False) + "\n" for r in ordered)
-            write_atomic(self.output_dir / "rollouts.jsonl", lines)
+            write_jsonl(
+                self.output_dir / "rollouts.jsonl", sorted(read_jsonl(self.output_dir / "rollouts.jsonl"), key=order)
+            )
         first = len(self.steps)
         for rank, rank_steps in enumerate(steps):
             for step in rank_steps:
@@ -324,7 +319,7 @@ class RunTracker:
         """Write summary.json and the plot, close the W&B run; returns the summary. `complete=False` (a run stopped
         by an error or a signal) marks the summary incomplete with `reason`: the files hold what finished."""
         if not complete and self._mark_unkept_tokens():  # the rows in flight were not kept: out of the totals
-            self._write_steps()
+            write_jsonl(self.output_dir / "steps.jsonl", self.steps)
         summary = self.summary()
         summary["complete"] = complete
         if not complete:

@@ -35,6 +35,7 @@ from rollout.cli.files import (
     prepare_output_dir,
     read_jsonl,
     write_atomic,
+    write_jsonl,
 )
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.preflight import preflight
@@ -181,7 +182,7 @@ def _resume_point(output_dir: pathlib.Path, recipe: Recipe) -> tuple[str, list[d
     check_resumable(output_dir, recipe_dict(recipe))
     path, step = checkpoint_to_resume(output_dir, recipe.train.save_steps)
     kept = [s for s in read_jsonl(output_dir / "train.jsonl") if s.get("step", 0) <= step]
-    write_atomic(output_dir / "train.jsonl", "".join(json.dumps(s) + "\n" for s in kept))
+    write_jsonl(output_dir / "train.jsonl", kept, allow_nan=True)  # (as StepLog writes its lines)
     (output_dir / "summary.json").unlink(missing_ok=True)  # the stopped training's: this one writes its own
     return str(path), kept
 
