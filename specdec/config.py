@@ -3,12 +3,33 @@ request may change of it."""
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "suffix", "draft_model")
 VERIFICATIONS = ("exact", "rejection")
+MAX_TREE_DEPTH = 1024  # each token a row takes in updates this many nodes in each of two tries (vLLM's default: 24)
+_INT_FIELDS = (
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "num_candidates",
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests",
+)
+_FLOAT_FIELDS = ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+
+
+def _python_number(value: Any, kind: type) -> Any:
+    """numpy's integers (`kind` int) or reals (`kind` float) as Python's, what a config built with numpy holds;
+    anything else (bools included) as it is, for the checks to name."""
+    if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, numbers.Integral if kind is int else numbers.Real):
+        return kind(value)
+    return value
 
 
 @dataclass
@@ -29,10 +50,12 @@ class SpecConfig:
             the target's tokenizer.
         num_candidates: ngram / suffix: drafts merged into a token tree of `num_speculative_tokens` nodes; 1 = a
             chain.
-        suffix_decoding_max_tree_depth: suffix: the longest n-gram counted (match length + draft length).
+        suffix_decoding_max_tree_depth: suffix: the longest n-gram counted (match length + draft length), 2 to
+            1024.
         suffix_decoding_max_cached_requests: suffix: finished responses kept as history, oldest evicted first;
             0 keeps none.
-        suffix_decoding_max_spec_factor: suffix: a draft is at most this many times its match length.
+        suffix_decoding_max_spec_factor: suffix: a draft is at most this many times its match length (any factor
+            from the depth up, `inf` included, caps nothing more than the depth does).
         suffix_decoding_min_token_prob: suffix: stop drafting where the path probability falls below this.
         num_speculative_tokens_per_batch_size: K per step. None: always `num_speculative_tokens`; vLLM's table
             `[[start_bs, end_bs, K], ...]` of inclusive batch-size ranges (rows in decode; K = 0 turns drafts off);
@@ -65,8 +88,11 @@ class SpecConfig:
 
     def _check_suffix(self) -> None:
         depth = self.suffix_decoding_max_tree_depth
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 2:
-            raise ValueError(f"suffix_decoding_max_tree_depth ({depth!r}) must be an integer >= 2 (vLLM's default: 24)")
+        if not isinstance(depth, int) or isinstance(depth, bool) or not 2 <= depth <= MAX_TREE_DEPTH:
+            raise ValueError(
+                f"suffix_decoding_max_tree_depth ({depth!r}) must be an integer in [2, {MAX_TREE_DEPTH}]: every token "
+                "taken in is counted at each depth (vLLM's default: 24)"
+            )
         cached = self.suffix_decoding_max_cached_requests
         if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
             raise ValueError(
@@ -83,6 +109,7 @@ class SpecConfig:
         if self.method in (None, "none"):  # speculation off: nothing else is used
             self.method = None
             return
+        self._python_numbers()
         methods = [self.method] if isinstance(self.method, str) else self.method
         if (
             not isinstance(methods, (list, tuple))
@@ -118,7 +145,7 @@ class SpecConfig:
                 self.prompt_lookup_min = 1
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 value = getattr(self, name)
-                if not isinstance(value, int) or value < 1:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                     raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
             if self.prompt_lookup_min > self.prompt_lookup_max:
                 raise ValueError(
@@ -130,7 +157,8 @@ class SpecConfig:
                 f"model is set but method is {self.method!r}: add 'draft_model' to method to use a draft model, or "
                 "unset model (spec.model=null in a recipe)"
             )
-        if not isinstance(self.num_candidates, int) or self.num_candidates < 1:
+        candidates = self.num_candidates
+        if not isinstance(candidates, int) or isinstance(candidates, bool) or candidates < 1:
             raise ValueError(f"num_candidates ({self.num_candidates!r}) must be an integer >= 1 (1 = a chain)")
         if self.num_candidates > 1 and (len(methods) > 1 or methods[0] == "draft_model"):
             raise ValueError(
@@ -144,6 +172,19 @@ class SpecConfig:
             from specdec.policies import validate_batch_size_table
 
             validate_batch_size_table(self.num_speculative_tokens_per_batch_size, k)
+
+    def _python_numbers(self) -> None:
+        """numpy's numbers in the fields (and the K table's entries) as Python's, which the checks take."""
+        for name in _INT_FIELDS:
+            setattr(self, name, _python_number(getattr(self, name), int))
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _python_number(getattr(self, name), float))
+        table = self.num_speculative_tokens_per_batch_size
+        entries = table if isinstance(table, (list, tuple)) else ()
+        if any(isinstance(e, (list, tuple)) and any(_python_number(v, int) is not v for v in e) for e in entries):
+            self.num_speculative_tokens_per_batch_size = [
+                [_python_number(v, int) for v in e] if isinstance(e, (list, tuple)) else e for e in entries
+            ]
 
 
 @dataclass

@@ -48,7 +48,9 @@ class SuffixProposer(SuffixTries):
     ):
         super().__init__(vocab_size, num_slots, num_positions, max_tree_depth, max_cached_requests, background)
         self.num_speculative_tokens = num_speculative_tokens
-        self.max_spec_factor = max_spec_factor
+        # a match of m >= 1 drafts at most depth - m tokens: a larger factor caps nothing more, and at most the depth
+        # m * factor stays far inside int64 (1e19 or inf wrapped to a negative cap: no drafts at all)
+        self.max_spec_factor = min(float(max_spec_factor), float(self.max_tree_depth))
         self.min_token_prob = min_token_prob
         self.num_candidates = num_candidates
         self.sources = (0, 1)  # tries drafted from: 0 the row's prompt trie, 1 the global one (a knob for ablations)

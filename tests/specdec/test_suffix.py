@@ -554,6 +554,60 @@ def test_a_bad_suffix_field_is_named(field, value):
         SpecConfig(method="suffix", **{field: value})
 
 
+@pytest.mark.parametrize("factor", [1e19, float("inf")])
+def test_a_spec_factor_past_the_depth_drafts_as_the_depth_allows(factor):
+    """A match of m tokens drafts at most depth - m tokens whatever the factor: a factor too large for int64 (m x 1e19,
+    inf) drafts what a factor of the depth does (it drafted nothing: the cap wrapped negative)."""
+    drafts = {}
+    for f in (9.0, factor):
+        proposer, rows, asked = copied_texts_proposer(f)  # depth 9
+        out = proposer.propose(proposal(rows, asked))
+        drafts[f] = [out.token_ids[i, :n].tolist() for i, n in enumerate(out.num_drafted)]
+    assert sum(len(d) for d in drafts[9.0]) > 24  # the comparison is not vacuous
+    assert drafts[factor] == drafts[9.0]
+
+
+def test_numpy_numbers_are_taken_as_python_ones():
+    spec = SpecConfig(
+        method="suffix",
+        num_speculative_tokens=np.int64(3),
+        num_candidates=np.int32(2),
+        suffix_decoding_max_tree_depth=np.int16(12),
+        suffix_decoding_max_cached_requests=np.uint8(7),
+        suffix_decoding_max_spec_factor=np.float32(1.5),
+        suffix_decoding_min_token_prob=np.float64(0.25),
+        num_speculative_tokens_per_batch_size=[[np.int64(1), np.int64(8), np.int64(3)], (9, np.int32(64), 1)],
+    )
+    fields = ("num_speculative_tokens", "num_candidates", "suffix_decoding_max_tree_depth")
+    assert [(getattr(spec, f), type(getattr(spec, f))) for f in fields] == [(3, int), (2, int), (12, int)]
+    assert type(spec.suffix_decoding_max_cached_requests) is int and spec.suffix_decoding_max_cached_requests == 7
+    assert (spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob) == (1.5, 0.25)
+    assert type(spec.suffix_decoding_max_spec_factor) is float and type(spec.suffix_decoding_min_token_prob) is float
+    assert spec.num_speculative_tokens_per_batch_size == [[1, 8, 3], [9, 64, 1]]
+    assert all(type(v) is int for entry in spec.num_speculative_tokens_per_batch_size for v in entry)
+    ngram = SpecConfig(method="ngram", prompt_lookup_min=np.int64(2), prompt_lookup_max=np.int8(3))
+    assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (2, 3) and type(ngram.prompt_lookup_max) is int
+    with pytest.raises(ValueError, match=r"num_speculative_tokens \(np.float64\(3.0\)\) must be an integer"):
+        SpecConfig(method="suffix", num_speculative_tokens=np.float64(3.0))  # a real is not taken for a count
+
+
+@pytest.mark.parametrize(
+    "field,value,method",
+    [
+        ("num_candidates", True, "ngram"),
+        ("prompt_lookup_min", True, "ngram"),
+        ("prompt_lookup_max", True, "ngram"),
+        ("suffix_decoding_max_tree_depth", 1025, "suffix"),
+        ("suffix_decoding_max_tree_depth", 10**9, "suffix"),
+    ],
+)
+def test_bools_and_a_depth_past_the_bound_are_refused_by_the_config(field, value, method):
+    """True is an int to Python and was taken as 1 (num_candidates) or refused only by the Generator; a depth of 1e9
+    failed in numpy's words allocating the frontiers."""
+    with pytest.raises(ValueError, match=rf"^{field} \({value!r}\) must be an integer"):
+        SpecConfig(method=method, **{field: value})
+
+
 def test_trees_from_a_cascade_are_refused():
     with pytest.raises(ValueError, match="num_candidates"):
         SpecConfig(method=["suffix", "ngram"], num_candidates=3)
