@@ -17,7 +17,7 @@ import torch
 
 from rollout.batch import SAMPLE_FIELDS, RolloutBatch
 from rollout.engine.generator import Generator
-from rollout.engine.requests import integer_indices
+from rollout.engine.requests import check_prompts, integer_indices
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.phases import PhaseLabeler, summarize
 from rollout.prompts import PromptFormatter, check_prompt_column, prompt_kind
@@ -171,6 +171,7 @@ class Rollout:
         for name, callback in (("on_step", on_step), ("on_group", on_group)):
             if callback is not None and not callable(callback):
                 raise TypeError(f"{name} must be a function or None, got {type(callback).__name__}")
+        self.sampling.check()  # (a field may have been set since: rollout.sampling.temperature = ...)
         rows, prompts, prompt_ids = self._prompts(data)
         indices = list(range(len(rows))) if group_indices is None else integer_indices(group_indices, "group_indices")
         if len(indices) != len(rows):
@@ -239,7 +240,12 @@ class Rollout:
             f"data must be a list of prompts or rows (or a datasets.Dataset, or a pandas DataFrame), got one "
             f"{type(data).__name__}"
         )
-        if isinstance(data, (str, dict)):
+        if isinstance(data, (str, Mapping)):
+            if "input_ids" in data:  # a tokenizer's BatchEncoding (a UserDict) iterates its keys, taken as two prompts
+                raise ValueError(
+                    "data is a tokenizer's encoding (input_ids, ...): pass a list of prompts, e.g. its texts, or "
+                    "its input_ids as a list of token-id lists without padding"
+                )
             raise refused
         if hasattr(data, "iterrows") and hasattr(data, "to_dict"):  # a pandas DataFrame iterates its column names
             data = data.to_dict("records")
@@ -258,8 +264,8 @@ class Rollout:
             if self.formatter.template is None:  # (a template names its own columns)
                 check_prompt_column(list(rows[0]), self.prompt_column)
             prompts, prompt_ids = self.formatter(rows)
-        elif kind == "token ids":
-            prompt_ids = [[int(t) for t in item] for item in items]
+        elif kind == "token ids":  # checked before decoding: -1 or 2**32 failed in the tokenizer's OverflowError
+            prompt_ids = check_prompts(items, self.generator.vocab_size, self.generator.max_seq_len)
             prompts = self.tokenizer.batch_decode(prompt_ids)
             rows = [{} for _ in items]
         else:  # text or chat messages: what the prompt column of a row would hold

@@ -23,6 +23,12 @@ def prompt_kind(item) -> str:
         return "text"
     if isinstance(item, dict) or hasattr(item, "keys"):
         return "row"
+    one_id = isinstance(item, numbers.Integral) and not isinstance(item, bool)
+    if one_id or getattr(item, "ndim", None) == 0:  # a flat list of ids, or a 1-D array's (its 0-d elements)
+        raise ValueError(
+            f"data holds the token id {item!r:.30}: data is a list of prompts, so one prompt of token ids goes in a "
+            "list of its own ([[5, 6, 7]])"
+        )
     if isinstance(item, (list, tuple)) or hasattr(item, "tolist"):
         values = item.tolist() if hasattr(item, "tolist") else list(item)
         if values and all(isinstance(m, dict) for m in values):

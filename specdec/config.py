@@ -202,6 +202,10 @@ class SpecDecodeParams:
     method: str | None = None
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Check the fields (again for each call that takes them: see `SamplingParams.check`)."""
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled ({self.enabled!r}) must be True or False")
         cap = self.max_num_draft_tokens

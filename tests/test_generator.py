@@ -439,6 +439,29 @@ def test_bad_sampling_params_are_clear_errors(kwargs, match):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("temperature", -1.0, r"temperature \(-1.0\) must be 0"),  # it sampled the least likely tokens
+        ("max_new_tokens", -5, r"max_new_tokens \(-5\)"),  # it handed back the slot's stale tokens
+        ("n", 0, r"n \(0\) must be an integer >= 1"),  # max() of an empty sequence
+        ("stop_token_ids", 5, r"stop_token_ids \(5\) must be a list"),  # 'int' object is not iterable
+        ("spec", "off", r"spec \('off'\) must be a specdec.config.SpecDecodeParams"),
+    ],
+)
+def test_sampling_params_set_after_construction_are_checked_by_the_call(field, value, match):
+    """SamplingParams is a mutable dataclass, and its checks ran only at construction: a field set afterwards went
+    into the engine unchecked. Each call checks its params again."""
+    gen = Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32)
+    params = SamplingParams(max_new_tokens=3, seed=0)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=match):
+        gen.generate([[1, 2]], params)
+    params = SamplingParams(max_new_tokens=3, seed=0)
+    params.spec = None  # the default settings, as at construction
+    assert len(gen.generate([[1, 2]], [params])[0].token_ids) == 3
+
+
 def test_numpy_numbers_are_taken_as_sampling_params():
     """Settings read from numpy (a config built with it) were refused as 'must be an integer >= 1' (np.int64(4)
     is one); they are taken as Python's numbers."""

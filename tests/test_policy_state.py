@@ -136,6 +136,30 @@ def test_a_draft_model_in_train_mode_drafts_in_eval_mode_and_is_handed_back_as_f
 # ---- precision: a trainer's autocast around the policy's forward ----------------------------------------------------
 
 
+@pytest.mark.parametrize("change", ["cast to float64", "caller's autocast"])
+def test_the_slot_cache_follows_the_policys_precision_from_call_to_call(change):
+    """The slot layout's buffers take the dtype they were first written in; a policy cast after the generator was
+    built, or a caller's autocast after a call without, failed in index_put ("dtypes match"): each call now
+    generates what a generator built for the policy as it is generates."""
+    model = make_model("llama", dtype=torch.float32)
+    prompts = random_prompts(4, max_len=12, seed=7)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1)
+    gen = Generator(model, max_batch_size=8, max_seq_len=48, kv_layout="slots")
+    gen.generate(prompts, params)
+    if change == "cast to float64":
+        model.to(torch.float64)
+        expected = samples(
+            Generator(model, max_batch_size=8, max_seq_len=48, kv_layout="slots").generate(prompts, params)
+        )
+        assert samples(gen.generate(prompts, params)) == expected
+        return
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = Generator(model, max_batch_size=8, max_seq_len=48, kv_layout="slots")
+        expected = samples(fresh.generate(prompts, params))
+        assert samples(gen.generate(prompts, params)) == expected
+    assert samples(gen.generate(prompts, params)) == samples(fresh.generate(prompts, params))  # and back
+
+
 def test_the_padded_forward_computes_in_the_policys_own_autocast():
     """Float32 weights under accelerate's bf16 wrapper (TRL's `bf16=True`): prefills run through the wrapped forward in
     bf16, and the decode steps a graph replays (which call the decoder and LM head directly) must compute in bf16 too,

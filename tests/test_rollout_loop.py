@@ -223,6 +223,23 @@ def test_prompts_as_text_chat_messages_or_token_ids_with_n_per_call(tiny, data):
         rollout(texts[0])
     with pytest.raises(ValueError, match="empty prompt"):
         rollout([[]])
+    # a tokenizer's encoding iterated its keys: two prompts, 'input_ids' and 'attention_mask'
+    with pytest.raises(ValueError, match=r"^data is a tokenizer's encoding \(input_ids, ...\): pass a list of prompts"):
+        rollout(tokenizer(texts))
+    # one prompt not wrapped in a list: each id taken as a prompt (an int, or a 0-d array failing in Python's words)
+    for flat in ([5, 6, 7], np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
+        with pytest.raises(
+            ValueError, match=r"^data holds the token id .*goes in a list of its own \(\[\[5, 6, 7\]\]\)"
+        ):
+            rollout(flat)
+    # ids outside the vocabulary are named before the tokenizer decodes them (it raised OverflowError)
+    for bad in (-1, 2**32):
+        with pytest.raises(ValueError, match=rf"prompt 0 has token id {bad} outside the model's vocabulary"):
+            rollout([[5, bad, 7]])
+    # settings changed on the loop's SamplingParams are checked by the call (it sampled at temperature -1)
+    rollout.sampling.temperature = -1.0
+    with pytest.raises(ValueError, match=r"temperature \(-1.0\) must be 0"):
+        rollout(texts)
     with pytest.raises(ValueError, match="no chat template"):
         Rollout(model, tiny[1], rewards=None, max_batch_size=2)([[{"role": "user", "content": "x"}]])
 

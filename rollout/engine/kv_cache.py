@@ -40,6 +40,10 @@ class SlotLayer(CacheLayerMixin):
         """Write `[rows, H, S, D]` states at the prepared slots; return `[rows, H, kv_len, D]` views."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif (key_states.dtype, value_states.dtype) != (self.keys.dtype, self.values.dtype):
+            # the policy cast since, or a caller's autocast put on or taken off (under autocast, keys leave the rotary
+            # embedding in float32 and values the projection in bfloat16): what rows in flight hold is cast along
+            self.keys, self.values = self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         step = self.cache.step
         assert step is not None, "expected SlotKVCache.prepare() before the forward pass"
         rows = slice(step.row_start, step.row_start + key_states.shape[0])

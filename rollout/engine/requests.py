@@ -68,9 +68,13 @@ def check_params(
         raise ValueError(
             f"params must be one SamplingParams or a list of one per prompt ({num_prompts}), got {params!r:.80}"
         )
+    checked: set[int] = set()
     for index, p in enumerate(per_prompt):
         if not isinstance(p, SamplingParams):
             raise ValueError(f"params[{index}] ({p!r:.60}) must be a SamplingParams")
+        if id(p) not in checked:  # again: a field set since construction (params.temperature = -1) is checked too
+            p.check()
+            checked.add(id(p))
         if vocab_size is not None:
             check_stop_ids(p.stop_token_ids, vocab_size, f"params[{index}].stop_token_ids")
         method = p.spec.method

@@ -40,6 +40,11 @@ class SamplingParams:
     spec: SpecDecodeParams | None = None
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Check the fields (numpy's numbers taken as Python's, `spec` None as the default settings). A `Generator`
+        calls it again for each call's params: a field set after construction is checked there too."""
         # numpy's integers and floats (what a config built with numpy holds) as Python's: the checks and the
         # engine's tensors take those
         for name in ("n", "top_k", "max_new_tokens", "seed"):
@@ -89,6 +94,8 @@ class SamplingParams:
             self.spec = SpecDecodeParams()
         elif not isinstance(self.spec, SpecDecodeParams):
             raise ValueError(f"spec ({self.spec!r}) must be a specdec.config.SpecDecodeParams or None")
+        else:
+            self.spec.check()
 
 
 @dataclass
