@@ -409,6 +409,8 @@ def _outcome(call) -> str:
         ([[1, 500]], {}, "prompt 0 has token id 500 outside"),
         ([[1, -1]], {}, "token id -1 outside"),
         ([[1] * 40], {}, "prompt 0 has 40 tokens but max_seq_len is 32"),
+        ([5, 6, 7], {}, r"prompt 0 is the token id 5: .* goes in a list of its own \(\[\[5, 6, 7\]\]\)"),
+        (torch.tensor([5, 6, 7]), {}, r"prompt 0 is the token id 5: prompt_ids is a list of prompts"),
     ],
 )
 def test_bad_prompts_are_clear_errors(prompts, kwargs, match):

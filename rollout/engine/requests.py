@@ -35,6 +35,11 @@ def check_prompts(prompt_ids, vocab_size: int, max_seq_len: int) -> list[list[in
                 "or use Rollout, which formats and tokenizes text"
             )
         values = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+        if isinstance(values, numbers.Integral) and not isinstance(values, bool):  # [5, 6, 7]: ids taken as prompts
+            raise ValueError(
+                f"prompt {index} is the token id {values}: prompt_ids is a list of prompts, so one prompt of token "
+                "ids goes in a list of its own ([[5, 6, 7]])"
+            )
         if not isinstance(values, (list, tuple)) or len(values) == 0:
             raise ValueError(f"prompt {index} is empty or not a list of token ids: got {prompt!r:.60}")
         ids = []
