@@ -113,13 +113,11 @@ def test_run_writes_a_consistent_output_folder(finished_run):
     assert (finished_run / "rollout.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_wandb_offline_run_holds_the_metrics(finished_run):
-    run_files = list((finished_run / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert len(run_files) == 1
-    records = list(wandb_records(run_files[0]))
+def wandb_run_contents(run_file: pathlib.Path) -> tuple[list[dict], dict, dict]:
+    """(history rows, summary, config) of a finished W&B run file."""
     history, summary, config = [], {}, {}
     items = lambda updates: {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
-    for record in records:
+    for record in wandb_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             history.append(items(record.history.item))
@@ -129,6 +127,13 @@ def test_wandb_offline_run_holds_the_metrics(finished_run):
             config.update(items(record.run.config.update))
         elif kind == "config":
             config.update(items(record.config.update))
+    return history, summary, config
+
+
+def test_wandb_offline_run_holds_the_metrics(finished_run):
+    run_files = list((finished_run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1
+    history, summary, config = wandb_run_contents(run_files[0])
     steps = read_jsonl(finished_run / "steps.jsonl")
     step_rows = [row for row in history if "step/index" in row]
     assert [row["step/index"] for row in step_rows] == list(range(len(steps)))
@@ -463,6 +468,70 @@ def test_non_finite_rewards_stop_the_run_or_are_recorded_as_null(tmp_path, capsy
     assert all(r["reward"] == 1.0 for r in records if r["sample_index"] == 1)
     summary = json.loads((tmp_path / "b" / "summary.json").read_text())
     assert summary["num_null_rewards"] == 3 and summary["reward_mean"] == 1.0
+
+
+def test_a_stopped_and_resumed_run_logs_every_step_and_the_whole_rollout_to_wandb(tmp_path, capsys, monkeypatch):
+    """A run stopped part way (here by a reward that raises at its second group) logged none of its steps to W&B, and
+    the resumed run's `rollout/*` metrics covered only what it generated itself (fewer tokens and steps, another
+    reward mean than the files hold). Now the stopped run logs the steps of its rollout, and the resumed run logs
+    the rollout it resumed in whole, as steps.jsonl and rollouts.jsonl hold it."""
+    (tmp_path / "flaky_rewards.py").write_text(
+        "import os\ncalls = 0\n"
+        "def fail_at(completions, **kw):\n"
+        "    global calls\n    calls += 1\n"
+        "    if calls == int(os.environ.get('FAIL_AT', 0)):\n        raise RuntimeError('the reward service is down')\n"
+        "    return [float(len(c) % 3) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    out = tmp_path / "run"
+    argv = ["run", QUICKSTART, *SMALL, "rewards=[{name: 'flaky_rewards:fail_at'}]", f"output_dir={out}"]
+    monkeypatch.setenv("FAIL_AT", "2")
+    assert main([*argv, "rollout.num_rollouts=2"]) == 2
+    (stopped,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    steps = read_jsonl(out / "steps.jsonl")
+    assert steps and {s["rollout"] for s in steps} == {0}
+    assert len(read_jsonl(out / "rollouts.jsonl")) == 2  # the first group only: the rollout was cut short
+    history, _, _ = wandb_run_contents(stopped)
+    assert [row["step/num_emitted"] for row in history if "step/index" in row] == [s["num_emitted"] for s in steps]
+    assert not any("rollout/index" in row for row in history)  # no metrics for a rollout not closed
+    monkeypatch.delenv("FAIL_AT")
+    assert main([*argv, "rollout.num_rollouts=2", "resume=true"]) == 0
+    capsys.readouterr()
+    (resumed,) = set((out / "wandb").glob("offline-run-*/run-*.wandb")) - {stopped}
+    history, _, _ = wandb_run_contents(resumed)
+    steps, records = read_jsonl(out / "steps.jsonl"), read_jsonl(out / "rollouts.jsonl")
+    step_rows = [row for row in history if "step/index" in row]
+    assert [row["step/index"] for row in step_rows] == list(range(len(steps)))  # rollout 0's earlier steps too
+    assert [row["step/num_emitted"] for row in step_rows] == [s["num_emitted"] for s in steps]
+    (first,) = [row for row in history if row.get("rollout/index") == 0]
+    kept = [r for r in records if r["rollout"] == 0]
+    assert first["rollout/tokens"] == sum(len(r["completion_ids"]) for r in kept)
+    assert first["rollout/num_steps"] == sum(s["rollout"] == 0 for s in steps)
+    assert first["rollout/reward_mean"] == pytest.approx(sum(r["reward"] for r in kept) / len(kept))
+    tables = (resumed.parent / "files" / "media" / "table").glob("samples_*.table.json")
+    by_step = sorted(
+        tables, key=lambda path: int(path.name.split("_")[1])
+    )  # samples_<W&B step>_<hash>: rollout 0's first
+    assert len(json.loads(by_step[0].read_text())["data"]) == len(kept) == 6
+
+
+def test_a_run_without_a_reward_says_so_rather_than_a_mean_of_zero(tmp_path, capsys, monkeypatch):
+    """Every reward non-finite, recorded as null: summary.json's reward_mean is null, not 0.0 (which reads as every
+    answer wrong), and the printed line and report show '-'."""
+    (tmp_path / "null_rewards.py").write_text(
+        "def all_nan(completions, **kw):\n    return [float('nan')] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    argv = ["run", QUICKSTART, *SMALL, "rewards=[{name: 'null_rewards:all_nan'}]", "logging.wandb_mode=disabled"]
+    assert main([*argv, "rollout.non_finite_rewards_as_null=true", f"output_dir={out}"]) == 0
+    assert "samples, reward mean -, " in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["reward_mean"] is None and summary["num_null_rewards"] == 6
+    assert main(["report", str(out)]) == 0
+    assert "reward mean -\n" in capsys.readouterr().out
 
 
 def test_a_bad_recipe_is_reported_before_torch_is_imported(tmp_path):

@@ -101,7 +101,8 @@ def _run(args: argparse.Namespace) -> None:
             )
         print(f"straggler ratio (slowest rank / mean) {summary['straggler_ratio']:.3f}")
     print(
-        f"{summary['num_samples']} samples, reward mean {summary['reward_mean']:.3f}, {summary['wall_seconds']:.2f} s"
+        f"{summary['num_samples']} samples, reward mean {_reward(summary['reward_mean'])}, "
+        f"{summary['wall_seconds']:.2f} s"
         + (
             f" ({summary['num_null_rewards']} non-finite rewards recorded as null)"
             if summary["num_null_rewards"]
@@ -176,6 +177,11 @@ _STEP_KEYS = (
 )
 
 
+def _reward(mean: float | None) -> str:
+    """A reward mean as printed: '-' where no sample has a reward (every one null, or no sample kept)."""
+    return "-" if mean is None else f"{mean:.3f}"
+
+
 def _report(args: argparse.Namespace) -> None:
     from rollout.cli.plots import plot_steps
     from rollout.cli.tracking import PLOT_NAME
@@ -217,7 +223,7 @@ def _report(args: argparse.Namespace) -> None:
             summary = summarize(steps)
     print(format_table(summary))
     if "reward_mean" in summary:
-        print(f"reward mean {summary['reward_mean']:.3f}")
+        print(f"reward mean {_reward(summary['reward_mean'])}")
     if summary.get("complete") is False:  # stopped: the figures are those of what finished
         reason = summary.get("incomplete_reason") or "stopped"
         print(f"incomplete ({reason}): these are the figures of the {summary.get('num_samples', '?')} samples kept")

@@ -61,7 +61,8 @@ class RunTracker:
             there; without it a folder holding a run or other files is refused.
         resume: continue the interrupted run in `output_dir` (same config): its complete groups (`group_size`
             samples of a prompt) are kept and listed in `done`, a group cut short is dropped, and the run clock goes
-            on from its last step. The W&B run is a new one.
+            on from its last step. The W&B run is a new one; the rollout it resumes in is logged there whole (its
+            steps and samples from before the stop too).
     """
 
     def __init__(
@@ -106,6 +107,8 @@ class RunTracker:
         self._streamed: set[int] = set()  # rollouts whose samples went out group by group
         self._streamed_steps: set[int] = set()
         self.rank_seconds: list[list[float]] = []  # a data-parallel run: each rollout's wall seconds per rank
+        self.kept_records: list[dict] = []  # with resume: the samples on disk kept
+        self._wandb_closed: set[int] = set()  # rollouts whose steps and metrics this W&B run logged
         self.sharing: list[dict] = []  # and each rollout's history all-gather: seconds, bytes, responses held
         if resume:
             self._load_finished(group_size)
@@ -228,7 +231,18 @@ class RunTracker:
             steps = self.steps[len(self.steps) - len(batch.steps) :]
         self.wall_seconds += batch.summary.get("wall_seconds", 0.0)
         if self.wandb_run is not None:
-            self._log_wandb(batch.summary, batch.records(), steps, len(self.steps) - len(steps), index)
+            summary, records = batch.summary, batch.records()
+            positions = [i for i, s in enumerate(self.steps) if s["rollout"] == index]
+            if len(positions) > len(steps):  # resumed inside this rollout: its W&B metrics are the whole rollout's
+                steps = [self.steps[i] for i in positions]  # (the steps and samples on disk from before the stop too)
+                kept = [r for r in self.kept_records if r["rollout"] == index]
+                records = sorted([*kept, *records], key=lambda r: (r["prompt_index"], r["sample_index"]))
+                summary = {
+                    **summarize(steps),
+                    "reward_mean": mean_reward([r["reward"] for r in records if "reward" in r]),
+                }
+            self._log_wandb(summary, records, steps, positions[0] if positions else len(self.steps), index)
+            self._wandb_closed.add(index)
         self.num_rollouts = max(self.num_rollouts, index + 1)
 
     def log_ranked_rollout(
@@ -269,17 +283,21 @@ class RunTracker:
             summary = summarize_ranks(self.steps[first:], [[x] for x in seconds])
             summary["reward_mean"] = mean_reward([r["reward"] for r in records if "reward" in r])
             self._log_wandb(summary, records, self.steps[first:], first, rollout, extra)
+            self._wandb_closed.add(rollout)
         self.num_rollouts = max(self.num_rollouts, rollout + 1)
 
-    def _log_wandb(self, summary, records, steps, first_index: int, rollout: int, extra: dict | None = None) -> None:
-        import wandb
-
+    def _log_wandb_steps(self, steps: list[dict], first_index: int) -> None:
         for index, step in enumerate(steps, start=first_index):
             metrics = _numeric_fields(step, "step/")
             metrics["step/index"] = index
             metrics["step/phase_id"] = PHASES.index(step["phase"])  # 0 prefill, 1 bulk, 2 tail: charts need numbers
             metrics["step/tokens_per_s"] = step["num_emitted"] / step["seconds"] if step["seconds"] > 0 else 0.0
             self.wandb_run.log(metrics)
+
+    def _log_wandb(self, summary, records, steps, first_index: int, rollout: int, extra: dict | None = None) -> None:
+        import wandb
+
+        self._log_wandb_steps(steps, first_index)
         total = summary["total"]
         metrics = {"rollout/index": rollout, **(extra or {})}
         if summary.get("reward_mean") is not None:
@@ -307,7 +325,7 @@ class RunTracker:
             summary["history_sharing"] = self.sharing
         else:
             summary = summarize(self.steps)
-        summary["reward_mean"] = mean_reward(self.rewards) or 0.0
+        summary["reward_mean"] = mean_reward(self.rewards)  # None where no sample has a reward (all null, or none)
         summary["reward_terms"] = {name: mean_reward(v) for name, v in self.reward_terms.items()}
         summary["num_null_rewards"] = sum(r is None for r in self.rewards)
         summary["wall_seconds"] = self.wall_seconds
@@ -329,12 +347,18 @@ class RunTracker:
         write_atomic(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plot_path = plot_steps(self.steps, self.output_dir / PLOT_NAME) if self.plot and self.steps else None
         if self.wandb_run is not None:
+            stopped_in = self.steps[-1]["rollout"] if self.steps else None
+            if not complete and stopped_in is not None and stopped_in not in self._wandb_closed:
+                # the steps of the rollout the stop cut short, as steps.jsonl holds them (its metrics: none, unclosed)
+                positions = [i for i, s in enumerate(self.steps) if s["rollout"] == stopped_in]
+                self._log_wandb_steps([self.steps[i] for i in positions], positions[0])
             for phase in PHASES:
                 for key in SUMMARY_KEYS:
                     self.wandb_run.summary[f"phase/{phase}/{key}"] = summary["phases"][phase][key]
             for key in SUMMARY_KEYS:
                 self.wandb_run.summary[f"total/{key}"] = summary["total"][key]
-            self.wandb_run.summary["reward_mean"] = summary["reward_mean"]
+            if summary["reward_mean"] is not None:
+                self.wandb_run.summary["reward_mean"] = summary["reward_mean"]
             if plot_path is not None:
                 import wandb
 
