@@ -241,7 +241,7 @@ class Rollout:
             f"{type(data).__name__}"
         )
         if isinstance(data, (str, Mapping)):
-            if "input_ids" in data:  # a tokenizer's BatchEncoding (a UserDict) iterates its keys, taken as two prompts
+            if isinstance(data, Mapping) and "input_ids" in data:  # a BatchEncoding iterates its keys: two prompts
                 raise ValueError(
                     "data is a tokenizer's encoding (input_ids, ...): pass a list of prompts, e.g. its texts, or "
                     "its input_ids as a list of token-id lists without padding"

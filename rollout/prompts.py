@@ -23,13 +23,13 @@ def prompt_kind(item) -> str:
         return "text"
     if isinstance(item, dict) or hasattr(item, "keys"):
         return "row"
-    one_id = isinstance(item, numbers.Integral) and not isinstance(item, bool)
-    if one_id or getattr(item, "ndim", None) == 0:  # a flat list of ids, or a 1-D array's (its 0-d elements)
+    value = item.tolist() if getattr(item, "ndim", None) == 0 else item  # a 1-D array's elements: 0-d arrays
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):  # a flat list of ids, or a 1-D array
         raise ValueError(
             f"data holds the token id {item!r:.30}: data is a list of prompts, so one prompt of token ids goes in a "
             "list of its own ([[5, 6, 7]])"
         )
-    if isinstance(item, (list, tuple)) or hasattr(item, "tolist"):
+    if isinstance(item, (list, tuple)) or (hasattr(item, "tolist") and getattr(item, "ndim", 1) != 0):
         values = item.tolist() if hasattr(item, "tolist") else list(item)
         if values and all(isinstance(m, dict) for m in values):
             return "chat"

@@ -517,6 +517,49 @@ def test_a_stopped_and_resumed_run_logs_every_step_and_the_whole_rollout_to_wand
     assert len(json.loads(by_step[0].read_text())["data"]) == len(kept) == 6
 
 
+def _step(emitted: int, seconds: float, elapsed: float, **extra) -> dict:
+    """A decode step record as `Rollout` hands them to the tracker."""
+    fields = {"kind": "decode", "phase": "bulk", "batch_size": 2, "num_draft_tokens": 0, "num_drafted": 0}
+    return {**fields, "num_accepted": 0, "num_emitted": emitted, "seconds": seconds, "elapsed": elapsed, **extra}
+
+
+def _record(prompt_index: int, sample_index: int, reward: float, tokens: int) -> dict:
+    fields = {"prompt": "p", "completion": "c", "completion_ids": [1] * tokens, "logprobs": [0.0] * tokens}
+    fields["finish_reason"] = "length"
+    return {"prompt_index": prompt_index, "sample_index": sample_index, "reward": reward, **fields}
+
+
+def test_the_tracker_logs_a_resumed_rollout_whole_on_several_processes_and_nothing_twice(tmp_path, monkeypatch):
+    """On several processes, the rollout a run resumed in went to W&B with only its new steps, tokens and rewards
+    (one process was fixed alone); and a resumed run stopped before its first step logged again the steps of the
+    rollout the stopped run had closed."""
+    from rollout.cli.tracking import RunTracker
+
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    out = tmp_path / "run"
+    first = RunTracker(out, {"k": 1}, wandb_mode="offline")
+    for i in range(2):
+        first.log_step(_step(4, 0.5, 0.5 * (i + 1)), 0)
+    first.log_records([_record(0, 0, 0.0, 4), _record(0, 1, 0.0, 4)], 0)  # group 0 of rollout 0, then the stop
+    first.finish(complete=False, reason="interrupted")
+    second = RunTracker(out, {"k": 1}, wandb_mode="offline", resume=True, group_size=2)
+    second.finish(complete=False, reason="interrupted")  # stopped again before a step of its own
+    third = RunTracker(out, {"k": 1}, wandb_mode="offline", resume=True, group_size=2)
+    rank_steps = [[_step(4, 0.25, 0.25)], [_step(4, 0.5, 0.5)]]
+    summaries = [{"wall_seconds": 0.25, "total": {"tokens_per_s": 16.0, "acceptance_rate": 0.0}}]
+    summaries.append({"wall_seconds": 0.5, "total": {"tokens_per_s": 8.0, "acceptance_rate": 0.0}})
+    third.log_ranked_rollout([_record(1, 0, 1.0, 4), _record(1, 1, 1.0, 4)], rank_steps, summaries, 0, resumed=True)
+    third.finish()
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # (names: the start's second, then a random id)
+    assert len(runs) == 3
+    contents = [wandb_run_contents(run)[0] for run in runs]
+    step_rows = [[row["step/index"] for row in history if "step/index" in row] for history in contents]
+    assert sorted(step_rows) == [[], [0, 1], [0, 1, 2, 3]]  # the stopped run's; none again; the whole rollout
+    (closed,) = [row for history in contents for row in history if row.get("rollout/index") == 0]
+    assert closed["rollout/tokens"] == 16 and closed["rollout/num_steps"] == 4  # as the files hold them
+    assert closed["rollout/reward_mean"] == pytest.approx(0.5)  # group 0 scored 0, group 1 scored 1
+
+
 def test_a_run_without_a_reward_says_so_rather_than_a_mean_of_zero(tmp_path, capsys, monkeypatch):
     """Every reward non-finite, recorded as null: summary.json's reward_mean is null, not 0.0 (which reads as every
     answer wrong), and the printed line and report show '-'."""

@@ -226,6 +226,10 @@ def test_prompts_as_text_chat_messages_or_token_ids_with_n_per_call(tiny, data):
     # a tokenizer's encoding iterated its keys: two prompts, 'input_ids' and 'attention_mask'
     with pytest.raises(ValueError, match=r"^data is a tokenizer's encoding \(input_ids, ...\): pass a list of prompts"):
         rollout(tokenizer(texts))
+    with pytest.raises(ValueError, match="^data must be a list of prompts or rows"):  # a text naming input_ids
+        rollout("what are input_ids?")
+    with pytest.raises(ValueError, match=r"^data holds float64 np.float64\(2\.0\): a prompt is a row"):  # not an id
+        rollout(np.array([2.0]))
     # one prompt not wrapped in a list: each id taken as a prompt (an int, or a 0-d array failing in Python's words)
     for flat in ([5, 6, 7], np.array([5, 6, 7]), torch.tensor([5, 6, 7])):
         with pytest.raises(

@@ -234,16 +234,17 @@ class RunTracker:
             summary, records = batch.summary, batch.records()
             positions = [i for i, s in enumerate(self.steps) if s["rollout"] == index]
             if len(positions) > len(steps):  # resumed inside this rollout: its W&B metrics are the whole rollout's
-                steps = [self.steps[i] for i in positions]  # (the steps and samples on disk from before the stop too)
-                kept = [r for r in self.kept_records if r["rollout"] == index]
-                records = sorted([*kept, *records], key=lambda r: (r["prompt_index"], r["sample_index"]))
-                summary = {
-                    **summarize(steps),
-                    "reward_mean": mean_reward([r["reward"] for r in records if "reward" in r]),
-                }
-            self._log_wandb(summary, records, steps, positions[0] if positions else len(self.steps), index)
-            self._wandb_closed.add(index)
+                records = self._with_kept(records, index)  # (the steps and samples on disk from before the stop too)
+                summary = {**summarize([self.steps[i] for i in positions]), "reward_mean": _reward_mean(records)}
+            else:
+                positions = positions[len(positions) - len(steps) :]
+            self._log_wandb(summary, records, positions, index)
         self.num_rollouts = max(self.num_rollouts, index + 1)
+
+    def _with_kept(self, records: list[dict], rollout: int) -> list[dict]:
+        """`records` of a rollout resumed part way, with its samples kept on disk from before the stop, in order."""
+        kept = [r for r in self.kept_records if r["rollout"] == rollout]
+        return sorted([*kept, *records], key=lambda r: (r["prompt_index"], r["sample_index"]))
 
     def log_ranked_rollout(
         self, records: list[dict], steps: list[list[dict]], summaries: list[dict], rollout: int, resumed: bool = False
@@ -280,24 +281,36 @@ class RunTracker:
                 extra[f"rollout/rank{rank}/seconds"] = seconds[rank]
                 extra[f"rollout/rank{rank}/tokens_per_s"] = s["total"]["tokens_per_s"]
                 extra[f"rollout/rank{rank}/acceptance_rate"] = s["total"]["acceptance_rate"]
-            summary = summarize_ranks(self.steps[first:], [[x] for x in seconds])
-            summary["reward_mean"] = mean_reward([r["reward"] for r in records if "reward" in r])
-            self._log_wandb(summary, records, self.steps[first:], first, rollout, extra)
-            self._wandb_closed.add(rollout)
+            positions = [i for i, s in enumerate(self.steps) if s["rollout"] == rollout]
+            if len(positions) > len(self.steps) - first:  # resumed inside this rollout: the whole rollout's metrics,
+                # each rank's time on the steps from before the stop taken as their own seconds (all they record)
+                earlier = [self.steps[i] for i in positions if i < first]
+                own = [sum(s["seconds"] for s in earlier if s.get("rank", 0) == r) for r in range(len(seconds))]
+                seconds = [a + b for a, b in zip(own, seconds)]
+                records = self._with_kept(records, rollout)
+            else:
+                positions = list(range(first, len(self.steps)))
+            summary = summarize_ranks([self.steps[i] for i in positions], [[x] for x in seconds])
+            summary["reward_mean"] = _reward_mean(records)
+            self._log_wandb(summary, records, positions, rollout, extra)
         self.num_rollouts = max(self.num_rollouts, rollout + 1)
 
-    def _log_wandb_steps(self, steps: list[dict], first_index: int) -> None:
-        for index, step in enumerate(steps, start=first_index):
+    def _log_wandb_steps(self, positions: list[int]) -> None:
+        """Log the steps at `positions` of `self.steps` (each position is its `step/index`)."""
+        for index in positions:
+            step = self.steps[index]
             metrics = _numeric_fields(step, "step/")
             metrics["step/index"] = index
             metrics["step/phase_id"] = PHASES.index(step["phase"])  # 0 prefill, 1 bulk, 2 tail: charts need numbers
             metrics["step/tokens_per_s"] = step["num_emitted"] / step["seconds"] if step["seconds"] > 0 else 0.0
             self.wandb_run.log(metrics)
 
-    def _log_wandb(self, summary, records, steps, first_index: int, rollout: int, extra: dict | None = None) -> None:
+    def _log_wandb(self, summary, records, positions: list[int], rollout: int, extra: dict | None = None) -> None:
+        """Close `rollout` in W&B: its steps (at `positions` of `self.steps`), its metrics and its samples table."""
         import wandb
 
-        self._log_wandb_steps(steps, first_index)
+        self._log_wandb_steps(positions)
+        self._wandb_closed.add(rollout)
         total = summary["total"]
         metrics = {"rollout/index": rollout, **(extra or {})}
         if summary.get("reward_mean") is not None:
@@ -348,10 +361,10 @@ class RunTracker:
         plot_path = plot_steps(self.steps, self.output_dir / PLOT_NAME) if self.plot and self.steps else None
         if self.wandb_run is not None:
             stopped_in = self.steps[-1]["rollout"] if self.steps else None
-            if not complete and stopped_in is not None and stopped_in not in self._wandb_closed:
-                # the steps of the rollout the stop cut short, as steps.jsonl holds them (its metrics: none, unclosed)
-                positions = [i for i, s in enumerate(self.steps) if s["rollout"] == stopped_in]
-                self._log_wandb_steps([self.steps[i] for i in positions], positions[0])
+            # the steps of the rollout the stop cut short, as steps.jsonl holds them (no metrics: it did not close),
+            # where this run stepped in it (a resumed run stopped before its first step has nothing of its own)
+            if not complete and stopped_in in self._streamed_steps and stopped_in not in self._wandb_closed:
+                self._log_wandb_steps([i for i, s in enumerate(self.steps) if s["rollout"] == stopped_in])
             for phase in PHASES:
                 for key in SUMMARY_KEYS:
                     self.wandb_run.summary[f"phase/{phase}/{key}"] = summary["phases"][phase][key]
@@ -399,6 +412,10 @@ def _wandb_key() -> bool:
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
     return any("wandb" in host for host in entries)
+
+
+def _reward_mean(records: list[dict]) -> float | None:
+    return mean_reward([r["reward"] for r in records if "reward" in r])
 
 
 def start_wandb_run(mode: str, project: str, run_name: str | None, output_dir: pathlib.Path, config: dict):
