@@ -181,7 +181,7 @@ def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_
     # 3 steps an epoch: the checkpoint of step 3 ends the first, and the resumed steps are the second epoch's
     args = ["train.steps=5", "train.save_steps=3", "train.prompts_per_step=2", "train.learning_rate=3e-3"]
     args += ["sampling.n=4", "sampling.max_new_tokens=24", "data.num_prompts=6", "logging.wandb_mode=disabled"]
-    args += ["logging.plot=false"]
+    args += ["logging.plot=false", "spec.method=suffix"]  # (exact: the same samples as without drafts)
     assert main(["train", str(recipe), *args, f"output_dir={tmp_path / 'whole'}"]) == 0
     whole = read_jsonl(tmp_path / "whole" / "train.jsonl")
     capsys.readouterr()
@@ -211,6 +211,9 @@ def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_
     assert [s["step"] for s in resumed] == [1, 2, 3, 4, 5]  # step 4 made again, once
     for key in ("reward", "loss", "grad_norm"):
         assert [s[key] for s in resumed] == [s[key] for s in whole], key
+    # and the resumed steps draft from the history the checkpoint kept (they started from none: 8 responses, not 32)
+    assert [s["rollout/history_responses"] for s in resumed] == [s["rollout/history_responses"] for s in whole]
+    assert (out / "trainer" / "checkpoint-5" / "draft_history-rank0.npz").is_file()  # (the last one kept)
     # a real check: the steps differ, and the model had moved before the checkpoint (its weights and the
     # optimiser's moments are what the resume restores)
     assert len({s["reward"] for s in whole}) > 1 and all(s["grad_norm"] > 0 for s in whole[:3]), whole

@@ -11,8 +11,9 @@ The recipe's model, data, sampling, spec, rollout and rewards sections mean what
 - `config.yaml`, `train.png` (reward and rollout tokens/s over the steps), `model/` with `train.save_model`, and the
   trainer's W&B run (offline by default) holding the same per-step metrics but `rollout/share`;
 - with `train.save_steps` N, `trainer/checkpoint-<step>`: every N steps the model, optimiser, scheduler and RNG states
-  (the last one kept). `resume=true` continues a stopped training from it: `train.jsonl` keeps the steps up to it,
-  the trainer restores the rest, and the rollouts of the steps after it are seeded by their step as before.
+  (the last one kept), and each process's suffix drafting history (`draft_history-rank<R>.npz`). `resume=true`
+  continues a stopped training from it: `train.jsonl` keeps the steps up to it, the trainer restores the rest, the
+  rollouts of the steps after it are seeded by their step as before, and they draft from the history kept.
 """
 
 from __future__ import annotations
@@ -110,6 +111,9 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
         ignore_eos=recipe.sampling.ignore_eos,
     )
     record = StepLog(output_dir / "train.jsonl" if ranks.is_main else None, kept)
+    history_file = f"draft_history-rank{ranks.rank}.npz"
+    if checkpoint is not None and (pathlib.Path(checkpoint) / history_file).is_file():
+        func.history_to_load = pathlib.Path(checkpoint) / history_file
     trainer = _resumable_trainer(trl.GRPOTrainer, _epochs_done(checkpoint))(
         model=inputs.model,
         reward_funcs=[_trl_reward(term, recipe.rollout.non_finite_rewards_as_null) for term in terms],
@@ -117,7 +121,7 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
         train_dataset=dataset,
         processing_class=inputs.tokenizer,
         rollout_func=func,
-        callbacks=[record],
+        callbacks=[record, HistoryCheckpoint(func, history_file)],
     )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; StepLog prints one line per step instead
     # the trainer's W&B callback logs into the run already started (here: its folder and mode are ours to choose)
@@ -279,6 +283,21 @@ def _trl_reward(term: WeightedReward, as_null: bool):
 
     reward.__name__ = term.name.replace(":", "_")
     return reward
+
+
+class HistoryCheckpoint(TrainerCallback):
+    """A trainer callback: the rollout function's suffix drafting history into each checkpoint the trainer saves (as
+    `file_name`, whole or not at all), so that a training resumed from it drafts from what the stopped one held."""
+
+    def __init__(self, func, file_name: str):
+        self.func, self.file_name = func, file_name
+
+    def on_save(self, args, state, control, **kwargs):
+        gen = self.func.generator
+        folder = pathlib.Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if gen is not None and gen.draft_history is not None and folder.is_dir():
+            with atomic_path(folder / self.file_name) as tmp:
+                gen.draft_history.save(tmp)
 
 
 class StepLog(TrainerCallback):

@@ -125,6 +125,9 @@ class TRLRolloutFunc:
         self.generator_options: dict = {}  # more `Generator` arguments (kv_layout, cuda_graphs, ...)
         self.stop_token_ids: list[int] = []  # stop tokens besides the trainer's EOS ids
         self.ignore_eos = False  # generate past the trainer's EOS ids
+        # a saved suffix drafting history (`draft_history.save`) the generator takes when it is first built: a resumed
+        # training's, so that it drafts from what the stopped one held
+        self.history_to_load: str | os.PathLike | None = None
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         check_trainer(trainer)
@@ -206,7 +209,8 @@ class TRLRolloutFunc:
                 f"{self.max_seq_len}: raise trl_rollout_func(max_seq_len=...) or shorten the prompts"
             )
         max_seq_len = self.max_seq_len or 1 << (needed - 1).bit_length()
-        history = _saved_history(gen)
+        history = _saved_history(gen) if gen is not None else self.history_to_load
+        self.history_to_load = None
         if gen is not None:  # its KV pool and graphs go back before the new one is planned from the free memory
             self.generator = None
             gen.close()
