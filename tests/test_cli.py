@@ -549,13 +549,22 @@ def test_the_tracker_logs_a_resumed_rollout_whole_on_several_processes_and_nothi
     summaries = [{"wall_seconds": 0.25, "total": {"tokens_per_s": 16.0, "acceptance_rate": 0.0}}]
     summaries.append({"wall_seconds": 0.5, "total": {"tokens_per_s": 8.0, "acceptance_rate": 0.0}})
     third.log_ranked_rollout([_record(1, 0, 1.0, 4), _record(1, 1, 1.0, 4)], rank_steps, summaries, 0, resumed=True)
+    # a rank without a group (ranked.py's empty summary) failed in a KeyError ('acceptance_rate') with W&B on
+    idle = {"wall_seconds": 0.0, "total": {"tokens_per_s": 0.0}}
+    third.log_ranked_rollout(
+        [_record(0, 0, 1.0, 4), _record(0, 1, 1.0, 4)], [[_step(4, 0.5, 1.0)], []], [summaries[1], idle], 1
+    )
+    third.log_ranked_rollout([], [[], []], [idle, idle], 2, resumed=True)  # all on disk: logged by its own run
     third.finish()
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))  # (names: the start's second, then a random id)
     assert len(runs) == 3
     contents = [wandb_run_contents(run)[0] for run in runs]
     step_rows = [[row["step/index"] for row in history if "step/index" in row] for history in contents]
-    assert sorted(step_rows) == [[], [0, 1], [0, 1, 2, 3]]  # the stopped run's; none again; the whole rollout
+    assert sorted(step_rows) == [[], [0, 1], [0, 1, 2, 3, 4]]  # the stopped run's; none again; the whole rollout
     (closed,) = [row for history in contents for row in history if row.get("rollout/index") == 0]
+    (idle_rank,) = [row for history in contents for row in history if row.get("rollout/index") == 1]
+    assert idle_rank["rollout/rank1/tokens_per_s"] == 0.0 and idle_rank["rollout/rank0/tokens_per_s"] == 8.0
+    assert not any(row.get("rollout/index") == 2 for history in contents for row in history)
     assert closed["rollout/tokens"] == 16 and closed["rollout/num_steps"] == 4  # as the files hold them
     assert closed["rollout/reward_mean"] == pytest.approx(0.5)  # group 0 scored 0, group 1 scored 1
 

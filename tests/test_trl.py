@@ -341,6 +341,28 @@ def test_a_longer_prompt_grows_the_generator_and_keeps_the_drafting_history(tmp_
         bounded([long_prompt], trainer)
 
 
+def test_a_saved_history_is_taken_by_the_first_generator_and_a_damaged_one_left_with_a_warning(tmp_path, caplog):
+    """`history_to_load` (a resumed `rollout train` sets it from its checkpoint) goes into the generator when it is
+    first built; a file that does not load is warned of and drafting starts from none (it changes no sample) rather
+    than stopping every resume of the training."""
+    spec = SpecConfig(method="suffix", num_speculative_tokens=3)
+    source = trl_rollout_func(spec=spec)
+    prompts = ["Question: Ann has 3 apples.\nAnswer:"] * 2
+    source(prompts, make_trainer(tmp_path / "a", source, max_steps=1))
+    source.generator.draft_history.save(tmp_path / "history.npz")
+    func = trl_rollout_func(spec=spec)
+    func.history_to_load = tmp_path / "history.npz"
+    func(prompts, make_trainer(tmp_path / "b", func, max_steps=1))
+    assert func.generator.draft_history.stats()["responses"] == 2 + 2 and func.history_to_load is None
+    (tmp_path / "damaged.npz").write_bytes(b"not an archive")
+    damaged = trl_rollout_func(spec=spec)
+    damaged.history_to_load = tmp_path / "damaged.npz"
+    with caplog.at_level("WARNING", logger="rollout.integrations.trl"):
+        out = damaged(prompts, make_trainer(tmp_path / "c", damaged, max_steps=1))
+    assert len(out["completion_ids"]) == 2 and damaged.generator.draft_history.stats()["responses"] == 2
+    assert "drafting from an empty history" in caplog.text and "damaged.npz" in caplog.text
+
+
 def test_the_generator_is_built_once_with_room_for_the_datasets_longest_prompt(tmp_path):
     func = trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=3))
     short = "Question: Ann has 3 apples.\nAnswer:"

@@ -275,12 +275,8 @@ class RunTracker:
             }
         )
         self.wall_seconds += max(seconds) + max(sharing)  # the ranks generate, then share their responses
-        if self.wandb_run is not None:
-            extra = {"rollout/straggler_ratio": straggler_ratio([seconds]), "rollout/share_seconds": max(sharing)}
-            for rank, s in enumerate(summaries):
-                extra[f"rollout/rank{rank}/seconds"] = seconds[rank]
-                extra[f"rollout/rank{rank}/tokens_per_s"] = s["total"]["tokens_per_s"]
-                extra[f"rollout/rank{rank}/acceptance_rate"] = s["total"]["acceptance_rate"]
+        # a rollout all on disk before a resume (no rank had a group left) was logged by the run that closed it
+        if self.wandb_run is not None and (records or len(self.steps) > first):
             positions = [i for i, s in enumerate(self.steps) if s["rollout"] == rollout]
             if len(positions) > len(self.steps) - first:  # resumed inside this rollout: the whole rollout's metrics,
                 # each rank's time on the steps from before the stop taken as their own seconds (all they record)
@@ -292,6 +288,11 @@ class RunTracker:
                 positions = list(range(first, len(self.steps)))
             summary = summarize_ranks([self.steps[i] for i in positions], [[x] for x in seconds])
             summary["reward_mean"] = _reward_mean(records)
+            extra = {"rollout/straggler_ratio": straggler_ratio([seconds]), "rollout/share_seconds": max(sharing)}
+            for rank, own_summary in enumerate(summary["ranks"]):  # (a rank without a group this rollout: zeros)
+                extra[f"rollout/rank{rank}/seconds"] = seconds[rank]
+                extra[f"rollout/rank{rank}/tokens_per_s"] = own_summary["total"]["tokens_per_s"]
+                extra[f"rollout/rank{rank}/acceptance_rate"] = own_summary["total"]["acceptance_rate"]
             self._log_wandb(summary, records, positions, rollout, extra)
         self.num_rollouts = max(self.num_rollouts, rollout + 1)
 

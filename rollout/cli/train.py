@@ -11,7 +11,7 @@ The recipe's model, data, sampling, spec, rollout and rewards sections mean what
 - `config.yaml`, `train.png` (reward and rollout tokens/s over the steps), `model/` with `train.save_model`, and the
   trainer's W&B run (offline by default) holding the same per-step metrics but `rollout/share`;
 - with `train.save_steps` N, `trainer/checkpoint-<step>`: every N steps the model, optimiser, scheduler and RNG states
-  (the last one kept), and each process's suffix drafting history (`draft_history-rank<R>.npz`). `resume=true`
+  (the last one kept), and with suffix drafting each process's history (`draft_history-rank<R>.npz`). `resume=true`
   continues a stopped training from it: `train.jsonl` keeps the steps up to it, the trainer restores the rest, the
   rollouts of the steps after it are seeded by their step as before, and they draft from the history kept.
 """

@@ -126,7 +126,7 @@ class TRLRolloutFunc:
         self.stop_token_ids: list[int] = []  # stop tokens besides the trainer's EOS ids
         self.ignore_eos = False  # generate past the trainer's EOS ids
         # a saved suffix drafting history (`draft_history.save`) the generator takes when it is first built: a resumed
-        # training's, so that it drafts from what the stopped one held
+        # training's, so that it drafts from what the stopped one held (one that fails to load is warned of and left)
         self.history_to_load: str | os.PathLike | None = None
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
@@ -219,7 +219,12 @@ class TRLRolloutFunc:
             model, max_batch_size=slots, max_seq_len=max_seq_len, spec=self.spec, **self.generator_options
         )
         if history is not None and self.generator.draft_history is not None:
-            self.generator.draft_history.load(history)
+            try:
+                self.generator.draft_history.load(history)
+            except ValueError as err:  # a resumed training's saved history: drafting from none changes no sample
+                if gen is not None:
+                    raise
+                logger.warning("rollout: drafting from an empty history: %s", err)
         mixed_precision = str(getattr(trainer.accelerator, "mixed_precision", "no"))
         self.dtype = generation_dtype(model, mixed_precision)
         autocast = self.dtype != next(model.parameters()).dtype
