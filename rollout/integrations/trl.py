@@ -102,7 +102,8 @@ class TRLRolloutFunc:
 
     Attributes: `generator` (None before the first call), `dtype` (what generation computes in: the model's dtype,
     or bfloat16/float16 when accelerate's mixed precision wraps the model's forward in autocast), `last_summary` (the
-    last rollout's per-phase summary).
+    last rollout's per-phase summary), `history_to_load` (a path of a saved suffix drafting history the generator takes
+    when it is first built; `rollout train` sets it when it resumes from a checkpoint).
     """
 
     def __init__(self, spec, max_batch_size, max_seq_len, tail_fraction, log_metrics, share_history=True):
