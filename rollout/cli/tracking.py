@@ -223,23 +223,22 @@ class RunTracker:
         index = self.num_rollouts if rollout is None else rollout
         if index not in self._streamed:
             self.log_group(batch, index)
-        if index in self._streamed_steps:
-            steps = [s for s in self.steps if s["rollout"] == index][-len(batch.steps) :] if batch.steps else []
-        else:
+        if index not in self._streamed_steps:
             for step in batch.steps:
                 self.log_step(step, index)
-            steps = self.steps[len(self.steps) - len(batch.steps) :]
         self.wall_seconds += batch.summary.get("wall_seconds", 0.0)
         if self.wandb_run is not None:
             summary, records = batch.summary, batch.records()
-            positions = [i for i, s in enumerate(self.steps) if s["rollout"] == index]
-            if len(positions) > len(steps):  # resumed inside this rollout: its W&B metrics are the whole rollout's
+            positions = self._positions_of(index)
+            if len(positions) > len(batch.steps):  # resumed inside this rollout: its W&B metrics are the whole one's
                 records = self._with_kept(records, index)  # (the steps and samples on disk from before the stop too)
                 summary = {**summarize([self.steps[i] for i in positions]), "reward_mean": _reward_mean(records)}
-            else:
-                positions = positions[len(positions) - len(steps) :]
             self._log_wandb(summary, records, positions, index)
         self.num_rollouts = max(self.num_rollouts, index + 1)
+
+    def _positions_of(self, rollout: int) -> list[int]:
+        """Where `rollout`'s steps are in `self.steps` (their `step/index` in W&B)."""
+        return [i for i, s in enumerate(self.steps) if s["rollout"] == rollout]
 
     def _with_kept(self, records: list[dict], rollout: int) -> list[dict]:
         """`records` of a rollout resumed part way, with its samples kept on disk from before the stop, in order."""
@@ -277,7 +276,7 @@ class RunTracker:
         self.wall_seconds += max(seconds) + max(sharing)  # the ranks generate, then share their responses
         # a rollout all on disk before a resume (no rank had a group left) was logged by the run that closed it
         if self.wandb_run is not None and (records or len(self.steps) > first):
-            positions = [i for i, s in enumerate(self.steps) if s["rollout"] == rollout]
+            positions = self._positions_of(rollout)
             if len(positions) > len(self.steps) - first:  # resumed inside this rollout: the whole rollout's metrics,
                 # each rank's time on the steps from before the stop taken as their own seconds (all they record)
                 earlier = [self.steps[i] for i in positions if i < first]
@@ -365,7 +364,7 @@ class RunTracker:
             # the steps of the rollout the stop cut short, as steps.jsonl holds them (no metrics: it did not close),
             # where this run stepped in it (a resumed run stopped before its first step has nothing of its own)
             if not complete and stopped_in in self._streamed_steps and stopped_in not in self._wandb_closed:
-                self._log_wandb_steps([i for i, s in enumerate(self.steps) if s["rollout"] == stopped_in])
+                self._log_wandb_steps(self._positions_of(stopped_in))
             for phase in PHASES:
                 for key in SUMMARY_KEYS:
                     self.wandb_run.summary[f"phase/{phase}/{key}"] = summary["phases"][phase][key]
