@@ -22,7 +22,7 @@ _INT_FIELDS = (
 _FLOAT_FIELDS = ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 
 
-def _python_number(value: Any, kind: type) -> Any:
+def python_number(value: Any, kind: type) -> Any:
     """numpy's integers (`kind` int) or reals (`kind` float) as Python's, what a config built with numpy holds;
     anything else (bools included) as it is, for the checks to name."""
     if isinstance(value, bool) or type(value) in (int, float):
@@ -176,14 +176,14 @@ class SpecConfig:
     def _python_numbers(self) -> None:
         """numpy's numbers in the fields (and the K table's entries) as Python's, which the checks take."""
         for name in _INT_FIELDS:
-            setattr(self, name, _python_number(getattr(self, name), int))
+            setattr(self, name, python_number(getattr(self, name), int))
         for name in _FLOAT_FIELDS:
-            setattr(self, name, _python_number(getattr(self, name), float))
+            setattr(self, name, python_number(getattr(self, name), float))
         table = self.num_speculative_tokens_per_batch_size
         entries = table if isinstance(table, (list, tuple)) else ()
-        if any(isinstance(e, (list, tuple)) and any(_python_number(v, int) is not v for v in e) for e in entries):
+        if any(isinstance(e, (list, tuple)) and any(python_number(v, int) is not v for v in e) for e in entries):
             self.num_speculative_tokens_per_batch_size = [
-                [_python_number(v, int) for v in e] if isinstance(e, (list, tuple)) else e for e in entries
+                [python_number(v, int) for v in e] if isinstance(e, (list, tuple)) else e for e in entries
             ]
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec.config import SpecDecodeParams
+from specdec.config import SpecDecodeParams, python_number
 
 MIN_TEMPERATURE = 1e-5  # the smallest temperature above 0 (greedy): vLLM's sampling epsilon
 
@@ -48,13 +47,9 @@ class SamplingParams:
         # numpy's integers and floats (what a config built with numpy holds) as Python's: the checks and the
         # engine's tensors take those
         for name in ("n", "top_k", "max_new_tokens", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, numbers.Integral) and type(value) is not int and not isinstance(value, bool):
-                setattr(self, name, int(value))
+            setattr(self, name, python_number(getattr(self, name), int))
         for name in ("temperature", "top_p"):  # (np.float64 is a float, and still numpy's: OmegaConf refuses it)
-            value = getattr(self, name)
-            if isinstance(value, numbers.Real) and type(value) not in (int, float) and not isinstance(value, bool):
-                setattr(self, name, float(value))
+            setattr(self, name, python_number(getattr(self, name), float))
         ids = self.stop_token_ids
         if isinstance(ids, (list, tuple)) and any(isinstance(t, np.integer) for t in ids):
             self.stop_token_ids = [int(t) if isinstance(t, np.integer) else t for t in ids]
