@@ -64,38 +64,96 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     dtype = query.dtype  # under autocast (a trainer's bf16) the projections may differ from the pool's dtype
     query, key, value = (t.to(k_pool.dtype) for t in (query, key, value))
+    metadata = (step.slot_mapping, step.block_tables, step.cache_lens, step.query_start, step.num_queries)
+    if torch.compiler.is_compiling():  # one opaque op: the compiler traces the layers around it without a break
+        out = torch.ops.rollout.paged_attention_step(
+            query, key, value, k_pool, v_pool, *metadata, step.depths, step.ancestors, scale, sliding_window
+        )
+    else:
+        out = _store_and_attend(
+            query, key, value, k_pool, v_pool, *metadata, step.depths, step.ancestors, scale, sliding_window, step.masks
+        )
+    return out.to(dtype), None
+
+
+def _store_and_attend(
+    query: Tensor,  # [rows, heads, S, head_dim]
+    key: Tensor,  # [rows, kv_heads, S, head_dim]
+    value: Tensor,  # [rows, kv_heads, S, head_dim]
+    k_pool: Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_pool: Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: Tensor,  # [rows, S] int64
+    block_tables: Tensor,  # [rows, max_blocks] int64
+    cache_lens: Tensor,  # [rows] int64
+    query_start: Tensor,  # [rows] int64
+    num_queries: Tensor,  # [rows] int64
+    depths: Tensor | None,  # [rows, S] int64
+    ancestors: Tensor | None,  # [rows, S, S] bool
+    scale: float,
+    sliding_window: int | None,
+    masks: dict | None = None,
+) -> Tensor:
+    """Stores the keys and values at their slots, then attends: `[rows, S, heads, head_dim]`. Triton kernels on a GPU,
+    their torch references elsewhere; there the visible-key mask is kept in `masks` by window, for the step's other
+    layers (None: built for this call only)."""
     if query.is_cuda:
-        store_kv_(k_pool, v_pool, key, value, step.slot_mapping)
-        out = paged_attention(
+        store_kv_(k_pool, v_pool, key, value, slot_mapping)
+        return paged_attention(
             query,
             k_pool,
             v_pool,
-            step.block_tables,
-            step.cache_lens,
-            step.query_start,
-            step.num_queries,
+            block_tables,
+            cache_lens,
+            query_start,
+            num_queries,
             scale,
             sliding_window,
-            step.depths,
-            step.ancestors,
+            depths,
+            ancestors,
         )
-        return out.to(dtype), None
-    store_kv_ref_(k_pool, v_pool, key, value, step.slot_mapping)
-    mask = step.masks.get(sliding_window)
+    store_kv_ref_(k_pool, v_pool, key, value, slot_mapping)
+    mask = masks.get(sliding_window) if masks is not None else None
     if mask is None:  # one mask a step (per window), shared by the layers
-        kv_len = step.block_tables.shape[1] * k_pool.shape[1]
+        kv_len = block_tables.shape[1] * k_pool.shape[1]
         mask = visible_keys(
-            step.cache_lens,
-            step.query_start,
-            step.num_queries,
-            kv_len,
-            query.shape[2],
-            sliding_window,
-            step.depths,
-            step.ancestors,
+            cache_lens, query_start, num_queries, kv_len, query.shape[2], sliding_window, depths, ancestors
         )
-        step.masks[sliding_window] = mask
-    return attend_gathered(query, k_pool, v_pool, step.block_tables, mask, scale).to(dtype), None
+        if masks is not None:
+            masks[sliding_window] = mask
+    return attend_gathered(query, k_pool, v_pool, block_tables, mask, scale)
+
+
+@torch.library.custom_op("rollout::paged_attention_step", mutates_args=("k_pool", "v_pool"))
+def _paged_attention_step(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    slot_mapping: Tensor,
+    block_tables: Tensor,
+    cache_lens: Tensor,
+    query_start: Tensor,
+    num_queries: Tensor,
+    depths: Tensor | None,
+    ancestors: Tensor | None,
+    scale: float,
+    sliding_window: int | None,
+) -> Tensor:
+    """`_store_and_attend` as one operator for `torch.compile` (`rollout.engine.compiled_forward`): the compiler
+    calls it and never traces its launchers, whose checks would break the graph at every layer. Each call builds its
+    own mask on a CPU."""
+    out = _store_and_attend(
+        query, key, value, k_pool, v_pool, slot_mapping, block_tables, cache_lens, query_start, num_queries, depths,
+        ancestors, scale, sliding_window,
+    )  # fmt: skip
+    return out.contiguous()
+
+
+@_paged_attention_step.register_fake
+def _(query, key, value, k_pool, v_pool, slot_mapping, block_tables, cache_lens, *args) -> Tensor:
+    rows, num_heads, S, head_dim = query.shape
+    return query.new_empty(rows, S, num_heads, head_dim)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
