@@ -333,13 +333,22 @@ def test_the_summary_and_the_report_of_a_run_resumed_on_another_number_of_ranks(
 @pytest.mark.parametrize("share", [True, False])
 def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share, monkeypatch):
     """`rollout train` under accelerate: TRL's GRPOTrainer on 2 processes, each generating its own 2 prompts x 2
-    samples per step; with sharing each drafter holds both ranks' responses after every step."""
+    samples per step; with sharing each drafter holds both ranks' responses after every step. With sharing the
+    training is first stopped by rank 1 at step 2, then resumed on two ranks from its checkpoint of step 1: each rank's
+    history comes back from it."""
     out = tmp_path / "train"
     args = [
         *("train", str(ROOT / "recipes" / "grpo_quickstart.yaml"), "data.num_prompts=8", "sampling.n=2"),
         *("sampling.max_new_tokens=16", "train.steps=2", "train.prompts_per_step=4", "logging.plot=false"),
         *(f"distributed.share_history={str(share).lower()}", f"output_dir={out}"),
     ]
+    if share:
+        args += ["train.save_steps=1", "rewards=[{name: 'rank_rewards:fails_late_on_rank_one'}]"]
+        monkeypatch.setenv("RANK_FAIL_AT", "2")
+        assert launch(2, args).returncode != 0
+        monkeypatch.delenv("RANK_FAIL_AT")
+        assert [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()] == [1]
+        args.append("resume=true")
     result = launch(2, args)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
@@ -347,19 +356,7 @@ def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share, 
     own = 2 * 2  # this rank's responses per step
     assert [s["rollout/history_responses"] for s in steps] == ([2 * own, 4 * own] if share else [own, 2 * own])
     assert json.loads((out / "summary.json").read_text())["complete"] is True
-    assert result.stdout.count("steps in") == 1
-    if share:  # (once) a training that rank 1 stops at step 2 resumes on two ranks from its checkpoint of step 1
-        out = tmp_path / "checkpointed"
-        checkpointed = [*args, "train.save_steps=1", f"output_dir={out}"]
-        checkpointed += ["rewards=[{name: 'rank_rewards:fails_late_on_rank_one'}]"]
-        monkeypatch.setenv("RANK_FAIL_AT", "2")
-        assert launch(2, checkpointed).returncode != 0
-        monkeypatch.delenv("RANK_FAIL_AT")
-        assert [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()] == [1]
-        resumed = launch(2, [*checkpointed, "resume=true"])
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()] == [1, 2]
-        assert "2 steps in" in resumed.stdout and json.loads((out / "summary.json").read_text())["complete"]
+    assert result.stdout.count("steps in") == 1 and "2 steps in" in result.stdout
 
 
 def test_a_run_stopped_by_a_rank_resumes_to_every_sample_once(one_process, tmp_path, monkeypatch):
