@@ -180,11 +180,20 @@ class SpecConfig:
         for name in _FLOAT_FIELDS:
             setattr(self, name, python_number(getattr(self, name), float))
         table = self.num_speculative_tokens_per_batch_size
-        entries = table if isinstance(table, (list, tuple)) else ()
-        if any(isinstance(e, (list, tuple)) and any(python_number(v, int) is not v for v in e) for e in entries):
-            self.num_speculative_tokens_per_batch_size = [
-                [python_number(v, int) for v in e] if isinstance(e, (list, tuple)) else e for e in entries
-            ]
+        rows = table.tolist() if getattr(table, "ndim", None) == 2 else table  # a numpy array (or tensor) of rows
+        if not isinstance(rows, (list, tuple)):
+            return
+        converted, changed = [], rows is not table
+        for entry in rows:
+            if getattr(entry, "ndim", None) == 1:  # a row that is an array
+                entry, changed = entry.tolist(), True
+            if isinstance(entry, (list, tuple)):
+                numbers = [python_number(v, int) for v in entry]
+                changed = changed or any(a is not b for a, b in zip(numbers, entry))
+                entry = numbers
+            converted.append(entry)
+        if changed:  # a table of Python's numbers stays the object it is
+            self.num_speculative_tokens_per_batch_size = converted
 
 
 @dataclass

@@ -589,6 +589,15 @@ def test_numpy_numbers_are_taken_as_python_ones():
     assert (ngram.prompt_lookup_min, ngram.prompt_lookup_max) == (2, 3) and type(ngram.prompt_lookup_max) is int
     with pytest.raises(ValueError, match=r"num_speculative_tokens \(np.float64\(3.0\)\) must be an integer"):
         SpecConfig(method="suffix", num_speculative_tokens=np.float64(3.0))  # a real is not taken for a count
+    # a K table built in numpy (or torch) whole, or row by row: its rows as lists of Python's integers
+    for table in (np.array([[1, 8, 3], [9, 64, 1]]), [np.array([1, 8, 3]), np.array([9, 64, 1])]):
+        spec = SpecConfig(method="suffix", num_speculative_tokens=3, num_speculative_tokens_per_batch_size=table)
+        assert spec.num_speculative_tokens_per_batch_size == [[1, 8, 3], [9, 64, 1]]
+        assert all(type(v) is int for entry in spec.num_speculative_tokens_per_batch_size for v in entry)
+    with pytest.raises(ValueError, match=r"entry \[1.5, 8.0, 3.0\] must be three integers"):
+        SpecConfig(
+            method="suffix", num_speculative_tokens=3, num_speculative_tokens_per_batch_size=np.array([[1.5, 8, 3]])
+        )
 
 
 @pytest.mark.parametrize(
