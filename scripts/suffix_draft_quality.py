@@ -18,8 +18,8 @@ import argparse
 
 import numpy as np
 import torch
-
 from bench_suffix import record_history  # scripts/, beside this one
+
 from rollout import Generator, SamplingParams
 from rollout.models import zoo
 from rollout.tasks import arithmetic_dataset
