@@ -9,6 +9,7 @@ import pathlib
 import types
 
 import pytest
+import transformers
 
 from rollout.cli.main import main
 from rollout.cli.progress import Progress
@@ -182,7 +183,20 @@ def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_
     args = ["train.steps=5", "train.save_steps=3", "train.prompts_per_step=2", "train.learning_rate=3e-3"]
     args += ["sampling.n=4", "sampling.max_new_tokens=24", "data.num_prompts=6", "logging.wandb_mode=disabled"]
     args += ["logging.plot=false", "spec.method=suffix"]  # (exact: the same samples as without drafts)
-    assert main(["train", str(recipe), *args, f"output_dir={tmp_path / 'whole'}"]) == 0
+    written = []  # per checkpoint the trainer saves: was the history in it when its state made it complete?
+    save_state = transformers.TrainerState.save_to_json
+
+    def save_to_json(self, json_path):
+        folder = pathlib.Path(json_path).parent
+        if folder.name.startswith("checkpoint-"):
+            written.append((folder.name, (folder / "draft_history-rank0.npz").is_file()))
+        save_state(self, json_path)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.TrainerState, "save_to_json", save_to_json)
+        assert main(["train", str(recipe), *args, f"output_dir={tmp_path / 'whole'}"]) == 0
+    # a stop between the two would leave a complete checkpoint that resumes drafting from nothing
+    assert written == [("checkpoint-3", True), ("checkpoint-5", True)]
     whole = read_jsonl(tmp_path / "whole" / "train.jsonl")
     capsys.readouterr()
     assert [p.name for p in (tmp_path / "whole" / "trainer").glob("checkpoint-*")] == ["checkpoint-5"]  # the last

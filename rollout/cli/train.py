@@ -114,14 +114,14 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
     history_file = f"draft_history-rank{ranks.rank}.npz"
     if checkpoint is not None and (pathlib.Path(checkpoint) / history_file).is_file():
         func.history_to_load = pathlib.Path(checkpoint) / history_file
-    trainer = _resumable_trainer(trl.GRPOTrainer, _epochs_done(checkpoint))(
+    trainer = _rollout_trainer(trl.GRPOTrainer, _epochs_done(checkpoint), func, history_file)(
         model=inputs.model,
         reward_funcs=[_trl_reward(term, recipe.rollout.non_finite_rewards_as_null) for term in terms],
         args=args,
         train_dataset=dataset,
         processing_class=inputs.tokenizer,
         rollout_func=func,
-        callbacks=[record, HistoryCheckpoint(func, history_file)],
+        callbacks=[record],
     )
     trainer.remove_callback(PrinterCallback)  # it prints every log dict; StepLog prints one line per step instead
     # the trainer's W&B callback logs into the run already started (here: its folder and mode are ours to choose)
@@ -160,24 +160,36 @@ def _epochs_done(checkpoint: str | None) -> int:
     return int((state.get("epoch") or 0.0) + 1e-9)  # (an epoch's end is logged as a whole number)
 
 
-def _resumable_trainer(base: type, epochs_done: int) -> type:
-    """`base` (TRL's GRPOTrainer) whose prompt sampler, in a training resumed after `epochs_done` whole epochs, first
-    draws those epochs' orders. TRL's sampler shuffles every epoch from one generator, and transformers does not go
-    through the finished epochs again on a resume: the resumed epochs would repeat the first epochs' orders, and
-    their steps would not be the uninterrupted training's."""
-    if epochs_done == 0:
-        return base
+def _rollout_trainer(base: type, epochs_done: int, func, history_file: str) -> type:
+    """`base` (TRL's GRPOTrainer) that keeps `func`'s suffix drafting history in each checkpoint, and whose prompt
+    sampler, in a training resumed after `epochs_done` whole epochs, first draws those epochs' orders.
 
-    class Resumed(base):
+    The history goes into the checkpoint folder (as `history_file`, whole or not at all) with the RNG states, before
+    the trainer's state that makes the checkpoint complete: a stop while it saves leaves an incomplete checkpoint,
+    never a complete one without the history, and the trainer's uploads of the folder carry it.
+
+    TRL's sampler shuffles every epoch from one generator, and transformers does not go through the finished epochs
+    again on a resume: the resumed epochs would repeat the first epochs' orders, and their steps would not be the
+    uninterrupted training's."""
+
+    class RolloutTrainer(base):
+        def _save_rng_state(self, output_dir):
+            super()._save_rng_state(output_dir)
+            gen = func.generator
+            if gen is not None and gen.draft_history is not None:
+                os.makedirs(output_dir, exist_ok=True)
+                with atomic_path(pathlib.Path(output_dir) / history_file) as tmp:
+                    gen.draft_history.save(tmp)
+
         def _get_train_sampler(self, *args, **kwargs):
             sampler = super()._get_train_sampler(*args, **kwargs)
             generator = getattr(sampler, "generator", None)
-            if getattr(sampler, "shuffle", False) and isinstance(generator, torch.Generator):
+            if epochs_done and getattr(sampler, "shuffle", False) and isinstance(generator, torch.Generator):
                 for _ in range(epochs_done):  # as each finished epoch's `iter(sampler)` drew
                     torch.randperm(sampler.num_samples, generator=generator)
             return sampler
 
-    return Resumed
+    return RolloutTrainer
 
 
 def _resume_point(output_dir: pathlib.Path, recipe: Recipe) -> tuple[str, list[dict]]:
@@ -283,21 +295,6 @@ def _trl_reward(term: WeightedReward, as_null: bool):
 
     reward.__name__ = term.name.replace(":", "_")
     return reward
-
-
-class HistoryCheckpoint(TrainerCallback):
-    """A trainer callback: the rollout function's suffix drafting history into each checkpoint the trainer saves (as
-    `file_name`, whole or not at all), so that a training resumed from it drafts from what the stopped one held."""
-
-    def __init__(self, func, file_name: str):
-        self.func, self.file_name = func, file_name
-
-    def on_save(self, args, state, control, **kwargs):
-        gen = self.func.generator
-        folder = pathlib.Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if gen is not None and gen.draft_history is not None and folder.is_dir():
-            with atomic_path(folder / self.file_name) as tmp:
-                gen.draft_history.save(tmp)
 
 
 class StepLog(TrainerCallback):
