@@ -209,6 +209,8 @@ def test_bf16_generation_states_its_dtype(tmp_path, caplog):
         ({"min_p": 0.1}, "min_p=0.1"),
         ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"),
         ({"generation_kwargs": {"do_sample": False}}, r"generation_kwargs=\['do_sample'\]"),
+        # refused before the first rollout: TRL failed after it, dividing its logits by 0 (ZeroDivisionError)
+        ({"temperature": 0.0}, r"temperature=0.0 \(GRPO samples: it must be above 0"),
     ],
 )
 def test_settings_it_cannot_honour_are_refused_by_name(tmp_path, config, match):
@@ -230,6 +232,27 @@ def test_backends_it_does_not_drive_are_refused(tmp_path, attribute, value, matc
     setattr(trainer, attribute, value)  # these need vLLM, several GPUs or a tool-calling template to set for real
     with pytest.raises(ValueError, match=match):
         check_trainer(trainer)
+
+
+def test_a_min_p_of_zero_filters_nothing_and_is_taken(tmp_path):
+    trainer = make_trainer(tmp_path, trl_rollout_func(), max_steps=1, min_p=0.0)
+    check_trainer(trainer)
+
+
+def test_an_evaluation_call_leaves_the_training_calls_seeds_as_they_are(tmp_path):
+    """A training resumed from a checkpoint makes no evaluation call before its first step's training call, where the
+    uninterrupted one evaluated after the step before: both must draw the same samples. Evaluation draws its own."""
+    trainer = make_trainer(tmp_path, None, max_steps=1)
+    prompts = [p for p in trainer.train_dataset["prompt"][:2] for _ in range(4)]
+    resumed = trl_rollout_func()
+    trainer.model.train()
+    alone = resumed(prompts, trainer)["completion_ids"]
+    evaluated = trl_rollout_func()
+    trainer.model.eval()
+    evaluation = evaluated(prompts, trainer)["completion_ids"]
+    trainer.model.train()
+    assert evaluated(prompts, trainer)["completion_ids"] == alone  # the training call after an evaluation call
+    assert evaluation != alone
 
 
 def test_bad_adapter_arguments_name_the_argument():
@@ -361,6 +384,32 @@ def test_a_saved_history_is_taken_by_the_first_generator_and_a_damaged_one_left_
         out = damaged(prompts, make_trainer(tmp_path / "c", damaged, max_steps=1))
     assert len(out["completion_ids"]) == 2 and damaged.generator.draft_history.stats()["responses"] == 2
     assert "drafting from an empty history" in caplog.text and "damaged.npz" in caplog.text
+
+
+def test_a_learned_position_table_bounds_the_room_rounded_up_for_the_data_set(tmp_path):
+    """The generator's positions are rounded up to a power of two, but never past a learned position table that holds
+    the data set's longest prompt and its completion: GPT-2 with a table of that size plus one trains."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, tok = load_model("tiny-target")
+    dataset = arithmetic_dataset(16, split="train", seed=0)
+    needed = max(len(tok(p)["input_ids"]) for p in dataset["prompt"]) + 40  # max_completion_length
+    num_positions = needed + 1
+    assert num_positions < 1 << (num_positions - 1).bit_length(), "pick a size the rounding would pass"
+    config = GPT2Config(vocab_size=len(tok), n_positions=num_positions, n_embd=32, n_layer=1, n_head=2)
+    config.eos_token_id = config.bos_token_id = tok.eos_token_id
+    func = trl_rollout_func()
+    trainer = make_trainer(tmp_path, func, max_steps=1)
+    trainer = GRPOTrainer(
+        model=GPT2LMHeadModel(config),
+        reward_funcs=[arithmetic],
+        args=trainer.args,
+        train_dataset=dataset,
+        processing_class=tok,
+        rollout_func=func,
+    )
+    trainer.train()  # it failed: the table held fewer positions than max_seq_len (the power of two above)
+    assert func.generator.max_seq_len == num_positions
 
 
 def test_the_generator_is_built_once_with_room_for_the_datasets_longest_prompt(tmp_path):

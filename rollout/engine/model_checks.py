@@ -76,31 +76,40 @@ def check_supported(model: PreTrainedModel) -> str:
     return impl
 
 
-def check_positions(
-    model: torch.nn.Module, max_seq_len: int, role: str = "the model", setting: str = "max_seq_len"
-) -> None:
-    """A ValueError where a learned position table (GPT-2's `wpe`, OPT's `embed_positions`) holds fewer positions than
-    a sequence of `max_seq_len` tokens takes: a row past it would index outside the table mid-call. Rotary models
-    have no such table. `setting` names the length where the caller's user sets it."""
+def learned_positions(model: torch.nn.Module) -> tuple[int, str] | None:
+    """The smallest learned position table (GPT-2's `wpe`, OPT's `embed_positions`) of the language model's own
+    modules, as (positions it holds, its module path); None for a model without one (rotary, ALiBi)."""
     inputs = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     try:  # the language model's own modules (not a vision tower's position table)
         decoder = model.get_decoder()
     except (AttributeError, NotImplementedError):
         decoder = None
     prefix = next((p for p, m in model.named_modules() if m is decoder), None)
+    tables = []
     for path, module in model.named_modules():
         if prefix and not path.startswith(prefix + "."):
             continue
         name = path.rsplit(".", 1)[-1]
         if not isinstance(module, torch.nn.Embedding) or module is inputs or not ("pos" in name or name == "wpe"):
             continue
-        num_positions = module.num_embeddings - int(getattr(module, "offset", 0))  # (OPT's table starts at 2)
-        if num_positions < max_seq_len:
-            raise ValueError(
-                f"{role} ({type(model).__name__}) has a learned position table of {num_positions} positions "
-                f"({path}), fewer than {setting} ({max_seq_len}): a longer sequence would index outside it; lower "
-                f"{setting} to {num_positions} or less"
-            )
+        tables.append((module.num_embeddings - int(getattr(module, "offset", 0)), path))  # (OPT's starts at 2)
+    return min(tables) if tables else None
+
+
+def check_positions(
+    model: torch.nn.Module, max_seq_len: int, role: str = "the model", setting: str = "max_seq_len"
+) -> None:
+    """A ValueError where a learned position table (`learned_positions`) holds fewer positions than a sequence of
+    `max_seq_len` tokens takes: a row past it would index outside the table mid-call. Rotary models have no such
+    table. `setting` names the length where the caller's user sets it."""
+    table = learned_positions(model)
+    if table is not None and table[0] < max_seq_len:
+        num_positions, path = table
+        raise ValueError(
+            f"{role} ({type(model).__name__}) has a learned position table of {num_positions} positions "
+            f"({path}), fewer than {setting} ({max_seq_len}): a longer sequence would index outside it; lower "
+            f"{setting} to {num_positions} or less"
+        )
 
 
 def probe(runner, layout: str) -> bool:

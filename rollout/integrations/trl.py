@@ -31,6 +31,7 @@ import torch
 from rollout.distributed import ranks_of, share_responses
 from rollout.engine.generator import Generator
 from rollout.engine.memory_plan import fitting_batch_size
+from rollout.engine.model_checks import learned_positions
 from rollout.engine.model_runner import KV_LAYOUTS
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES, PhaseLabeler, summarize
@@ -122,7 +123,7 @@ class TRLRolloutFunc:
         self.generator: Generator | None = None
         self.dtype: torch.dtype | None = None
         self.last_summary: dict = {}
-        self._calls: dict[int, int] = {}  # calls made at each global step (gradient accumulation calls it again)
+        self._calls: dict[tuple[int, bool], int] = {}  # calls made at this (global step, training?) so far
         self.generator_options: dict = {}  # more `Generator` arguments (kv_layout, cuda_graphs, ...)
         self.stop_token_ids: list[int] = []  # stop tokens besides the trainer's EOS ids
         self.ignore_eos = False  # generate past the trainer's EOS ids
@@ -135,10 +136,14 @@ class TRLRolloutFunc:
         self._stops_end_completions(trainer)
         prompt_ids = tokenize_prompts(prompts, trainer)
         groups = _groups(prompt_ids)
-        step = int(trainer.state.global_step)
-        call = self._calls.get(step, 0)
-        self._calls = {step: call + 1}
-        seed = _mix_seed(trainer.args.seed, step, call, trainer.accelerator.process_index)
+        step, training = int(trainer.state.global_step), bool(trainer.model.training)
+        # calls are counted per step and per mode: an evaluation between two training calls (or none, in a training
+        # resumed from a checkpoint) leaves the training's seeds as they are; evaluation draws from seeds of its own
+        key = (step, training)
+        call = self._calls.get(key, 0)
+        self._calls = {k: v for k, v in self._calls.items() if k[0] == step} | {key: call + 1}
+        parts = (trainer.args.seed, step, call, trainer.accelerator.process_index)
+        seed = _mix_seed(*parts) if training else _mix_seed(*parts, EVAL_SEED_PART)
         params = [self._params(trainer, size, seed) for _, size in groups]
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         needed = max(len(ids) for ids in prompt_ids) + trainer.max_completion_length
@@ -209,7 +214,7 @@ class TRLRolloutFunc:
                 f"a prompt of this batch plus max_completion_length needs {needed} positions but max_seq_len is "
                 f"{self.max_seq_len}: raise trl_rollout_func(max_seq_len=...) or shorten the prompts"
             )
-        max_seq_len = self.max_seq_len or 1 << (needed - 1).bit_length()
+        max_seq_len = self.max_seq_len or _room(needed, model, self.spec)
         history = _saved_history(gen) if gen is not None else self.history_to_load
         self.history_to_load = None
         if gen is not None:  # its KV pool and graphs go back before the new one is planned from the free memory
@@ -262,8 +267,13 @@ def check_trainer(trainer) -> None:
     args = trainer.args
     if getattr(trainer, "use_vllm", False):
         refusals.append("use_vllm=True (this rollout_func generates with rollout's generator: set use_vllm=False)")
-    if getattr(trainer, "min_p", None) is not None:
+    if getattr(trainer, "min_p", None):  # None or 0.0: nothing filtered
         refusals.append(f"min_p={trainer.min_p} (not supported: set min_p=None)")
+    temperature = getattr(trainer, "temperature", 1.0)
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+        refusals.append(
+            f"temperature={temperature!r} (GRPO samples: it must be above 0, and TRL divides its logits by it)"
+        )
     if getattr(trainer, "repetition_penalty", 1.0) != 1.0:
         refusals.append(f"repetition_penalty={trainer.repetition_penalty} (not supported: it breaks exact drafting)")
     if args.generation_kwargs:
@@ -350,6 +360,20 @@ def _groups(prompt_ids: list[list[int]]) -> list[tuple[list[int], int]]:
         else:
             groups.append((ids, 1))
     return groups
+
+
+def _room(needed: int, model, spec: SpecConfig | None) -> int:
+    """Positions for a generator sized by its calls: `needed` rounded up to a power of two (fewer rebuilds as prompts
+    grow), but no more than a learned position table of the policy's (or the draft model's) holds where `needed`
+    fits in it."""
+    room = 1 << (needed - 1).bit_length()
+    models = [model, spec.model if spec is not None and isinstance(spec.model, torch.nn.Module) else None]
+    tables = [learned_positions(m) for m in models if m is not None]
+    limit = min((t[0] for t in tables if t is not None), default=room)
+    return max(needed, min(room, limit))
+
+
+EVAL_SEED_PART = 1  # the last part of an evaluation call's seed (a training call's has none)
 
 
 def _mix_seed(*parts: int) -> int:
