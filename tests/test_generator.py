@@ -572,6 +572,58 @@ def test_alibi_models_are_refused_by_name(name):
         Generator(model, max_batch_size=2, max_seq_len=32)
 
 
+def test_a_model_that_fails_in_its_own_forward_is_refused_as_such():
+    """A float64 mixture of experts fails in transformers' grouped_mm experts, with or without this library's cache:
+    the refusal blamed the slot cache and 4D masks, and named no fix."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    config = MixtralConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                           num_experts_per_tok=2)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64).eval()
+    with pytest.raises(ValueError, match=r"fails in its own forward, .* load it with experts_implementation='eager'"):
+        Generator(model, max_batch_size=2, max_seq_len=32)
+    model.config._experts_implementation = "eager"
+    assert Generator(model, max_batch_size=2, max_seq_len=32).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+
+
+def rope_scaled_model(kind: str):
+    """A float64 model whose rotary frequencies follow the longest position of a forward: past 48 positions."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, pad_token_id=0, bos_token_id=None, eos_token_id=None)  # fmt: skip
+    if kind == "longrope":  # Phi-3-128k's: short factors up to original_max_position_embeddings, long ones past it
+        scaling = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8}
+        config = Phi3Config(**common, max_position_embeddings=128, original_max_position_embeddings=48,
+                            rope_scaling=scaling)  # fmt: skip
+    else:
+        config = LlamaConfig(**common, max_position_embeddings=49, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.15)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_rope_scaled_by_the_longest_position_is_refused_past_its_unscaled_length(kind):
+    """Past 48 positions every row's rotation followed the batch's longest row and the drafts verified ahead: a row's
+    greedy tokens changed beside a long prompt and with speculation (the first token, for longrope). Within it they
+    are the model's own whatever the batch and the speculation."""
+    model = rope_scaled_model(kind)
+    spec = SpecConfig(method="ngram", num_speculative_tokens=3)
+    with pytest.raises(ValueError, match=rf"uses rope_type '{kind}'.* Keep max_seq_len at 44 or less"):
+        Generator(model, max_batch_size=2, max_seq_len=64, spec=spec)
+    prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0, max_new_tokens=40)
+    plain = Generator(model, max_batch_size=2, max_seq_len=44).generate([prompt], greedy)[0].token_ids
+    drafted = Generator(model, max_batch_size=2, max_seq_len=44, spec=spec).generate([prompt], greedy)[0].token_ids
+    beside = Generator(model, max_batch_size=2, max_seq_len=44).generate([prompt, list(range(1, 40))], greedy)
+    assert len(plain) == 36 and drafted == plain and beside[0].token_ids == plain
+
+
 def test_a_model_whose_layers_keep_the_keywords_to_themselves_runs_on_slots_and_says_why():
     from transformers import AutoModelForCausalLM, StableLmConfig
 

@@ -112,6 +112,57 @@ def check_positions(
         )
 
 
+def check_rope_scaling(model: torch.nn.Module, num_positions: int, max_width: int) -> None:
+    """A ValueError where the model's rotary frequencies follow the longest position of each forward (transformers'
+    `dynamic` and `longrope` rope types) and a forward may reach past the length they leave unscaled: there every
+    row's rotation would depend on the longest row beside it, and on the drafts verified ahead, so samples would
+    change with the batch and with speculation. Below that length the frequencies stay the unscaled ones.
+    `num_positions` is the most positions a forward may hold (max_seq_len plus the widest step, `max_width`)."""
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        if not hasattr(module, "original_max_seq_len") or kinds is None:  # not a rotary embedding
+            continue
+        for layer_type, kind in kinds.items() if isinstance(kinds, dict) else [(None, kinds)]:
+            if "dynamic" in str(kind):  # rescaled once a forward reaches the length it was made for
+                limit, bound = module.original_max_seq_len - 1, "max_position_embeddings - 1"
+            elif kind == "longrope":  # the long factors once a forward passes the pretraining length
+                params = module.config.rope_parameters
+                limit = (params[layer_type] if layer_type else params)["original_max_position_embeddings"]
+                bound = "original_max_position_embeddings"
+            else:
+                continue
+            if num_positions > limit:
+                raise ValueError(
+                    f"{type(model).__name__} uses rope_type {kind!r}, whose rotary frequencies follow the longest "
+                    f"position of each forward past {bound} ({limit}): rows batched together (and drafts verified "
+                    f"ahead) would change each other's samples. Keep max_seq_len at {limit - max_width} or less "
+                    f"(max_seq_len + {max_width} positions of the widest step within {limit}), or load the model "
+                    "with a static rope type (default, linear, yarn, llama3)"
+                )
+
+
+def _own_forward_error(model: torch.nn.Module, ids: torch.Tensor) -> Exception | None:
+    """The error the model's own forward raises on `ids` with no cache of ours (None: it runs)."""
+    try:
+        with torch.no_grad(), eval_mode(model):
+            model(input_ids=ids, use_cache=False)
+    except Exception as err:  # noqa: BLE001 - any failure: the model's own
+        return err
+    return None
+
+
+def _failing_model_message(model: torch.nn.Module, err: Exception) -> str:
+    name = type(model).__name__
+    message = f"{name} fails in its own forward, outside the generator too ({type(err).__name__}: {err})"
+    dtype = next(model.parameters()).dtype
+    if getattr(model.config, "_experts_implementation", None) == "grouped_mm" and dtype == torch.float64:
+        return message + (
+            ": transformers' grouped_mm experts have no float64 kernel; load it with experts_implementation='eager', "
+            "or in float32 or bfloat16"
+        )
+    return message + ": load it so that its own forward runs (another dtype or implementation), then hand it over"
+
+
 def probe(runner, layout: str) -> bool:
     """Run two tokens through a one-slot cache of `layout`: every layer must write through it and the outputs must
     be finite. Slots: a model that cannot is refused (ValueError). Paged: False, with a warning, when the model's
@@ -137,6 +188,9 @@ def probe(runner, layout: str) -> bool:
         with torch.no_grad(), eval_mode(runner.model):
             logits = runner.forward(StepBatch.build(0, ids, zero, zero, two), cache=cache)
     except Exception as err:  # the model's own error says what it could not do with our cache or mask
+        own = _own_forward_error(runner.model, ids)
+        if own is not None:  # not the cache's doing: the model does not run at all
+            raise ValueError(_failing_model_message(runner.model, own)) from err
         if layout == "paged":
             message = f"{name} runs on the slot KV cache: the paged attention failed ({type(err).__name__}: {err})"
             if isinstance(err, StepMetadataMissing):  # (StableLM, Nemotron)
