@@ -118,7 +118,7 @@ class RolloutBatch:
         `cat([prompt_ids, completion_ids], dim=1)` holds each sample's tokens contiguously. A forward over them
         reproduces `logprobs` where each token sits at its own position: a model with learned positions (GPT-2's)
         needs `position_ids` counted from the first unmasked token (`mask.cumsum(1) - 1`, clamped at 0); rotary
-        attention sees only relative positions, which the left padding does not change.
+        attention of a static rope type sees only relative positions, which the left padding does not change.
 
         Returns:
             prompt_ids `[N, P]` long, padded with `pad_token_id`; prompt_mask `[N, P]` long, 1 = token, 0 = pad;

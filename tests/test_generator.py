@@ -598,7 +598,7 @@ def rope_scaled_model(kind: str):
         config = Phi3Config(**common, max_position_embeddings=128, original_max_position_embeddings=48,
                             rope_scaling=scaling)  # fmt: skip
     else:
-        config = LlamaConfig(**common, max_position_embeddings=49, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+        config = LlamaConfig(**common, max_position_embeddings=48, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
     with torch.no_grad():
@@ -611,17 +611,31 @@ def rope_scaled_model(kind: str):
 @pytest.mark.parametrize("kind", ["longrope", "dynamic"])
 def test_rope_scaled_by_the_longest_position_is_refused_past_its_unscaled_length(kind):
     """Past 48 positions every row's rotation followed the batch's longest row and the drafts verified ahead: a row's
-    greedy tokens changed beside a long prompt and with speculation (the first token, for longrope). Within it they
-    are the model's own whatever the batch and the speculation."""
+    greedy tokens changed beside a long prompt and with speculation (the first token, for longrope). Up to it they
+    are the model's own whatever the batch, the speculation and the host running ahead, which feed no position past
+    max_seq_len - 1."""
     model = rope_scaled_model(kind)
     spec = SpecConfig(method="ngram", num_speculative_tokens=3)
-    with pytest.raises(ValueError, match=rf"uses rope_type '{kind}'.* Keep max_seq_len at 44 or less"):
-        Generator(model, max_batch_size=2, max_seq_len=64, spec=spec)
+    with pytest.raises(ValueError, match=rf"uses rope_type '{kind}'.* Keep max_seq_len at 48 or less"):
+        Generator(model, max_batch_size=2, max_seq_len=49)
+    rotary = next(m for m in model.modules() if hasattr(m, "original_max_seq_len"))
+    highest = []  # the highest position of each forward
+
+    def record(module, args, kwargs):
+        highest.append(int(kwargs.get("position_ids", args[1] if len(args) > 1 else None).max()))
+
+    handle = rotary.register_forward_pre_hook(record, with_kwargs=True)
     prompt, greedy = [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(temperature=0, max_new_tokens=40)
-    plain = Generator(model, max_batch_size=2, max_seq_len=44).generate([prompt], greedy)[0].token_ids
-    drafted = Generator(model, max_batch_size=2, max_seq_len=44, spec=spec).generate([prompt], greedy)[0].token_ids
-    beside = Generator(model, max_batch_size=2, max_seq_len=44).generate([prompt, list(range(1, 40))], greedy)
-    assert len(plain) == 36 and drafted == plain and beside[0].token_ids == plain
+    try:
+        plain = Generator(model, max_batch_size=2, max_seq_len=48).generate([prompt], greedy)[0].token_ids
+        for options in ({"spec": spec}, {"spec": spec, "async_scheduling": True}, {"async_scheduling": True}):
+            drafted = Generator(model, max_batch_size=2, max_seq_len=48, **options).generate([prompt], greedy)
+            assert drafted[0].token_ids == plain, options
+        beside = Generator(model, max_batch_size=2, max_seq_len=48).generate([prompt, list(range(1, 40))], greedy)
+    finally:
+        handle.remove()
+    assert len(plain) == 40 and beside[0].token_ids == plain
+    assert max(highest) == 47  # the bound is reached, and not passed
 
 
 def test_a_model_whose_layers_keep_the_keywords_to_themselves_runs_on_slots_and_says_why():

@@ -412,6 +412,20 @@ def test_a_learned_position_table_bounds_the_room_rounded_up_for_the_data_set(tm
     assert func.generator.max_seq_len == num_positions
 
 
+def test_the_room_rounded_up_stops_where_rotary_scaling_would_begin():
+    """A longrope policy leaves 48 positions unscaled: a call needing 40 gets 48, not 64 (which it would refuse)."""
+    from test_generator import rope_scaled_model
+
+    from rollout.integrations.trl import _room
+
+    model = rope_scaled_model("longrope")
+    assert (_room(40, model, None), _room(48, model, None), _room(40, load_model("tiny-target")[0], None)) == (
+        48,
+        48,
+        64,
+    )
+
+
 def test_the_generator_is_built_once_with_room_for_the_datasets_longest_prompt(tmp_path):
     func = trl_rollout_func(spec=SpecConfig(method="suffix", num_speculative_tokens=3))
     short = "Question: Ann has 3 apples.\nAnswer:"

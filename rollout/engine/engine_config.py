@@ -48,7 +48,7 @@ def resolve_engine(
     max_width = 1 + (spec.num_speculative_tokens if spec is not None else 0)
     exact = spec is None or spec.verification == "exact"
     num_positions = max_seq_len + max_width
-    check_rope_scaling(model, num_positions, max_width)
+    check_rope_scaling(model, max_seq_len)
     # planned before anything is allocated: the slot cache must fit, a paged pool is sized to what is free
     kv_cache_bytes, max_kv_blocks = plan_kv_cache(model, spec, max_batch_size, max_seq_len, kv_layout, kv_pool_blocks)
     runner = ModelRunner(model, max_batch_size, num_positions, kv_layout, max_kv_blocks)  # checks the model

@@ -112,33 +112,40 @@ def check_positions(
         )
 
 
-def check_rope_scaling(model: torch.nn.Module, num_positions: int, max_width: int) -> None:
-    """A ValueError where the model's rotary frequencies follow the longest position of each forward (transformers'
-    `dynamic` and `longrope` rope types) and a forward may reach past the length they leave unscaled: there every
-    row's rotation would depend on the longest row beside it, and on the drafts verified ahead, so samples would
-    change with the batch and with speculation. Below that length the frequencies stay the unscaled ones.
-    `num_positions` is the most positions a forward may hold (max_seq_len plus the widest step, `max_width`)."""
+def rope_unscaled_length(model: torch.nn.Module) -> tuple[int, str, str] | None:
+    """Where the model's rotary frequencies follow the longest position of each forward (transformers' `dynamic` and
+    `longrope` rope types): (the longest sequence they leave unscaled, the rope type, the config field it comes
+    from), the smallest over the model's rotary embeddings; None for a model without such a rope."""
+    found = []
     for module in model.modules():
         kinds = getattr(module, "rope_type", None)
         if not hasattr(module, "original_max_seq_len") or kinds is None:  # not a rotary embedding
             continue
         for layer_type, kind in kinds.items() if isinstance(kinds, dict) else [(None, kinds)]:
-            if "dynamic" in str(kind):  # rescaled once a forward reaches the length it was made for
-                limit, bound = module.original_max_seq_len - 1, "max_position_embeddings - 1"
+            if "dynamic" in str(kind):  # rescaled once a forward passes the length it was made for
+                found.append((module.original_max_seq_len, kind, "max_position_embeddings"))
             elif kind == "longrope":  # the long factors once a forward passes the pretraining length
                 params = module.config.rope_parameters
                 limit = (params[layer_type] if layer_type else params)["original_max_position_embeddings"]
-                bound = "original_max_position_embeddings"
-            else:
-                continue
-            if num_positions > limit:
-                raise ValueError(
-                    f"{type(model).__name__} uses rope_type {kind!r}, whose rotary frequencies follow the longest "
-                    f"position of each forward past {bound} ({limit}): rows batched together (and drafts verified "
-                    f"ahead) would change each other's samples. Keep max_seq_len at {limit - max_width} or less "
-                    f"(max_seq_len + {max_width} positions of the widest step within {limit}), or load the model "
-                    "with a static rope type (default, linear, yarn, llama3)"
-                )
+                found.append((limit, kind, "original_max_position_embeddings"))
+    return min(found) if found else None
+
+
+def check_rope_scaling(model: torch.nn.Module, max_seq_len: int) -> None:
+    """A ValueError where the model's rotary frequencies follow the longest position of each forward
+    (`rope_unscaled_length`) and a sequence of `max_seq_len` tokens passes the length they leave unscaled: there
+    every row's rotation would depend on the longest row beside it, and on the drafts verified ahead, so samples
+    would change with the batch and with speculation. Within it the frequencies stay the unscaled ones: the engine
+    feeds no position past `max_seq_len - 1` (padding columns sit at 0, drafts stop before the length cap)."""
+    rope = rope_unscaled_length(model)
+    if rope is not None and max_seq_len > rope[0]:
+        limit, kind, field = rope
+        raise ValueError(
+            f"{type(model).__name__} uses rope_type {kind!r}, whose rotary frequencies follow the longest position "
+            f"of each forward past {field} ({limit}): rows batched together (and drafts verified ahead) would "
+            f"change each other's samples. Keep max_seq_len at {limit} or less, or load the model with a static "
+            "rope type (default, linear, yarn, llama3)"
+        )
 
 
 def _own_forward_error(model: torch.nn.Module, ids: torch.Tensor) -> Exception | None:
@@ -149,6 +156,11 @@ def _own_forward_error(model: torch.nn.Module, ids: torch.Tensor) -> Exception |
     except Exception as err:  # noqa: BLE001 - any failure: the model's own
         return err
     return None
+
+
+def _device_trouble(err: Exception) -> bool:
+    """Out of memory, or a CUDA error left by the probe's failure: not the model's own forward failing."""
+    return isinstance(err, torch.OutOfMemoryError) or "CUDA error" in str(err)
 
 
 def _failing_model_message(model: torch.nn.Module, err: Exception) -> str:
@@ -189,7 +201,7 @@ def probe(runner, layout: str) -> bool:
             logits = runner.forward(StepBatch.build(0, ids, zero, zero, two), cache=cache)
     except Exception as err:  # the model's own error says what it could not do with our cache or mask
         own = _own_forward_error(runner.model, ids)
-        if own is not None:  # not the cache's doing: the model does not run at all
+        if own is not None and not _device_trouble(own):  # not the cache's doing: the model does not run at all
             raise ValueError(_failing_model_message(runner.model, own)) from err
         if layout == "paged":
             message = f"{name} runs on the slot KV cache: the paged attention failed ({type(err).__name__}: {err})"

@@ -31,7 +31,7 @@ import torch
 from rollout.distributed import ranks_of, share_responses
 from rollout.engine.generator import Generator
 from rollout.engine.memory_plan import fitting_batch_size
-from rollout.engine.model_checks import learned_positions
+from rollout.engine.model_checks import learned_positions, rope_unscaled_length
 from rollout.engine.model_runner import KV_LAYOUTS
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES, PhaseLabeler, summarize
@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 # the rollout's per-phase numbers added to the trainer's metrics each step, as rollout/<phase>/<key>
 PHASE_METRICS = ("tokens_per_s", "mean_k", "acceptance_rate", "mean_accepted_length", "seconds")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+EVAL_SEED_PART = 1  # the last part of an evaluation call's seed (a training call's has none)
 
 
 def trl_rollout_func(
@@ -364,16 +365,14 @@ def _groups(prompt_ids: list[list[int]]) -> list[tuple[list[int], int]]:
 
 def _room(needed: int, model, spec: SpecConfig | None) -> int:
     """Positions for a generator sized by its calls: `needed` rounded up to a power of two (fewer rebuilds as prompts
-    grow), but no more than a learned position table of the policy's (or the draft model's) holds where `needed`
-    fits in it."""
+    grow), but no more than the policy's learned position table (or the draft model's) holds, or than its rotary
+    scaling leaves unscaled, where `needed` fits within that."""
     room = 1 << (needed - 1).bit_length()
     models = [model, spec.model if spec is not None and isinstance(spec.model, torch.nn.Module) else None]
-    tables = [learned_positions(m) for m in models if m is not None]
-    limit = min((t[0] for t in tables if t is not None), default=room)
-    return max(needed, min(room, limit))
-
-
-EVAL_SEED_PART = 1  # the last part of an evaluation call's seed (a training call's has none)
+    limits = [t[0] for t in (learned_positions(m) for m in models if m is not None) if t is not None]
+    rope = rope_unscaled_length(model)
+    limits += [rope[0]] if rope is not None else []
+    return max(needed, min([room, *limits]))
 
 
 def _mix_seed(*parts: int) -> int:
