@@ -419,7 +419,8 @@ def test_a_prompt_is_taken_in_the_forms_verls_servers_take_and_only_as_integer_i
     model, tokenizer = tiny32
     encoded = tokenizer("12 + 7 =")
     ids = encoded["input_ids"]
-    for form in (encoded, {"input_ids": ids}, [ids], tuple(ids), torch.tensor([ids]), np.array(ids)):
+    zero_dim = [list(torch.tensor(ids)), list(np.array(ids))]  # 0-dim tensors or arrays, as veRL's own servers take
+    for form in (encoded, {"input_ids": ids}, [ids], tuple(ids), torch.tensor([ids]), np.array(ids), *zero_dim):
         taken = prompt_token_ids(form)
         assert taken == ids and all(type(t) is int for t in taken), type(form)
     for text in ("12 + 7 =", 5, None):
@@ -453,6 +454,13 @@ def test_a_vllm_speculative_config_carries_over():
     assert off.spec is None  # set to None: no drafts, whatever engine_kwargs.vllm says
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineOptions.from_dict({"max_num_batched_tokens": 8})
+    # a bad speculative setting is named under the key the veRL user set, and where it came from
+    with pytest.raises(
+        ValueError, match=r"^engine_kwargs.vllm.speculative_config \(taken where .*\): method \('eagle3'\)"
+    ):
+        EngineOptions.from_dict({}, fallback_spec={"method": "eagle3", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"^engine_kwargs.rollout.speculative_config: num_speculative_tokens"):
+        EngineOptions.from_dict({"speculative_config": {"method": "suffix", "num_speculative_tokens": "four"}})
 
 
 # ---- with veRL installed ---------------------------------------------------------------------------------------------
@@ -555,6 +563,53 @@ def test_the_server_refuses_a_position_table_shorter_than_its_sequences_at_start
         RolloutServer(config, HFModelConfig(path=str(path)))
 
 
+def test_the_server_refuses_a_rope_scaled_past_its_sequences_at_start(verl, tmp_path):
+    """A policy whose dynamic rope rescales past max_position_embeddings is refused when the server starts, in
+    veRL's names (it was refused at the first request or wake-up)."""
+    import json
+    import shutil
+
+    from verl.workers.config import HFModelConfig
+
+    from rollout.integrations.verl.server import RolloutServer
+
+    path = tmp_path / "dynamic"
+    shutil.copytree(model_path("tiny-target"), path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(max_position_embeddings=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    config.pop("rope_parameters", None)
+    (path / "config.json").write_text(json.dumps(config))
+    settings = rollout_config(verl, prompt_length=60, response_length=32)
+    with pytest.raises(ValueError, match=r"Keep rollout.max_model_len \(or prompt_length \+ response_length\) at 64"):
+        RolloutServer(settings, HFModelConfig(path=str(path)))
+
+
+def test_full_determinism_seeds_every_request_as_veRLs_vllm_server_does(verl):
+    """`rollout.full_determinism`: a request without a seed of its own takes `replica_rank + rollout.seed`, so its
+    sample depends on its prompt alone, not on the order requests arrive in (it was accepted and did nothing)."""
+    from verl.workers.config import HFModelConfig
+
+    from rollout.integrations.verl.server import RolloutServer
+
+    model_config = HFModelConfig(path=str(model_path("tiny-target")))
+    params = {"temperature": 1.0, "max_tokens": 12}
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    answers = []
+    for order in (prompts, prompts[::-1]):
+        server = RolloutServer(rollout_config(verl, full_determinism=True, seed=3, load_format="auto"), model_config)
+        try:
+            answers.append({tuple(p): asyncio.run(server.generate(p, params, "r")).token_ids for p in order})
+        finally:
+            server.engine.close()
+    assert answers[0] == answers[1]
+    seeded = verl_params({**params, "seed": 3}, prompts[0])
+    engine = ServingEngine(load_model("tiny-target")[0], max_batch_size=2, max_seq_len=64)
+    try:
+        assert asyncio.run(engine.generate(prompts[0], seeded)).token_ids == answers[0][tuple(prompts[0])]
+    finally:
+        engine.close()
+
+
 def test_the_server_builds_the_policy_from_the_trainers_config(verl):
     """`model.override_config` changes the actor's config: the server's policy is built from the same config, with
     attention the generator runs (veRL's config asks flash-attn), and the trainer's config object is left as it is."""
@@ -627,6 +682,13 @@ def test_the_server_refuses_what_it_cannot_do(verl):
         RolloutServer(rollout_config(verl, logprobs_mode="raw_logprobs"), model_config)
     with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.max_num_seqs \(0\) must be a positive integer"):
         RolloutServer(rollout_config(verl, max_num_seqs=0), model_config)
+    # at start, in veRL's keys, not at every request after it
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"engine_kwargs.rollout.cuda_graphs=true needs a CUDA device"):
+            RolloutServer(rollout_config(verl, engine_kwargs={"rollout": {"cuda_graphs": True}}), model_config)
+    missing = {"rollout": {"speculative_config": {"method": "draft_model", "model": "/nonexistent/draft"}}}
+    with pytest.raises(ValueError, match=r"engine_kwargs.rollout.speculative_config.model: spec.model \('/nonex"):
+        RolloutServer(rollout_config(verl, engine_kwargs=missing), model_config)
     server = RolloutServer(rollout_config(verl), model_config)
     try:
         with pytest.raises(ValueError, match="multimodal"):

@@ -131,20 +131,21 @@ def rope_unscaled_length(model: torch.nn.Module) -> tuple[int, str, str] | None:
     return min(found) if found else None
 
 
-def check_rope_scaling(model: torch.nn.Module, max_seq_len: int) -> None:
+def check_rope_scaling(model: torch.nn.Module, max_seq_len: int, setting: str = "max_seq_len") -> None:
     """A ValueError where the model's rotary frequencies follow the longest position of each forward
     (`rope_unscaled_length`) and a sequence of `max_seq_len` tokens passes the length they leave unscaled: there
     every row's rotation would depend on the longest row beside it, and on the drafts verified ahead, so samples
     would change with the batch and with speculation. Within it the frequencies stay the unscaled ones: the engine
-    feeds no position past `max_seq_len - 1` (padding columns sit at 0, drafts stop before the length cap)."""
+    feeds no position past `max_seq_len - 1` (padding columns sit at 0, drafts stop before the length cap). `setting`
+    names the length where the caller's user sets it."""
     rope = rope_unscaled_length(model)
     if rope is not None and max_seq_len > rope[0]:
         limit, kind, field = rope
         raise ValueError(
             f"{type(model).__name__} uses rope_type {kind!r}, whose rotary frequencies follow the longest position "
             f"of each forward past {field} ({limit}): rows batched together (and drafts verified ahead) would "
-            f"change each other's samples. Keep max_seq_len at {limit} or less, or load the model with a static "
-            "rope type (default, linear, yarn, llama3)"
+            f"change each other's samples. Keep {setting} at {limit} or less (it is {max_seq_len}), or load the model "
+            "with a static rope type (default, linear, yarn, llama3)"
         )
 
 

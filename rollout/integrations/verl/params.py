@@ -67,6 +67,7 @@ def prompt_token_ids(prompt_ids: Any) -> list:
             f"prompt_ids must be the prompt's token ids (a list of integers), got {type(prompt_ids).__name__} "
             f"{prompt_ids!r:.60}: the 'rollout' backend takes tokenized prompts"
         )
+    ids = [t.item() if getattr(t, "ndim", None) == 0 and hasattr(t, "item") else t for t in ids]  # 0-dim tensors
     return [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t for t in ids]
 
 
@@ -204,8 +205,17 @@ class EngineOptions:
         if unknown:
             raise ValueError(f"engine_kwargs.rollout has {unknown}; valid keys: {', '.join(names)}")
         values = {key: value for key, value in options.items() if value is not None}
+        source = "engine_kwargs.rollout.speculative_config"
         if "speculative_config" not in options and fallback_spec:  # (set to None: no drafts, as documented)
             values["speculative_config"] = _plain(fallback_spec)
+            source = (
+                "engine_kwargs.vllm.speculative_config (taken where engine_kwargs.rollout sets none; "
+                "engine_kwargs.rollout.speculative_config=null decodes without drafts)"
+            )
+        try:  # (built again by __post_init__: a config, nothing loaded)
+            spec_config_from_dict(values.get("speculative_config"))
+        except ValueError as err:  # the library's words, under the key the veRL user set
+            raise ValueError(f"{source}: {err}") from None
         return cls(**values)
 
 

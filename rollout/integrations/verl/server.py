@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import pathlib
 from typing import Any
 
 import ray
@@ -21,7 +22,8 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
-from rollout.engine.model_checks import check_positions
+from rollout.engine.memory_plan import draft_model_path
+from rollout.engine.model_checks import check_positions, check_rope_scaling
 from rollout.integrations.verl.engine import ABORTED, ServingEngine
 from rollout.integrations.verl.params import EngineOptions, RequestLimits, prompt_token_ids, sampling_params_from_verl
 
@@ -84,6 +86,17 @@ class RolloutServer:
         # at start, not at the first request (the generator is built then), and in veRL's names
         length = "rollout.max_model_len (or prompt_length + response_length)"
         check_positions(self.model, max_model_len, "the policy", length)
+        check_rope_scaling(self.model, max_model_len, length)
+        if options.cuda_graphs is True and not config.enforce_eager and self.device.type != "cuda":
+            raise ValueError(
+                f"engine_kwargs.rollout.cuda_graphs=true needs a CUDA device, and this replica runs on {self.device}: "
+                "set it to auto (or false)"
+            )
+        if options.spec is not None and isinstance(options.spec.model, (str, pathlib.Path)):
+            try:
+                draft_model_path(options.spec.model)
+            except ValueError as err:
+                raise ValueError(f"engine_kwargs.rollout.speculative_config.model: {err}") from None
         self.engine = ServingEngine(
             self.model,
             max_batch_size=options.max_batch_size or min(max_num_seqs, MAX_BATCH_SIZE),
@@ -120,6 +133,8 @@ class RolloutServer:
         if image_data is not None or video_data is not None or audio_data is not None:
             raise ValueError("the 'rollout' backend generates from text prompts only: multimodal data is not supported")
         prompt_ids = prompt_token_ids(prompt_ids)  # (not int() on each: 5.7 was taken as 5, True as 1)
+        if getattr(self.config, "full_determinism", False):  # as veRL's vLLM server: a request without its own seed takes the replica's
+            sampling_params = {"seed": self.replica_rank + int(self.config.seed), **sampling_params}
         params, want_logprobs = sampling_params_from_verl(sampling_params, len(prompt_ids), self.limits)
         completion = await self.engine.generate(prompt_ids, params)
         extra_fields = {"global_steps": self.global_steps}
