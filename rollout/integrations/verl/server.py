@@ -133,7 +133,8 @@ class RolloutServer:
         if image_data is not None or video_data is not None or audio_data is not None:
             raise ValueError("the 'rollout' backend generates from text prompts only: multimodal data is not supported")
         prompt_ids = prompt_token_ids(prompt_ids)  # (not int() on each: 5.7 was taken as 5, True as 1)
-        if getattr(self.config, "full_determinism", False):  # as veRL's vLLM server: a request without its own seed takes the replica's
+        # as veRL's vLLM server under full_determinism: a request without a seed of its own takes the replica's
+        if getattr(self.config, "full_determinism", False):
             sampling_params = {"seed": self.replica_rank + int(self.config.seed), **sampling_params}
         params, want_logprobs = sampling_params_from_verl(sampling_params, len(prompt_ids), self.limits)
         completion = await self.engine.generate(prompt_ids, params)
