@@ -703,6 +703,63 @@ def test_close_frees_the_caches_while_the_generator_is_still_referenced(kv_layou
     gen.abort()
 
 
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_a_snapshot_is_not_restored_over_rows_that_finished_or_were_admitted_since(layout):
+    """A helper's probe: a row that finished since the snapshot was put back and handed back twice (on the paged
+    layout with wrong tokens: its blocks were free again, and suffix drafting failed an assertion), and rows admitted
+    since the snapshot were dropped unfinished. Both are refused now, changing nothing."""
+    model = make_model("llama")
+    params = SamplingParams(n=3, max_new_tokens=10, seed=3, ignore_eos=True)
+    gen = Generator(model, max_batch_size=8, max_seq_len=48, kv_layout=layout)
+    gen.add_requests([[5, 9, 13, 2]], params)
+    gen.step(), gen.step()  # a prefill, one decode
+    gen.add_requests([[60, 61, 62]], params, keep_in_flight=True)  # queued: the next step admits it
+    snap = gen.snapshot()
+    gen.step()
+    with pytest.raises(ValueError, match="3 rows in flight were admitted after this snapshot"):
+        gen.restore(snap)
+    done = []
+    while gen.has_unfinished:
+        done += gen.step().finished
+    assert sorted((c.prompt_index, c.sample_index) for c in done) == [(p, s) for p in (0, 1) for s in range(3)]
+    alone = Generator(model, max_batch_size=8, max_seq_len=48, kv_layout=layout).generate([[60, 61, 62]], params)
+    assert [c.token_ids for c in sorted(done, key=lambda c: c.sample_index) if c.prompt_index == 1] == [
+        o.token_ids for o in alone
+    ]
+
+    short = SamplingParams(n=1, max_new_tokens=3, seed=4, ignore_eos=True)
+    gen.add_requests([[7, 8]], short)
+    gen.step()  # the prefill: its first token
+    snap = gen.snapshot()
+    finished = []
+    while gen.has_unfinished:
+        finished += gen.step().finished
+    with pytest.raises(ValueError, match="row 0 no longer holds the sequence this snapshot saw"):
+        gen.restore(snap)
+    assert len(finished) == 1 and not gen.has_unfinished
+    with pytest.raises(ValueError, match="restore takes a list that snapshot"):
+        gen.restore(None)
+
+
+def test_params_changed_after_a_request_was_added_leave_it_as_it_was_added():
+    """A serving loop that reuses one params object: a request still queued took the fields set after it was added
+    (and unchecked: `check` had run at adding)."""
+    model = make_model("llama")
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    gen = Generator(model, max_batch_size=1, max_seq_len=48)
+    gen.add_requests([[5, 6, 7]], params)
+    gen.add_requests([[8, 9, 10]], params, keep_in_flight=True)  # waits for the one slot
+    params.temperature, params.top_k = 1.0, 3
+    done = []
+    while gen.has_unfinished:
+        done += gen.step().finished
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    alone = Generator(model, max_batch_size=1, max_seq_len=48).generate([[8, 9, 10]], greedy)[0].token_ids
+    assert next(c.token_ids for c in done if c.prompt_index == 1) == alone
+    with pytest.raises(ValueError, match=r"keep_in_flight \('yes'\) must be True or False"):
+        gen.add_requests([[5]], greedy, keep_in_flight="yes")
+
+
 def test_generator_restores_training_mode_and_uses_current_weights():
     model = make_model("qwen2")
     model.train()

@@ -141,6 +141,7 @@ class Admission:
             self._ahead.in_flight.rows_moved(num_active, rows, movers, holes)
         for runner in self._runners():  # a paged draft model's cache frees its rows too
             runner.release_rows(remaining, num_active)
+        s.forget(remaining, num_active)  # (a snapshot of a row that left, or of one that moved, is not restored)
         self.scheduler.num_active = remaining
 
     # ---- rows dropped (the engine closed), saved and put back -------------------------------------------------
@@ -191,7 +192,7 @@ class Admission:
             self._check_open()
             self._check_no_step_in_flight()
             self._ahead.decision = None  # a K chosen for rows that may be rolled back
-            return self.slots.snapshot(self.num_active)
+            return self.slots.snapshot(self.num_active, self.scheduler.num_admitted)
 
     def restore(self, rows: list[RowSnapshot], keep_others: bool = False) -> None:
         """Put rows back as a snapshot saw them, into rows `[0, len(rows))`. The KV cache keeps what the rows had (a
@@ -201,12 +202,14 @@ class Admission:
         blocks, for a later restore of a longer prefix, until an abort.
 
         Raises:
-            ValueError: a row no longer holds its snapshot's sequence (nothing changed).
+            ValueError: a row no longer holds its snapshot's sequence (it finished, moved or was let go), or a row in
+                flight was admitted since the snapshot, which the restore would drop (nothing changed).
         """
         with self._one_call():
             self._check_open()
             self._check_not_generating("restore")
             self._check_no_step_in_flight()
+            self._check_none_admitted_since(rows)
             self._ahead.decision, self._ahead.last_finish = None, 0.0  # the rows are not those the last step read
             if self.proposers is not None:  # the rows' tokens are rolled back
                 self.proposers.wait()
@@ -221,6 +224,22 @@ class Admission:
                     runner.release_rows(len(rows), self.max_batch_size)
                 self.slots.forget(len(rows), self.max_batch_size)
             self.scheduler.num_active = len(rows)
+
+    def _check_none_admitted_since(self, rows: list[RowSnapshot]) -> None:
+        if not isinstance(rows, (list, tuple)) or not all(isinstance(saved, RowSnapshot) for saved in rows):
+            raise ValueError(f"restore takes a list that snapshot() returned (or a prefix of it), got {rows!r:.80}")
+        if not rows:
+            return
+        since = [
+            row
+            for row in range(len(rows), self.scheduler.num_active)
+            if self.slots.sequences[row] is not None and self.slots.sequences[row].admitted_at >= rows[0].num_admitted
+        ]
+        if since:
+            raise ValueError(
+                f"{len(since)} rows in flight were admitted after this snapshot was taken, and a restore would drop "
+                "them unfinished: restore a snapshot taken since, or abort() first"
+            )
 
     def _check_no_step_in_flight(self) -> None:
         if self._ahead.in_flight is not None:

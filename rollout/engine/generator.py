@@ -258,14 +258,16 @@ class Generator(Admission, DecodeStep):
         """Check and queue `params.n` samples of every prompt (see `generate`); rows still in flight from an earlier,
         interrupted call are dropped first, unless `keep_in_flight`: then the new samples queue behind them and join
         the batch as slots free up (a server's continuous batching: `step()` until `has_unfinished` is False), their
-        prompt indices numbered on from the highest queued or in flight (`Completion.prompt_index` tells them apart;
-        `seed_indices` still seed them). Returns the queued sequences, prompt-major."""
+        prompt indices numbered on from the highest so far, queued, in flight or handed back (`Completion.prompt_index`
+        tells them apart; `seed_indices` still seed them). Returns the queued sequences, prompt-major."""
         with self._one_call() as outermost:
             return self._add_requests(prompt_ids, params, seed_indices, keep_in_flight, outermost)
 
     def _add_requests(self, prompt_ids, params, seed_indices, keep_in_flight: bool, outermost: bool) -> list[Sequence]:
         self._check_open()
         self._check_not_generating("add_requests")
+        if not isinstance(keep_in_flight, bool):
+            raise ValueError(f"keep_in_flight ({keep_in_flight!r}) must be True or False")
         max_k, eos = self.max_width - 1, self.eos_token_ids
         sequences = checked_sequences(
             prompt_ids, params, seed_indices, self.vocab_size, self.max_seq_len, self._methods, eos, max_k

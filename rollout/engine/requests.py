@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import numbers
 import operator
@@ -65,8 +66,9 @@ def check_prompts(prompt_ids, vocab_size: int, max_seq_len: int) -> list[list[in
 def check_params(
     params, num_prompts: int, methods: tuple[str, ...], vocab_size: int | None = None
 ) -> list[SamplingParams]:
-    """One SamplingParams per prompt; a request's spec settings must name a configured proposer, and its stop ids
-    tokens of the model's vocabulary (`vocab_size`, when given)."""
+    """One SamplingParams per prompt, each a copy of the caller's object as it is now (a field the caller sets later,
+    while the request waits in the queue, does not change it); a request's spec settings must name a configured
+    proposer, and its stop ids tokens of the model's vocabulary (`vocab_size`, when given)."""
     params = SamplingParams() if params is None else params
     per_prompt = [params] * num_prompts if isinstance(params, SamplingParams) else params
     if not isinstance(per_prompt, (list, tuple)) or len(per_prompt) != num_prompts:
@@ -88,7 +90,11 @@ def check_params(
                 f"params[{index}].spec.method ({method!r}) is not a configured proposer: the generator's spec has "
                 f"{list(methods) or 'no speculation'}; name one of those or leave method None"
             )
-    return list(per_prompt)
+    copies: dict[int, SamplingParams] = {}
+    for p in per_prompt:
+        if id(p) not in copies:
+            copies[id(p)] = copy.deepcopy(p)
+    return [copies[id(p)] for p in per_prompt]
 
 
 def check_stop_ids(stop_token_ids: list[int] | None, vocab_size: int, name: str) -> None:

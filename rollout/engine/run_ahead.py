@@ -105,7 +105,7 @@ class RunAhead:
         if self.failed:
             raise RuntimeError(
                 "a step raised (or was interrupted) part-way, so the rows in flight may be left between two states; "
-                "call abort() (or add_requests, which starts over) before stepping again"
+                "call abort() (or add_requests without keep_in_flight, which starts over) before stepping again"
             )
         try:
             yield

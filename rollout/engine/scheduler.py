@@ -55,7 +55,8 @@ class Scheduler:
         self.num_active = 0  # rows [0, num_active) are in flight
         # admit a prompt's queued samples together, one prefill for the group (`whole_groups`); off: as slots free up
         self.whole_groups = True
-        self._admissions = itertools.count()  # admission order: a pool short of blocks preempts the latest
+        self.num_admitted = 0  # admissions so far (their order: a pool short of blocks preempts the latest)
+        self._highest_prompt_index = -1  # the numbers of prompts added with others in flight never go back
 
     @property
     def has_unfinished(self) -> bool:
@@ -64,11 +65,14 @@ class Scheduler:
     def add(self, sequences: list[Sequence], behind_those_here: bool) -> None:
         """Queue `sequences`; `behind_those_here`: rows queued or in flight stay, and the new prompts are numbered on
         from theirs (admission groups a prompt's samples by their index, so two calls' prompts never share one)."""
-        if behind_those_here:
-            here = itertools.chain(self.queue, self.slots.sequences)  # every slot's, as the numbers never go back
-            taken = [seq.prompt_index for seq in here if seq is not None]
+        if behind_those_here:  # numbered past every prompt so far, in flight, queued or handed back
+            here = itertools.chain(self.queue, self.slots.sequences)
+            taken = [seq.prompt_index for seq in here if seq is not None] + [self._highest_prompt_index]
             for seq in sequences:
-                seq.prompt_index += max(taken) + 1 if taken else 0
+                seq.prompt_index += max(taken) + 1
+        elif not self.queue and self.num_active == 0:  # a call that starts over numbers from 0 again
+            self._highest_prompt_index = -1
+        self._highest_prompt_index = max([self._highest_prompt_index, *(seq.prompt_index for seq in sequences)])
         self.queue.extend(sequences)
 
     def schedule(self) -> ScheduledStep:
@@ -78,7 +82,7 @@ class Scheduler:
         if count:
             admitted = [self.queue.popleft() for _ in range(count)]
             for seq in admitted:
-                seq.admitted_at = next(self._admissions)
+                seq.admitted_at, self.num_admitted = self.num_admitted, self.num_admitted + 1
             return ScheduledStep(prefill_chunks=self._prefill_chunks(admitted))
         assert self.num_active > 0, "expected rows in flight: add_requests first"
         victims = self.preemption_victims()

@@ -59,6 +59,7 @@ class RowSnapshot:
     num_draws: int
     pending: int  # its last token: not in the KV cache yet, so a restore may change it
     proposer_state: dict
+    num_admitted: int = 0  # the engine's admissions when the snapshot was taken (a row admitted since came later)
 
 
 class SlotState:
@@ -236,8 +237,8 @@ class SlotState:
         start, end = int(self.prompt_len[row]), int(self.num_tokens[row])
         return self.token_ids[row, start:end].tolist(), self.logprobs[row, start:end].tolist()
 
-    def snapshot(self, num_rows: int) -> list[RowSnapshot]:
-        """Rows `[0, num_rows)` as they are, for `restore`."""
+    def snapshot(self, num_rows: int, num_admitted: int = 0) -> list[RowSnapshot]:
+        """Rows `[0, num_rows)` as they are, for `restore`; `num_admitted`: the engine's admissions so far."""
         return [
             RowSnapshot(
                 self.sequences[row],
@@ -246,6 +247,7 @@ class SlotState:
                 int(self.num_draws[row]),
                 int(self.token_ids[row, self.num_tokens[row] - 1]),
                 copy.deepcopy(self.sequences[row].proposer_state),
+                num_admitted,
             )
             for row in range(num_rows)
         ]
