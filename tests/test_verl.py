@@ -686,6 +686,12 @@ def test_the_server_refuses_what_it_cannot_do(verl):
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"engine_kwargs.rollout.cuda_graphs=true needs a CUDA device"):
             RolloutServer(rollout_config(verl, engine_kwargs={"rollout": {"cuda_graphs": True}}), model_config)
+    small = {"rollout": {"kv_layout": "paged", "kv_pool_blocks": 1, "speculative_config": None}}
+    with pytest.raises(ValueError, match=r"kv_pool_blocks \(1\) must be at least 14: one sequence of rollout.max"):
+        RolloutServer(rollout_config(verl, engine_kwargs=small), model_config)  # 208 positions and a bonus token
+    slots = {"rollout": {"kv_layout": "slots", "kv_pool_blocks": 64}}
+    with pytest.raises(ValueError, match=r"kv_pool_blocks sizes a paged KV pool, and kv_layout slots has none"):
+        RolloutServer(rollout_config(verl, engine_kwargs=slots), model_config)
     missing = {"rollout": {"speculative_config": {"method": "draft_model", "model": "/nonexistent/draft"}}}
     with pytest.raises(ValueError, match=r"engine_kwargs.rollout.speculative_config.model: spec.model \('/nonex"):
         RolloutServer(rollout_config(verl, engine_kwargs=missing), model_config)

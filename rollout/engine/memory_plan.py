@@ -107,10 +107,9 @@ def plan_kv_cache(
             )
     if not paged:
         return check_kv_cache_fits(model, spec, max_batch_size, max_seq_len), None
-    num_positions = max_seq_len + 1 + (spec.num_speculative_tokens if spec is not None else 0)
     itemsize = next(model.parameters()).element_size()
     per_block = kv_bytes_per_token(model.config, itemsize) * DEFAULT_BLOCK_SIZE
-    blocks_per_row = -(-num_positions // DEFAULT_BLOCK_SIZE)
+    blocks_per_row = min_pool_blocks(max_seq_len, spec)
     # a paged draft model's pool: every slot's blocks (a slot cache's rows hold num_positions + 1 positions)
     draft_bytes = max_batch_size * draft_kv_bytes_per_slot(spec, itemsize, blocks_per_row * DEFAULT_BLOCK_SIZE - 1)
     wanted = max_batch_size * blocks_per_row
@@ -220,6 +219,12 @@ def draft_kv_bytes_per_slot(spec: SpecConfig | None, itemsize: int, num_position
         return kv_cache_bytes_from_config(config, itemsize, 1, num_positions)
     config = AutoConfig.from_pretrained(draft_model_path(spec.model))
     return kv_cache_bytes_from_config(config, itemsize, 1, num_positions)
+
+
+def min_pool_blocks(max_seq_len: int, spec: SpecConfig | None) -> int:
+    """The fewest blocks a paged pool may have: one sequence of `max_seq_len` tokens plus one step's drafts."""
+    num_positions = max_seq_len + 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    return -(-num_positions // DEFAULT_BLOCK_SIZE)
 
 
 def draft_model_path(model) -> pathlib.Path:

@@ -22,7 +22,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import RolloutMode, RolloutReplica, TokenOutput
 
-from rollout.engine.memory_plan import draft_model_path
+from rollout.engine.memory_plan import DEFAULT_BLOCK_SIZE, draft_model_path, min_pool_blocks
 from rollout.engine.model_checks import check_positions, check_rope_scaling
 from rollout.integrations.verl.engine import ABORTED, ServingEngine
 from rollout.integrations.verl.params import EngineOptions, RequestLimits, prompt_token_ids, sampling_params_from_verl
@@ -91,6 +91,18 @@ class RolloutServer:
             raise ValueError(
                 f"engine_kwargs.rollout.cuda_graphs=true needs a CUDA device, and this replica runs on {self.device}: "
                 "set it to auto (or false)"
+            )
+        fewest = min_pool_blocks(max_model_len, options.spec)
+        if options.kv_pool_blocks is not None and options.kv_layout == "slots":
+            raise ValueError(
+                "engine_kwargs.rollout.kv_pool_blocks sizes a paged KV pool, and kv_layout slots has none: drop it, "
+                "or set engine_kwargs.rollout.kv_layout=paged"
+            )
+        if options.kv_pool_blocks is not None and options.kv_pool_blocks < fewest:
+            raise ValueError(
+                f"engine_kwargs.rollout.kv_pool_blocks ({options.kv_pool_blocks}) must be at least {fewest}: one "
+                f"sequence of {length} ({max_model_len}) plus one step's drafts takes that many blocks of "
+                f"{DEFAULT_BLOCK_SIZE} tokens"
             )
         if options.spec is not None and isinstance(options.spec.model, (str, pathlib.Path)):
             try:
