@@ -252,15 +252,15 @@ def test_a_cpu_pool_grows_as_rows_need_blocks_and_gets_every_block_back():
 
 
 def test_paged_runs_under_a_trainers_bf16_autocast():
-    """A trainer (TRL's default bf16) may generate under autocast: the projections then come in bfloat16 while the
-    pool holds the model's float32; the attention stores and reads in the pool's dtype."""
+    """A trainer (TRL's default bf16) may generate under autocast: the projections then come in bfloat16 over the
+    model's float32 weights; the pool holds the autocast's dtype, which the attention stores and reads in."""
     model = make_model("llama", dtype=torch.float32)
     prompts = random_prompts(3, seed=11)
     gen = Generator(model, max_batch_size=4, max_seq_len=32, kv_layout="paged")
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outs = gen.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=0))
     assert all(len(o.token_ids) == 8 and all(-1e4 < lp <= 0 for lp in o.logprobs) for o in outs)
-    assert gen.runner.cache.k_pools[0].dtype == torch.float32
+    assert gen.runner.cache.k_pools[0].dtype == torch.bfloat16
 
 
 def test_paged_serves_a_lora_policy_in_train_mode():

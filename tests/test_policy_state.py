@@ -160,6 +160,44 @@ def test_the_slot_cache_follows_the_policys_precision_from_call_to_call(change):
     assert samples(gen.generate(prompts, params)) == samples(fresh.generate(prompts, params))  # and back
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "padded"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["float64", "bfloat16"])
+def test_the_paged_pool_follows_a_policy_cast_after_the_generator_was_built(dtype, graphs):
+    """The paged pool kept the dtype it was made in: after `model.to(torch.bfloat16)` a float32 pool attended in
+    float32, and the samples were not those of a generator built for the bf16 policy (tokens changed, log-probs off
+    by up to 7 on the shipped model); after a cast to float64 it attended in float32 (off by 1e-5). The pool now
+    follows the policy, its keys and values converted, and the graphs of the old pools are dropped."""
+    model = make_model("llama", dtype=torch.float32)
+    prompts = random_prompts(4, max_len=12, seed=7)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1)
+    gen = padded_generator(model, graphs, max_batch_size=8, max_seq_len=48)
+    gen.generate(prompts, params)
+    model.to(dtype)
+    expected = samples(padded_generator(model, graphs, max_batch_size=8, max_seq_len=48).generate(prompts, params))
+    assert samples(gen.generate(prompts, params)) == expected
+    assert gen.runner.cache.dtype == dtype and gen.runner.cache.v_pools[-1].dtype == dtype
+
+
+def test_the_paged_pool_holds_keys_in_the_dtype_an_autocast_attends_in():
+    """Float32 weights under a bf16 autocast (a trainer's, around the call or wrapped around the policy's forward):
+    sdpa attends in bf16, and so does the paged pool now, at half a float32 pool's memory (it held float32, the
+    keys and values cast up). A call without the autocast holds float32 again, and samples as before."""
+    model = make_model("llama", dtype=torch.float32)
+    prompts = random_prompts(4, max_len=12, seed=7)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1)
+    gen = padded_generator(model, False, max_batch_size=8, max_seq_len=48)
+    plain = samples(gen.generate(prompts, params))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = samples(gen.generate(prompts, params))
+        assert gen.runner.cache.dtype == torch.bfloat16
+        fresh = padded_generator(model, False, max_batch_size=8, max_seq_len=48)
+        assert fresh.runner.cache.dtype == torch.bfloat16 and samples(fresh.generate(prompts, params)) == under
+    assert samples(gen.generate(prompts, params)) == plain != under
+    assert gen.runner.cache.dtype == torch.float32
+    wrapped_in_autocast(model)  # accelerate's wrapper, put on after the generator was built
+    assert samples(gen.generate(prompts, params)) == under and gen.runner.cache.dtype == torch.bfloat16
+
+
 def test_the_padded_forward_computes_in_the_policys_own_autocast():
     """Float32 weights under accelerate's bf16 wrapper (TRL's `bf16=True`): prefills run through the wrapped forward in
     bf16, and the decode steps a graph replays (which call the decoder and LM head directly) must compute in bf16 too,

@@ -10,6 +10,7 @@ follows the tokens in flight.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import Tensor
@@ -17,7 +18,7 @@ from transformers import PreTrainedModel
 
 from rollout.engine.attention import paged_attention_for
 from rollout.engine.attention_mask import MaskSettings
-from rollout.engine.graph_key import observing_autocast
+from rollout.engine.graph_key import current_autocast, observing_autocast
 from rollout.engine.graph_runner import GraphRunner
 from rollout.engine.kv_cache import SlotKVCache
 from rollout.engine.memory_plan import DEFAULT_BLOCK_SIZE, kv_head_shape
@@ -78,6 +79,7 @@ class ModelRunner:
         self.verify_in_graph = True  # exact verification replays with the forward (False: after it; for comparisons)
         if kv_layout == "auto":
             kv_layout = "paged" if self.device.type == "cuda" else "slots"
+        self._forward_seen = id(model.__dict__.get("forward"))  # the policy's own `forward` when last observed
         self.forward_autocast = self.observe_autocast()
         if kv_layout == "paged" and not probe(self, "paged"):
             kv_layout = "slots"
@@ -96,6 +98,27 @@ class ModelRunner:
             probe(self, "slots")
         return seen[0] if seen else None
 
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the policy's attention computes in now: its autocast's (its own, or the caller's), else its
+        parameters'. sdpa under a bf16 autocast attends in bf16, whatever dtype the projections and rotations left
+        the keys in."""
+        return current_autocast(self.device, self.forward_autocast) or self.dtype
+
+    def follow_policy_dtype(self) -> None:
+        """Follow a policy cast (`model.to(torch.bfloat16)`) or run under another autocast since the runner was built:
+        the eager attention's additive masks in its parameters' dtype, and a paged pool in the dtype its attention
+        computes in (`kv_dtype`; the keys and values held are converted, and graphs of the old pools are captured
+        again), as a runner built now would hold them. A few microseconds: called once a step."""
+        forward = id(self.model.__dict__.get("forward"))
+        if forward != self._forward_seen:  # accelerate's autocast wrapper set or taken back since
+            self._forward_seen = forward
+            self.forward_autocast = self.observe_autocast()
+        self.dtype = next(self.model.parameters()).dtype
+        if self.masks.additive_dtype not in (None, self.dtype):
+            self.masks = dataclasses.replace(self.masks, additive_dtype=self.dtype)
+        if self.paged and self.cache.dtype != self.kv_dtype():
+            self.cache.retype(self.kv_dtype())
+
     def use_graphs(self, max_width: int, capture: bool = True, compile: bool = False) -> GraphRunner:
         """Run chain decode steps of up to `max_width` tokens a row through CUDA graphs (paged layout only);
         `capture=False` runs the same padded forward eagerly; `compile`: the decoder's forward through
@@ -112,7 +135,7 @@ class ModelRunner:
         num_kv_heads, head_dim = kv_head_shape(self.model.config)
         initial = None if self.device.type == "cuda" else min(max_blocks, 4 * num_slots + 16)
         cache = PagedKVCache(
-            self.num_layers, num_kv_heads, head_dim, self.dtype, self.device, num_slots, num_positions, max_blocks,
+            self.num_layers, num_kv_heads, head_dim, self.kv_dtype(), self.device, num_slots, num_positions, max_blocks,
             initial, block_size,
         )  # fmt: skip
         cache.layer_windows = self.windows_by_layer()

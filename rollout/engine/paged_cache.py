@@ -7,6 +7,7 @@ row's block table, committed length and new tokens; the attention function regis
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,6 +76,32 @@ class PagedKVCache:
     @property
     def num_blocks(self) -> int:
         return self.manager.num_blocks
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_pools[0].dtype
+
+    def retype(self, dtype: torch.dtype) -> None:
+        """Hold keys and values in `dtype` from now on, those held converted (the policy was cast, or now runs under
+        another autocast: the attention computes in the dtype its own would). The pools are new tensors. A device
+        out of memory for the wider pools (a GPU pool is planned whole, for the dtype it was made in) leaves them in
+        their dtype and raises."""
+        old = self.dtype
+        self.generation += 1  # whatever happens below, the pools' addresses change
+        try:
+            for pools in (self.k_pools, self.v_pools):
+                for i, pool in enumerate(pools):
+                    pools[i] = pool.to(dtype)  # one layer at a time: the old one goes before the next is made
+        except torch.OutOfMemoryError as error:
+            for pools in (self.k_pools, self.v_pools):
+                for i, pool in enumerate(pools):
+                    pools[i] = pool.to(old)
+            wider = self.num_blocks * self.block_size * len(self.k_pools) * 2 * math.prod(self.shape)
+            raise RuntimeError(
+                f"the paged KV pool holds {old} and the policy now attends in {dtype}: its {self.num_blocks} blocks "
+                f"need {wider * (dtype.itemsize - old.itemsize) / 2**30:.2f} GiB more than {self.device} has free; "
+                "build the Generator for the policy as it is now (or set kv_pool_blocks lower)"
+            ) from error
 
     def pools(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.k_pools[layer], self.v_pools[layer]
