@@ -127,8 +127,14 @@ def test_an_interrupted_run_resumes_with_every_sample_exactly_once(tmp_path, ref
     assert interrupted > 0, "every signal came after the run had finished: the trials tested nothing"
 
 
-def test_overwrite_replaces_a_run_and_nothing_stale_remains(tmp_path, reference):
+def test_overwrite_replaces_a_run_and_nothing_stale_remains(tmp_path, reference, capsys):
     assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}"]) == 0
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    capsys.readouterr()
+    # a resume of the finished run has nothing to run: it rewrote the files and started a W&B run of the summary alone
+    assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}", "resume=true"]) == 2
+    assert "is complete (its summary.json says so): nothing is left to run" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files
     (tmp_path / "bench.json").write_text("{}")  # a file of the old run that the new one does not write
     assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}"]) == 2
     assert main(["run", RECIPE, *SETTINGS, "rollout.num_rollouts=1", f"output_dir={tmp_path}", "overwrite=true"]) == 0

@@ -130,6 +130,20 @@ def check_resumable(path: str | pathlib.Path, config: dict | None) -> None:
             )
 
 
+def check_unfinished(path: str | pathlib.Path) -> None:
+    """Refuse to resume a `rollout run` that finished: its summary says it is complete, and a resume would have
+    nothing to run (it rewrote the same files and started a W&B run holding the summary alone)."""
+    try:
+        complete = json.loads((pathlib.Path(path) / "summary.json").read_text()).get("complete") is True
+    except (OSError, ValueError, AttributeError):  # none (a stopped or killed run), or not a summary
+        return
+    if complete:
+        raise ValueError(
+            f"resume=true but the run in {path} is complete (its summary.json says so): nothing is left to run; pass "
+            "overwrite=true to run it again, or choose another output_dir"
+        )
+
+
 def prepare_output_dir(path: str | pathlib.Path, overwrite: bool, resumable: bool = True) -> pathlib.Path:
     """Create the run's output folder (`check_output_dir` first); with `overwrite`, a run's files already there are
     removed (so nothing stale from the old run stays beside the new one)."""

@@ -27,7 +27,7 @@ import pathlib
 import re
 from typing import TYPE_CHECKING
 
-from rollout.cli.files import check_makeable, check_output_dir, check_resumable, checkpoint_to_resume
+from rollout.cli.files import check_makeable, check_output_dir, check_resumable, check_unfinished, checkpoint_to_resume
 from rollout.cli.hub import check_hub_id
 from rollout.cli.recipe import WANDB_MODES, DataRecipe, Recipe, recipe_dict
 from rollout.models import zoo
@@ -131,6 +131,8 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
             )
     elif recipe.resume:
         check_resumable(recipe.output_dir, recipe_dict(recipe))
+        if command == "run":
+            check_unfinished(recipe.output_dir)
         if command == "train":
             checkpoint_to_resume(recipe.output_dir, recipe.train.save_steps)
     else:

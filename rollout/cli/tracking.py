@@ -34,7 +34,15 @@ import pathlib
 import sys
 
 from rollout.batch import RolloutBatch
-from rollout.cli.files import append_lines, check_resumable, prepare_output_dir, read_jsonl, write_atomic, write_jsonl
+from rollout.cli.files import (
+    append_lines,
+    check_resumable,
+    check_unfinished,
+    prepare_output_dir,
+    read_jsonl,
+    write_atomic,
+    write_jsonl,
+)
 from rollout.cli.library_log import attach_library_log
 from rollout.cli.plots import plot_steps
 from rollout.cli.recipe import WANDB_MODES
@@ -82,6 +90,7 @@ class RunTracker:
         if resume:
             self.output_dir = pathlib.Path(output_dir)
             check_resumable(self.output_dir, config)
+            check_unfinished(self.output_dir)
             # the stopped run's summary counts only its own steps: until this run writes its own, `rollout report`
             # rebuilds the table from steps.jsonl (a kill writes no summary)
             (self.output_dir / "summary.json").unlink(missing_ok=True)
