@@ -335,6 +335,55 @@ def test_requests_added_mid_flight_join_the_batch_and_draw_what_they_would_alone
     assert sorted((o.prompt_index, o.sample_index) for o in finished) == [(p, s) for p in range(4) for s in range(2)]
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"kv_layout": "paged"},
+        {"kv_layout": "paged", "async_scheduling": True},
+        {"spec": "suffix"},
+        {"spec": "draft"},
+    ],
+    ids=["slots", "paged", "paged-ahead", "suffix", "draft"],
+)
+def test_abort_drops_the_requests_named_and_the_others_draw_what_they_would_alone(options):
+    """`abort(requests)` (a serving loop's cancelled request; `abort()` dropped every request): the named ones,
+    queued or in flight, never come back, their rows and blocks are freed, and every other sample is the one a single
+    call draws."""
+    options = dict(options)
+    model = make_model("qwen2")
+    if options.get("spec") == "suffix":
+        options["spec"] = SpecConfig(method="suffix", num_speculative_tokens=3)
+    elif options.get("spec") == "draft":
+        options["spec"] = SpecConfig(method="draft_model", num_speculative_tokens=3, model=make_model("qwen2"))
+    prompts = random_prompts(5, seed=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5, n=2)
+    alone = Generator(model, max_batch_size=4, max_seq_len=64).generate(prompts, params)
+    gen = Generator(model, max_batch_size=4, max_seq_len=64, **options)
+    requests = gen.add_requests(prompts, params)  # 10 samples, 4 slots: 6 queued
+    finished = gen.step().finished + gen.step().finished + gen.step().finished
+    in_flight = [seq for seq in gen.slots.sequences[: gen.num_active]]
+    queued = list(gen.scheduler.queue)
+    assert len(in_flight) == 4 and len(queued) == 6 and not finished
+    dropped = [in_flight[1], in_flight[2], queued[0], queued[-1]]
+    gen.abort(dropped)
+    assert gen.num_active == 2 and len(gen.scheduler.queue) == 4
+    elsewhere = Generator(model, max_batch_size=2, max_seq_len=64).add_requests(prompts[:1], params)
+    gen.abort([in_flight[1], elsewhere[0]])  # gone already, and another generator's: passed over
+    while gen.has_unfinished:
+        finished += gen.step().finished
+    kept = [(seq.prompt_index, seq.sample_index) for seq in requests if seq not in dropped]
+    assert sorted((o.prompt_index, o.sample_index) for o in finished) == sorted(kept)
+    by_index = {(o.prompt_index, o.sample_index): o for o in alone}
+    for o in finished:
+        want = by_index[(o.prompt_index, o.sample_index)]
+        assert o.token_ids == want.token_ids and o.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    if gen.runner.paged:
+        assert gen.runner.cache.manager.num_free == gen.runner.cache.num_blocks
+    with pytest.raises(ValueError, match="abort takes a list of the requests add_requests returned"):
+        gen.abort([0, 1])
+
+
 def test_a_prompt_added_mid_flight_never_shares_the_prefill_of_one_still_queued():
     """Two slots, four samples of prompt A (two of them still queued), then prompt B: B's samples must be prefilled
     from B, although both calls number their first prompt 0."""

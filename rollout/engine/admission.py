@@ -146,10 +146,41 @@ class Admission:
 
     # ---- rows dropped (the engine closed), saved and put back -------------------------------------------------
 
-    def abort(self) -> None:
-        """Drop every request queued or in flight (their KV is garbage the next admission overwrites)."""
+    def abort(self, requests: list[Sequence] | None = None) -> None:
+        """Drop every request queued or in flight (their KV is garbage the next admission overwrites), or only
+        `requests` (sequences `add_requests` returned): those queued leave the queue and those in flight their rows,
+        which free their slots and blocks, and the other rows go on as if they had never been there (each sample is
+        its seed's, whatever the batch). A request that finished (`step` handed it back) or was dropped already is
+        passed over. Returns nothing: a dropped request is never handed back."""
         with self._one_call():
-            self._abort()
+            if requests is None:
+                self._abort()
+                return
+            self._check_open()
+            self._check_not_generating("abort(requests)")
+            self._abort_requests(requests)
+
+    def _abort_requests(self, requests: list[Sequence]) -> None:
+        if not isinstance(requests, (list, tuple)) or not all(isinstance(seq, Sequence) for seq in requests):
+            raise ValueError(
+                f"abort takes a list of the requests add_requests returned (or nothing, to drop all), got "
+                f"{requests!r:.80}"
+            )
+        dropping = {id(seq) for seq in requests}
+        queue = self.scheduler.queue
+        kept = [seq for seq in queue if id(seq) not in dropping]
+        queue.clear()
+        queue.extend(kept)
+        sequences = self.slots.sequences
+        rows = [row for row in range(self.scheduler.num_active) if id(sequences[row]) in dropping]
+        if rows:
+            with torch.inference_mode():  # (the caches' tensors are made in inference mode)
+                if self.proposers is not None:  # what they hold is text no row holds any more
+                    with self._proposers_timed():
+                        self.proposers.drop(rows)
+                self._remove_rows(rows)
+        if self.scheduler.num_active == 0:
+            self._ahead.drop()  # a step launched ahead holds only rows that are gone
 
     def _abort(self) -> None:
         self.scheduler.queue.clear()
