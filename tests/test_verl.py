@@ -11,6 +11,7 @@ import asyncio
 import copy
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -329,6 +330,30 @@ def test_a_caller_that_gives_up_on_its_request_leaves_the_others_served(tiny32):
         assert futures[0].cancel()
         assert engine.abort_all() == 3
         assert all(f.result(timeout=10).finish_reason == ABORTED for f in futures[1:])
+    finally:
+        engine.close()
+
+
+def test_a_request_its_caller_cancelled_leaves_its_row_at_the_next_step(tiny32):
+    """A cancelled request (`asyncio.wait_for`'s timeout cancels the future) ran on to its last token, holding its row
+    (and blocks) from the requests queued behind it. The next step drops it; the others sample as they would have."""
+    model, tokenizer = tiny32
+    prompts = prompts_of(tokenizer, 3, seed=7)
+    long = SamplingParams(
+        temperature=1.0, max_new_tokens=LIMITS.max_model_len - max(map(len, prompts)), ignore_eos=True
+    )
+    requests = [(prompt, replace(long, seed=i)) for i, prompt in enumerate(prompts)]
+    expected = [c.token_ids for c in run_all(ServingEngine(model, max_batch_size=3, max_seq_len=208), requests)]
+    engine = ServingEngine(model, max_batch_size=2, max_seq_len=LIMITS.max_model_len)
+    try:
+        futures = [engine.submit(ids, params) for ids, params in requests]  # two in flight, one queued
+        wait_until_in_flight(engine)
+        assert futures[0].cancel()
+        assert [f.result(timeout=120).token_ids for f in futures[1:]] == expected[1:]
+        assert engine.wait_idle(timeout=10) and engine.num_in_flight == 0
+        # the cancelled one emitted a few tokens of its max_new_tokens, then its row went to the queued request
+        assert engine.totals["num_emitted"] < len(expected[1]) + len(expected[2]) + long.max_new_tokens // 2
+        assert engine.generator.num_active == 0 and not engine.generator.has_unfinished
     finally:
         engine.close()
 

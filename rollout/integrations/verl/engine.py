@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import random
@@ -24,6 +25,7 @@ import torch
 from rollout.engine.generator import Generator
 from rollout.engine.requests import check_params, check_prompts
 from rollout.engine.sampling import Completion, SamplingParams
+from rollout.engine.sequence import Sequence
 from rollout.integrations.verl.weights import copy_weights
 from specdec.config import SpecConfig
 
@@ -89,6 +91,8 @@ class ServingEngine:
         self._incoming: list[_Request] = []
         self._num_admitting = 0  # requests the engine's thread took from `_incoming` and has not yet queued
         self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}  # (prompt_index, sample_index) in flight
+        self._sequences: dict[tuple[int, int], Sequence] = {}  # and the generator's request of each, for `abort`
+        self._given_up: list[tuple[int, int]] = []  # requests whose callers cancelled their futures, to drop
         self._num_groups = 0  # groups queued so far: the next group's prompt index
         self._num_requests = 0  # requests queued so far: the next one's arrival index
         self._seed = random.SystemRandom().getrandbits(62) if seed is None else int(seed)
@@ -181,6 +185,7 @@ class ServingEngine:
                 self._paused, self._rejecting = True, reject
                 dropped = list(self._futures.values()) + [r.future for r in self._incoming]
                 self._futures.clear()
+                self._sequences.clear()
                 self._incoming.clear()
                 if self.generator is not None:
                     self.generator.abort()
@@ -233,6 +238,7 @@ class ServingEngine:
             unfinished = [r.future for r in self._incoming] + list(self._futures.values())
             self._incoming.clear()
             self._futures.clear()
+            self._sequences.clear()
             gen, self.generator = self.generator, None
             self._cond.notify_all()  # `wait_idle` and `sleep` see nothing left
         try:
@@ -261,6 +267,8 @@ class ServingEngine:
         gen = self._ensure_generator()
         valid = []
         for request in batch:
+            if request.future.cancelled():  # its caller gave up on it before it was queued
+                continue
             try:
                 check_prompts([request.prompt_ids], gen.vocab_size, gen.max_seq_len)
                 check_params(request.params, 1, gen.spec.methods if gen.spec is not None else (), gen.vocab_size)
@@ -287,7 +295,10 @@ class ServingEngine:
                 # unique over the engine's life: admission shares one prefill between neighbours of one prompt index
                 seq.prompt_index = first + g
                 seq.seed = self._request_seed(request.params)
-                self._futures[(seq.prompt_index, sample)] = request.future
+                key = (seq.prompt_index, sample)
+                self._futures[key], self._sequences[key] = request.future, seq
+                # a caller that gives up on its request (`asyncio.wait_for`'s timeout cancels it) frees its row
+                request.future.add_done_callback(functools.partial(self._cancelled, key))
                 position += 1
         self._num_groups += len(groups)
 
@@ -298,7 +309,27 @@ class ServingEngine:
         self._num_requests += 1
         return _mix_seed("engine", self._seed, self._seed_offset, self._num_requests - 1)
 
+    def _cancelled(self, key: tuple[int, int], future: concurrent.futures.Future) -> None:
+        """A request's future is done: if its caller cancelled it, the engine's next step drops the request."""
+        if future.cancelled():
+            with self._cond:
+                self._given_up.append(key)
+
+    def _drop_given_up(self) -> None:
+        """Drop the requests whose callers cancelled them, queued or in flight (their rows and blocks go free)."""
+        with self._cond:
+            keys, self._given_up = self._given_up, []
+        dropped = [self._sequences.pop(key) for key in keys if key in self._sequences]
+        for key in keys:
+            self._futures.pop(key, None)
+        if dropped and self.generator is not None:
+            self.generator.abort(dropped)
+        with self._cond:
+            self._cond.notify_all()  # `wait_idle` and `sleep` may wait for nothing else
+
     def _step(self) -> None:
+        if self._given_up:
+            self._drop_given_up()
         gen = self.generator
         if gen is None or not gen.has_unfinished:
             if self._futures:  # never expected: waiting requests with nothing in flight would spin this thread
@@ -313,7 +344,9 @@ class ServingEngine:
         for key in ("num_drafted", "num_accepted", "num_emitted"):
             totals[key] += getattr(record, key)
         for completion in out.finished:
-            future = self._futures.pop((completion.prompt_index, completion.sample_index), None)
+            key = (completion.prompt_index, completion.sample_index)
+            future = self._futures.pop(key, None)
+            self._sequences.pop(key, None)
             if future is not None:  # None: dropped by abort_all meanwhile
                 _settle(future, completion)
         if out.finished:
@@ -323,6 +356,7 @@ class ServingEngine:
     def _fail_all(self, error: Exception, batch: list[_Request]) -> None:
         futures = set(self._futures.values()) | {r.future for r in batch if not r.future.done()}
         self._futures.clear()
+        self._sequences.clear()
         if self.generator is not None:
             self.generator.abort()
         for future in futures:
