@@ -330,31 +330,37 @@ def test_the_summary_and_the_report_of_a_run_resumed_on_another_number_of_ranks(
     assert f"{2 * (8 / 1.0):.1f}" in total.split()  # each rank 8 tokens in 1.0 s: 16 tokens/s, not 8
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_trl_training_on_two_ranks_shares_the_drafting_history(tmp_path, share, monkeypatch):
+def test_trl_training_on_two_ranks_shares_the_drafting_history_and_resumes_as_if_never_stopped(tmp_path, monkeypatch):
     """`rollout train` under accelerate: TRL's GRPOTrainer on 2 processes, each generating its own 2 prompts x 2
-    samples per step; with sharing each drafter holds both ranks' responses after every step. With sharing the
-    training is first stopped by rank 1 at step 2, then resumed on two ranks from its checkpoint of step 1: each rank's
-    history comes back from it."""
-    out = tmp_path / "train"
+    samples per step; with sharing each drafter holds both ranks' responses after every step. The sharing training is
+    stopped by rank 1 at step 2, then resumed on two ranks from its checkpoint of step 1: each rank's history comes
+    back from it, and the steps are those of a training never stopped (rewards, losses, gradient norms; drafts change
+    no sample, so that one may share nothing)."""
     args = [
         *("train", str(ROOT / "recipes" / "grpo_quickstart.yaml"), "data.num_prompts=8", "sampling.n=2"),
         *("sampling.max_new_tokens=16", "train.steps=2", "train.prompts_per_step=4", "logging.plot=false"),
-        *(f"distributed.share_history={str(share).lower()}", f"output_dir={out}"),
+        *("model.dtype=float64", "train.save_steps=1", "rewards=[{name: 'rank_rewards:fails_late_on_rank_one'}]"),
     ]
-    if share:
-        args += ["train.save_steps=1", "rewards=[{name: 'rank_rewards:fails_late_on_rank_one'}]"]
-        monkeypatch.setenv("RANK_FAIL_AT", "2")
-        assert launch(2, args).returncode != 0
-        monkeypatch.delenv("RANK_FAIL_AT")
-        assert [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()] == [1]
-        args.append("resume=true")
-    result = launch(2, args)
+    own = 2 * 2  # a rank's responses per step
+    whole = tmp_path / "whole"
+    result = launch(2, [*args, "distributed.share_history=false", f"output_dir={whole}"])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    expected = [json.loads(line) for line in (whole / "train.jsonl").read_text().splitlines()]
+    assert [s["rollout/history_responses"] for s in expected] == [own, 2 * own]
+    out = tmp_path / "train"
+    args += ["distributed.share_history=true", f"output_dir={out}"]
+    monkeypatch.setenv("RANK_FAIL_AT", "2")
+    assert launch(2, args).returncode != 0
+    monkeypatch.delenv("RANK_FAIL_AT")
+    assert [json.loads(line)["step"] for line in (out / "train.jsonl").read_text().splitlines()] == [1]
+    result = launch(2, [*args, "resume=true"])
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2]  # rank 0 alone writes
-    own = 2 * 2  # this rank's responses per step
-    assert [s["rollout/history_responses"] for s in steps] == ([2 * own, 4 * own] if share else [own, 2 * own])
+    assert [s["rollout/history_responses"] for s in steps] == [2 * own, 4 * own]
+    for key in ("reward", "reward_std", "loss", "grad_norm"):
+        assert [s[key] for s in steps] == pytest.approx([s[key] for s in expected], rel=1e-9, abs=1e-12), key
+    assert len({s["reward_std"] for s in expected}) == 2 and expected[1]["grad_norm"] > 0, expected  # (a real check)
     assert json.loads((out / "summary.json").read_text())["complete"] is True
     assert result.stdout.count("steps in") == 1 and "2 steps in" in result.stdout
 
