@@ -18,9 +18,13 @@ logarithm twice, a subtraction; launched with `enable_fp_fusion=False`), so the 
 same tokens bit for bit on a CPU and a GPU. The log-sum-exp, which only the reported log-probability uses, runs in
 float32 (float64 for float64 logits) with whatever rounding the device has.
 
-Greedy races (T = 0) take the argmax of the logits, with the plain log-softmax's log-probability. Top-k / top-p come in
-as a threshold per race: token t is kept iff `x_t > keep_min` or (`x_t == keep_min` and `t <= keep_last`), which any
+Greedy races (T = 0) take the argmax of the logits, with the plain log-softmax's log-probability. Top-k / top-p come
+in as a threshold per race: token t is kept iff `x_t > keep_min` or (`x_t == keep_min` and `t <= keep_last`), which any
 prefix of the vocabulary sorted by (logit descending, id ascending) is (`specdec.processing.keep_thresholds`).
+
+A race over a row holding a NaN logit (a policy whose weights or activations are no longer finite) draws token 0 with
+log-probability NaN, in the kernel and the reference alike: the caller refuses it (the generator, when it reads a
+step's results).
 """
 
 import torch
@@ -56,8 +60,8 @@ _BOUND_SLACK_OFFSET = 80.0
 
 
 # Stage 1, program (r, s): the tokens of split s of race r. Writes the split's best score (float64, -inf where nothing
-# is kept) and its lowest token among equal scores, and the split's log-sum-exp as (maximum, sum of exp(x/T - maximum))
-# over its kept tokens.
+# is kept, NaN where a logit of the split is) and its lowest token among equal scores, and the split's log-sum-exp as
+# (maximum, sum of exp(x/T - maximum)) over its kept tokens.
 @triton.jit
 def _race_logits_split_kernel(
     logits_ptr,  # [num_logit_rows, logits_stride] any float, the vocabulary contiguous
@@ -96,11 +100,13 @@ def _race_logits_split_kernel(
     best_token = split_start.to(tl.int64)
     running_max = tl.full((), float("-inf"), COMPUTE_DTYPE)
     running_sum = tl.full((), 0.0, COMPUTE_DTYPE)
+    num_nan = tl.full((), 0, tl.int32)
     for block_start in range(split_start, split_end, BLOCK_SIZE):
         cols = block_start + tl.arange(0, BLOCK_SIZE)
         in_split = cols < split_end
         x = tl.load(row_ptr + cols, mask=in_split, other=float("-inf"))
         x64 = x.to(tl.float64)
+        num_nan += tl.sum((x64 != x64).to(tl.int32), axis=0)
         kept = in_split
         if HAS_FILTER:
             kept = kept & ((x64 > keep_min) | ((x64 == keep_min) & (cols <= keep_last)))
@@ -120,7 +126,7 @@ def _race_logits_split_kernel(
         running_sum = running_sum * rescale + tl.sum(tl.exp(shifted), axis=0)
         running_max = new_max
     out = race.to(tl.int64) * num_splits + split
-    tl.store(split_scores_ptr + out, best_score)
+    tl.store(split_scores_ptr + out, tl.where(num_nan > 0, float("nan"), best_score))
     tl.store(split_tokens_ptr + out, best_token)
     tl.store(split_max_ptr + out, running_max)
     tl.store(split_sum_ptr + out, running_sum)
@@ -151,8 +157,10 @@ def _race_logits_combine_kernel(
     at = race.to(tl.int64) * num_splits + splits
     scores = tl.load(split_scores_ptr + at, mask=valid, other=float("-inf"))
     tokens = tl.load(split_tokens_ptr + at, mask=valid, other=vocab_size)
+    nan_row = tl.sum((scores != scores).to(tl.int32), axis=0) > 0  # a NaN logit: token 0, log-probability NaN
     best = tl.max(scores, axis=0)
     token = tl.min(tl.where(valid & (scores == best), tokens, vocab_size), axis=0)
+    token = tl.where(nan_row, 0, token)
     maxima = tl.load(split_max_ptr + at, mask=valid, other=float("-inf"))
     sums = tl.load(split_sum_ptr + at, mask=valid, other=0.0)
     top = tl.max(maxima, axis=0)
@@ -163,7 +171,8 @@ def _race_logits_combine_kernel(
     x = tl.load(logits_ptr + tl.load(logit_rows_ptr + race) * logits_stride + token).to(COMPUTE_DTYPE)
     tl.store(token_ids_ptr + race, token)
     # x / T - M first: both as stage 1 computed them, so the drawn top token's difference is exactly 0
-    tl.store(logprobs_ptr + race, ((x / divisor - top) - log_total).to(tl.float64))
+    logprob = ((x / divisor - top) - log_total).to(tl.float64)
+    tl.store(logprobs_ptr + race, tl.where(nan_row, float("nan"), logprob))
 
 
 def race_logits(
@@ -327,6 +336,9 @@ def race_logits_ref(
         races = slice(start, start + per_chunk)
         x = logits.detach()[logit_rows[races]]  # [n, vocab]
         n = x.shape[0]
+        nan_rows = x.isnan().any(dim=1)  # drawn as token 0 with log-probability NaN (below): raced as zeros meanwhile
+        if nan_rows.any():
+            x = x.masked_fill(nan_rows[:, None], 0.0)
         temperature = temperatures[races].to(torch.float64)
         greedy = temperature == 0
         divisor = torch.where(greedy, 1.0, temperature)  # [n] float64
@@ -377,9 +389,9 @@ def race_logits_ref(
         greedy_rows = torch.nonzero(greedy)[:, 0]
         if len(greedy_rows):  # T = 0: the argmax of the logits (a greedy race has no filter)
             first[greedy_rows] = x[greedy_rows].argmax(dim=1)
-        token_ids[races] = first
         drawn = scaled.gather(1, first[:, None])[:, 0]
-        logprobs[races] = ((drawn - top) - log_total).to(torch.float64)
+        token_ids[races] = first.masked_fill(nan_rows, 0)
+        logprobs[races] = ((drawn - top) - log_total).to(torch.float64).masked_fill(nan_rows, float("nan"))
     return token_ids, logprobs
 
 

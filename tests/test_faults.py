@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from rollout.cli.main import main
 from rollout.phases import summarize
@@ -192,6 +193,29 @@ def test_a_run_stopped_in_its_first_rollout_says_how_long_it_ran(tmp_path):
     summary = tracker.finish(complete=False, reason="interrupted (SIGINT)")
     assert summary["wall_seconds"] == 1.5 and summary["num_rollouts"] == 0
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["wall_seconds"] == 1.5
+
+
+def test_a_policy_whose_logits_turn_nan_stops_the_run_in_one_line(tmp_path, capsys):
+    """A model that passes the build's probe but whose logits are NaN on the data's prompts (a NaN embedding row of
+    the "Answer" every arithmetic prompt ends with): one line naming the sample, exit 1, an incomplete summary."""
+    from rollout.models.zoo import load_model
+
+    model, tokenizer = load_model("tiny-target", torch.float64)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("Answer")] = float("nan")
+    model.save_pretrained(tmp_path / "nan-model")
+    tokenizer.save_pretrained(tmp_path / "nan-model")
+    capsys.readouterr()
+    out = tmp_path / "run"
+    assert main(["run", RECIPE, *SETTINGS, f"model.name={tmp_path / 'nan-model'}", f"output_dir={out}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rollout run: error: the policy's logits are not finite (NaN or inf)"), (
+        err
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] is False and "not finite" in summary["incomplete_reason"]
 
 
 def in_warm_up(frame) -> bool:

@@ -384,6 +384,49 @@ def test_abort_drops_the_requests_named_and_the_others_draw_what_they_would_alon
         gen.abort([0, 1])
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"at_call": 1},
+        {"at_call": 4},
+        {"at_call": 4, "kv_layout": "paged"},
+        {"at_call": 4, "spec": SpecConfig(method="suffix", num_speculative_tokens=3)},
+        {"at_call": 4, "spec": SpecConfig(method="ngram", num_speculative_tokens=2, verification="rejection")},
+    ],
+    ids=["prefill", "decode", "paged", "suffix", "rejection"],
+)
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_logits_that_turn_nan_are_refused_in_one_line_and_the_generator_serves_again(options, temperature):
+    """A policy whose logits go NaN mid-rollout (a diverged update, a float16 overflow): sampled rows failed on an
+    index past the vocabulary in the reference race (the kernel drew a finite token), greedy rows emitted token 0 with
+    log-probability NaN as a normal stop. Now one line names the sample, and the next call samples as before."""
+    options = dict(options)
+    at_call = options.pop("at_call")
+    model = make_model("llama")
+    prompts = random_prompts(3, seed=4)
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=10, seed=1)
+    fresh = Generator(model, max_batch_size=8, max_seq_len=48, **options)  # (rejection: samples follow the drafts)
+    expected = [o.token_ids for o in fresh.generate(prompts, params)]
+    gen = Generator(model, max_batch_size=8, max_seq_len=48, **options)
+    calls = []
+
+    def poison(module, args, output):  # the final norm's output of the first row, from the `at_call`-th forward on
+        calls.append(1)
+        if len(calls) >= at_call:
+            output[0] = float("nan")
+        return output
+
+    hook = model.get_decoder().norm.register_forward_hook(poison)
+    try:
+        with pytest.raises(
+            FloatingPointError, match=r"logits are not finite \(NaN or inf\) at completion token \d+ of"
+        ):
+            gen.generate(prompts, params)
+    finally:
+        hook.remove()
+    assert [o.token_ids for o in gen.generate(prompts, params)] == expected
+
+
 def test_a_prompt_added_mid_flight_never_shares_the_prefill_of_one_still_queued():
     """Two slots, four samples of prompt A (two of them still queued), then prompt B: B's samples must be prefilled
     from B, although both calls number their first prompt 0."""

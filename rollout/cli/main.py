@@ -341,6 +341,8 @@ def _main(args: argparse.Namespace) -> int:
         return _fail(args, err, 2, with_type=False)
     except KeyboardInterrupt as err:
         return _interrupted(args, err)
+    except FloatingPointError as err:  # the policy's logits went NaN: what finished is kept, and nothing more is said
+        return _fail(args, err, 1, with_type=False)
     except Exception as err:  # a rank's unexpected failure: one line naming the rank (one process: the traceback)
         if signal_behind(err) is not None:  # a signal that compiled code reported as its own error
             return _interrupted(args, signal_behind(err))

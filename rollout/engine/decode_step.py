@@ -318,8 +318,27 @@ class DecodeStep:
         tokens = packed[:, 1 : 1 + width]
         logprobs = packed[:, 1 + width : 1 + 2 * width].contiguous().view(torch.float64)
         accepted_nodes = packed[:, 1 + 2 * width :].contiguous() if tree else None
+        if np.isnan(logprobs.numpy()).any():  # (a few microseconds: the step's emitted log-probabilities only)
+            self._refuse_non_finite(row_start, num_emitted, logprobs)
         kept = self.slots.commit(row_start, num_emitted, tokens, logprobs, in_cache)
         return int(kept.sum()), num_emitted - 1, tokens, accepted_nodes
+
+    def _refuse_non_finite(self, row_start: int, num_emitted: Tensor, logprobs: Tensor) -> None:
+        """Raise where a token the step emitted has a NaN log-probability: the race drew it from logits that hold a
+        NaN (or a +inf, whose log-softmax is NaN), so nothing may be sampled from them."""
+        values = logprobs.numpy()
+        emitted = np.isnan(values) & (np.arange(values.shape[1]) < num_emitted.numpy()[:, None])
+        if not emitted.any():
+            return  # past the tokens the rows emitted: never read
+        row, col = (int(i) for i in np.argwhere(emitted)[0])
+        seq = self.slots.sequences[row_start + row]
+        where = "" if seq is None else f" of prompt {seq.prompt_index}, sample {seq.sample_index}"
+        position = int(self.slots.num_tokens[row_start + row] - self.slots.prompt_len[row_start + row]) + col
+        raise FloatingPointError(
+            f"the policy's logits are not finite (NaN or inf) at completion token {position}{where}, on "
+            f"{int(emitted.any(1).sum())} of the step's {len(values)} rows: its weights or activations overflowed or "
+            "diverged (a training update, float16), so nothing can be sampled from them"
+        )
 
     def _plain_layout(self, num_rows: int) -> DraftLayout:
         """The layout of a step without drafts (one node a row), made once per row count: nothing changes it."""

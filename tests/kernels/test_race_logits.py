@@ -75,6 +75,25 @@ def test_kernel_matches_reference(num_races, dtype, vocab_size, filtered):
         assert bool((logprobs > -30).all()), "a token that never wins was drawn"
 
 
+@pytest.mark.parametrize("filtered", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_a_row_holding_a_nan_draws_token_zero_with_a_nan_log_probability(dtype, filtered):
+    """A policy whose logits went NaN (diverged weights): the kernel drew a finite token with a finite log-probability
+    (its maxima pass NaN over), the reference failed on an index past the vocabulary. Both now draw token 0 with
+    log-probability NaN for such a row, which the generator refuses; the other rows draw as before."""
+    case = make_case(9, 1271, dtype, filtered=filtered)
+    expected_ids, expected_logprobs = race_logits_ref(**case)
+    logits = case["logits"].clone()
+    logits[case["logit_rows"][2], 700] = float("nan")  # in the second of two programs of race 2 (and of its row's)
+    logits[case["logit_rows"][5], 3] = float("nan")
+    nan_rows = torch.isin(case["logit_rows"], case["logit_rows"][[2, 5]])
+    case["logits"] = logits
+    for token_ids, logprobs in (race_logits(**case, split_size=512), race_logits_ref(**case)):
+        assert token_ids[nan_rows].eq(0).all() and logprobs[nan_rows].isnan().all()
+        assert torch.equal(token_ids[~nan_rows], expected_ids[~nan_rows])
+        torch.testing.assert_close(logprobs[~nan_rows], expected_logprobs[~nan_rows], atol=LOGPROB_ATOL[dtype], rtol=0)
+
+
 def test_kernel_matches_reference_at_a_real_vocabulary_size():
     """Vocabulary 151936 in bfloat16, the default split (19 programs a race) and a split of 1024 (149)."""
     case = make_case(3, 151936, torch.bfloat16, seed=1, filtered=True)
