@@ -179,7 +179,7 @@ class Rollout:
         if len(set(indices)) != len(indices):  # two prompts in one group would share their advantages' baseline
             repeated = next(i for i in indices if indices.count(i) > 1)
             raise ValueError(f"group_indices holds {repeated} more than once: give each prompt a group of its own")
-        self._check_reward_columns(rows[0])
+        self._check_reward_columns(rows)
         params = self.sampling if seed is None else replace(self.sampling, seed=seed)
         if n is not None:
             params = replace(params, n=n)
@@ -230,9 +230,14 @@ class Rollout:
             pad_token_id=self.pad_token_id,
         )
 
-    def _check_reward_columns(self, row: dict) -> None:
-        """Before any generation: every reward's required keyword arguments must be columns the loop passes."""
-        check_reward_columns(self.rewards, list(row))
+    def _check_reward_columns(self, rows: list[dict]) -> None:
+        """Before any generation: every reward's required keyword arguments must be columns the loop passes, in every
+        row (a data set's rows share its columns; a list of dicts may not)."""
+        first = rows[0].keys()
+        check_reward_columns(self.rewards, list(first))
+        for i, row in enumerate(rows[1:], start=1):
+            if row.keys() != first:
+                check_reward_columns(self.rewards, list(row), where=f"row {i} of the data")
 
     def _prompts(self, data) -> tuple[list[dict], list[str], list[list[int]]]:
         """(rows, prompt texts, prompt ids) of the call's data: dataset rows, or bare prompts as rows of one column."""

@@ -26,7 +26,7 @@ from rollout.tasks.arithmetic import arithmetic_reward
 
 RewardFn = Callable[..., list[float]]
 # what the rollout loop passes to every reward function itself (dataset columns of these names are left out)
-RESERVED_REWARD_KWARGS = ("prompts", "completion_ids", "finish_reasons")
+RESERVED_REWARD_KWARGS = ("completions", "prompts", "completion_ids", "finish_reasons")
 
 
 def arithmetic(completions: list[str], answer: list[str], **kwargs) -> list[float]:

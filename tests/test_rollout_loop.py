@@ -546,6 +546,33 @@ def test_a_reward_returning_other_than_one_number_each_is_named(returned, messag
         score([WeightedReward("mine", mine, 1.0)], ["a", "b"], {})
 
 
+def test_a_column_a_reward_needs_is_checked_in_every_row_and_a_completions_column_is_left_out(tiny):
+    """Rows given as dicts may differ: a reward needing `answer` that only the first row has was refused after the
+    whole rollout was generated; now before. A data column named `completions` went to every reward beside the texts
+    (TypeError: got multiple values for argument 'completions', after generating); it is left out, as `prompts` is."""
+    model, tokenizer = tiny
+    seen = []
+
+    def needs_answer(completions, answer, **kwargs):
+        seen.append(kwargs)
+        return [float(c.strip().endswith(str(a))) for c, a in zip(completions, answer)]
+
+    rollout = Rollout(
+        model, tokenizer, rewards=[needs_answer], sampling=SamplingParams(n=2, max_new_tokens=8, seed=0), max_seq_len=96
+    )
+    steps = []
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2="}]
+    with pytest.raises(ValueError, match=r"needs the column\(s\) \['answer'\], which row 1 of the data lacks"):
+        rollout(rows, on_step=lambda *args: steps.append(args))
+    assert steps == [], "refused after generating"
+    rows = [
+        {"prompt": "1+1=", "answer": "2", "completions": "x"},
+        {"prompt": "2+2=", "answer": "4", "completions": "y"},
+    ]
+    batch = rollout(rows)
+    assert len(batch) == 4 and all("completions" not in kwargs for kwargs in seen)
+
+
 def test_a_reward_in_trls_convention_takes_every_argument_by_name():
     # TRL calls rewards as f(prompts=..., completions=..., **columns): one whose first parameter is `prompts` works
     # here too, and its columns are checked as such
