@@ -517,6 +517,63 @@ def test_a_stopped_and_resumed_run_logs_every_step_and_the_whole_rollout_to_wand
     assert len(json.loads(by_step[0].read_text())["data"]) == len(kept) == 6
 
 
+@pytest.mark.parametrize("stop", ["after its last group", "while W&B logs it"])
+def test_a_rollout_whole_on_disk_when_the_run_stopped_reaches_wandb_once(tmp_path, capsys, monkeypatch, stop):
+    """Stopped after a rollout's last group was written, or while W&B logged it: the summary said `num_rollouts: 0`
+    beside a whole rollout in rollouts.jsonl, the stopped W&B run logged some of its steps twice (those logged before
+    the stop, again) and none of its metrics, and the resume skipped it, so its metrics reached no W&B run. Now the
+    stopped run closes it from the files: each step once, its metrics and samples once; the resumed run logs the next
+    rollout only."""
+    from wandb.sdk.wandb_run import Run
+
+    import rollout.cli.tracking as tracking
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    out = tmp_path / "run"
+    argv = ["run", QUICKSTART, *SMALL, "rollout.num_rollouts=2", f"output_dir={out}"]
+    with monkeypatch.context() as patch:
+        if stop == "after its last group":
+            log_group, groups = tracking.RunTracker.log_group, []
+
+            def stopping_log_group(self, group, rollout=None):
+                log_group(self, group, rollout)
+                groups.append(rollout)
+                if groups == [0, 0, 0]:  # rollout 0's 3 groups are on disk
+                    raise KeyboardInterrupt
+
+            patch.setattr(tracking.RunTracker, "log_group", stopping_log_group)
+        else:
+            log, calls = Run.log, []
+
+            def stopping_log(self, *args, **kwargs):
+                calls.append(1)
+                if len(calls) == 5:  # rollout 0's fifth step row
+                    raise KeyboardInterrupt
+                return log(self, *args, **kwargs)
+
+            patch.setattr(Run, "log", stopping_log)
+        assert main(argv) == 130
+    capsys.readouterr()
+    assert json.loads((out / "summary.json").read_text())["num_rollouts"] == 1
+    steps = read_jsonl(out / "steps.jsonl")
+    assert {s["rollout"] for s in steps} == {0} and len(read_jsonl(out / "rollouts.jsonl")) == 6
+    (stopped,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    history, _, _ = wandb_run_contents(stopped)
+    assert [row["step/index"] for row in history if "step/index" in row] == list(range(len(steps)))
+    (metrics,) = [row for row in history if "rollout/index" in row]
+    assert metrics["rollout/index"] == 0 and metrics["rollout/num_steps"] == len(steps)
+    assert metrics["rollout/tokens"] == sum(len(r["completion_ids"]) for r in read_jsonl(out / "rollouts.jsonl"))
+    assert main([*argv, "resume=true"]) == 0
+    (resumed,) = set((out / "wandb").glob("offline-run-*/run-*.wandb")) - {stopped}
+    history, _, _ = wandb_run_contents(resumed)
+    assert [row["rollout/index"] for row in history if "rollout/index" in row] == [1]
+    steps = read_jsonl(out / "steps.jsonl")
+    assert [row["step/index"] for row in history if "step/index" in row] == [
+        i for i, s in enumerate(steps) if s["rollout"] == 1
+    ]
+
+
 def _step(emitted: int, seconds: float, elapsed: float, **extra) -> dict:
     """A decode step record as `Rollout` hands them to the tracker."""
     fields = {"kind": "decode", "phase": "bulk", "batch_size": 2, "num_draft_tokens": 0, "num_drafted": 0}
@@ -567,6 +624,43 @@ def test_the_tracker_logs_a_resumed_rollout_whole_on_several_processes_and_nothi
     assert not any(row.get("rollout/index") == 2 for history in contents for row in history)
     assert closed["rollout/tokens"] == 16 and closed["rollout/num_steps"] == 4  # as the files hold them
     assert closed["rollout/reward_mean"] == pytest.approx(0.5)  # group 0 scored 0, group 1 scored 1
+
+
+def test_a_ranked_rollout_whose_wandb_logging_a_stop_cut_is_closed_from_the_files(tmp_path, monkeypatch):
+    """Several processes: rank 0 wrote a rollout's every group, then a stop came while W&B logged its steps. The stopped
+    run's tracker closes it from the files (as `rollout.cli.ranked` calls it): each step once, its metrics once."""
+    from wandb.sdk.wandb_run import Run
+
+    from rollout.cli.tracking import RunTracker
+
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    tracker = RunTracker(tmp_path / "run", {"k": 1}, wandb_mode="offline")
+    rank_steps = [[_step(4, 0.25, 0.25), _step(4, 0.25, 0.5)], [_step(4, 0.5, 0.5)]]
+    summaries = [{"wall_seconds": 0.5, "total": {"tokens_per_s": 16.0, "acceptance_rate": 0.0}}]
+    summaries.append({"wall_seconds": 0.5, "total": {"tokens_per_s": 8.0, "acceptance_rate": 0.0}})
+    records = [_record(p, s, float(p), 4) for p in range(2) for s in range(2)]
+    log, calls = Run.log, []
+
+    def stopping_log(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second step row
+            raise KeyboardInterrupt
+        return log(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Run, "log", stopping_log)
+        with pytest.raises(KeyboardInterrupt):
+            tracker.log_ranked_rollout(records, rank_steps, summaries, 0)
+    tracker.close_if_whole(0, 3)  # a group short: not whole, nothing closed
+    assert tracker.wandb_run is not None and 0 not in tracker._wandb_closed
+    tracker.close_if_whole(0, 2)
+    summary = tracker.finish(complete=False, reason="interrupted")
+    assert summary["num_rollouts"] == 1
+    (run,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
+    history, _, _ = wandb_run_contents(run)
+    assert [row["step/index"] for row in history if "step/index" in row] == [0, 1, 2]
+    (closed,) = [row for row in history if "rollout/index" in row]
+    assert closed["rollout/tokens"] == 12 and closed["rollout/reward_mean"] == pytest.approx(0.5)
 
 
 def test_a_run_without_a_reward_says_so_rather_than_a_mean_of_zero(tmp_path, capsys, monkeypatch):

@@ -118,6 +118,7 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
             return set()
         return {prompt_key(inputs.prompt_ids[rows_of(index)[j]]) for j in shard_of(index)}
 
+    index = None
     try:
         for index in range(recipe.rollout.num_rollouts):
             row_of = rows_of(index)
@@ -169,7 +170,10 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
             if cause is None and signal_behind(err) is not None:  # a signal stopped this rank: say so to the others
                 ranks.claim_failure(stop_reason(err))
             if tracker is not None:
-                tracker.finish(complete=False, reason=cause or f"rank {ranks.rank}: {stop_reason(err)}")
+                try:
+                    tracker.close_if_whole(index, per_rollout)  # stopped after its last group was written
+                finally:
+                    tracker.finish(complete=False, reason=cause or f"rank {ranks.rank}: {stop_reason(err)}")
         raise
     progress.close()
     if tracker is None:

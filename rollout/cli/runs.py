@@ -165,6 +165,7 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
     if recipe.resume and history is not None and tracker.kept_records:  # the drafting history of what is on disk
         history.add_responses(*kept_responses(tracker, recipe, inputs))
     progress = Progress(enabled=None if log.progress else False)
+    index = None
     try:
         for index in range(recipe.rollout.num_rollouts):
             first = index * per_rollout
@@ -188,7 +189,10 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
             progress.close()  # each rollout its own line: its tokens/s over its own steps and clock
     except BaseException as err:
         progress.close()
-        tracker.finish(complete=False, reason=stop_reason(err))
+        try:
+            tracker.close_if_whole(index, per_rollout)  # stopped after its last group was written
+        finally:
+            tracker.finish(complete=False, reason=stop_reason(err))
         raise
     progress.close()
     return tracker.finish(), tracker

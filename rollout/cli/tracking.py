@@ -118,6 +118,8 @@ class RunTracker:
         self.rank_seconds: list[list[float]] = []  # a data-parallel run: each rollout's wall seconds per rank
         self.kept_records: list[dict] = []  # with resume: the samples on disk kept
         self._wandb_closed: set[int] = set()  # rollouts whose steps and metrics this W&B run logged
+        self._wandb_steps: set[int] = set()  # positions in `self.steps` of the steps it logged (each once)
+        self._prompts_written: dict[int, set[int]] = {}  # each rollout's groups in rollouts.jsonl, by prompt index
         self.sharing: list[dict] = []  # and each rollout's history all-gather: seconds, bytes, responses held
         if resume:
             self._load_finished(group_size)
@@ -140,6 +142,7 @@ class RunTracker:
         write_jsonl(self.output_dir / "rollouts.jsonl", kept)
         for rollout, prompt_index in complete:
             self.done.setdefault(rollout, set()).add(prompt_index)
+            self._prompts_written.setdefault(rollout, set()).add(prompt_index)
         self.kept_records = kept
         self._count_rewards(kept)
         self._count_kept_tokens(kept)
@@ -207,6 +210,7 @@ class RunTracker:
         self._count_kept_tokens(records, index)
         append_lines(self.output_dir / "rollouts.jsonl", "".join(lines))
         self._streamed.add(index)
+        self._prompts_written.setdefault(index, set()).update(r["prompt_index"] for r in records)
         self._count_rewards(records)
         self.num_samples += len(records)
 
@@ -236,6 +240,7 @@ class RunTracker:
             for step in batch.steps:
                 self.log_step(step, index)
         self.wall_seconds += batch.summary.get("wall_seconds", 0.0)
+        self.num_rollouts = max(self.num_rollouts, index + 1)  # its files are whole: it counts, whatever stops W&B
         if self.wandb_run is not None:
             summary, records = batch.summary, batch.records()
             positions = self._positions_of(index)
@@ -243,7 +248,6 @@ class RunTracker:
                 records = self._with_kept(records, index)  # (the steps and samples on disk from before the stop too)
                 summary = {**summarize([self.steps[i] for i in positions]), "reward_mean": _reward_mean(records)}
             self._log_wandb(summary, records, positions, index)
-        self.num_rollouts = max(self.num_rollouts, index + 1)
 
     def _positions_of(self, rollout: int) -> list[int]:
         """Where `rollout`'s steps are in `self.steps` (their `step/index` in W&B)."""
@@ -283,6 +287,7 @@ class RunTracker:
             }
         )
         self.wall_seconds += max(seconds) + max(sharing)  # the ranks generate, then share their responses
+        self.num_rollouts = max(self.num_rollouts, rollout + 1)  # its files are whole
         # a rollout all on disk before a resume (no rank had a group left) was logged by the run that closed it
         if self.wandb_run is not None and (records or len(self.steps) > first):
             positions = self._positions_of(rollout)
@@ -302,24 +307,47 @@ class RunTracker:
                 extra[f"rollout/rank{rank}/tokens_per_s"] = own_summary["total"]["tokens_per_s"]
                 extra[f"rollout/rank{rank}/acceptance_rate"] = own_summary["total"]["acceptance_rate"]
             self._log_wandb(summary, records, positions, rollout, extra)
+
+    def close_if_whole(self, rollout: int | None, num_groups: int) -> None:
+        """After a stop: the rollout it came in counts if its `num_groups` groups are all in rollouts.jsonl (the stop
+        came after its last group was written, or while W&B logged it), and its metrics and samples go to W&B from
+        the files, as closing it would have logged them (a resume skips a rollout all on disk)."""
+        if rollout is None or len(self._prompts_written.get(rollout, ())) < num_groups:
+            return
         self.num_rollouts = max(self.num_rollouts, rollout + 1)
+        if self.wandb_run is None or rollout in self._wandb_closed:
+            return
+        records = [r for r in read_jsonl(self.output_dir / "rollouts.jsonl") if r["rollout"] == rollout]
+        records.sort(key=lambda r: (r["prompt_index"], r["sample_index"]))
+        positions = self._positions_of(rollout)
+        steps = [self.steps[i] for i in positions]
+        num_ranks = 1 + max((s.get("rank", 0) for s in steps), default=0)
+        if num_ranks > 1:  # each rank's time: its steps' seconds (all that the files record)
+            seconds = [[sum(s["seconds"] for s in steps if s.get("rank", 0) == r)] for r in range(num_ranks)]
+            summary = summarize_ranks(steps, seconds)
+        else:
+            summary = summarize(steps)
+        self._log_wandb({**summary, "reward_mean": _reward_mean(records)}, records, positions, rollout)
 
     def _log_wandb_steps(self, positions: list[int]) -> None:
-        """Log the steps at `positions` of `self.steps` (each position is its `step/index`)."""
+        """Log the steps at `positions` of `self.steps` (each position is its `step/index`) that this W&B run has
+        not logged yet (a stop may have cut a rollout's logging short, and its close goes on from there)."""
         for index in positions:
+            if index in self._wandb_steps:
+                continue
             step = self.steps[index]
             metrics = _numeric_fields(step, "step/")
             metrics["step/index"] = index
             metrics["step/phase_id"] = PHASES.index(step["phase"])  # 0 prefill, 1 bulk, 2 tail: charts need numbers
             metrics["step/tokens_per_s"] = step["num_emitted"] / step["seconds"] if step["seconds"] > 0 else 0.0
             self.wandb_run.log(metrics)
+            self._wandb_steps.add(index)
 
     def _log_wandb(self, summary, records, positions: list[int], rollout: int, extra: dict | None = None) -> None:
         """Close `rollout` in W&B: its steps (at `positions` of `self.steps`), its metrics and its samples table."""
         import wandb
 
         self._log_wandb_steps(positions)
-        self._wandb_closed.add(rollout)
         total = summary["total"]
         metrics = {"rollout/index": rollout, **(extra or {})}
         if summary.get("reward_mean") is not None:
@@ -333,6 +361,7 @@ class RunTracker:
                 table.add_data(rollout, *(row[c] for c in columns[1:]))
             metrics["samples"] = table
         self.wandb_run.log(metrics)
+        self._wandb_closed.add(rollout)  # (after its metrics: a stop before them leaves it to `close_if_whole`)
 
     def abort(self) -> None:
         """Close the W&B run as failed (the rollout raised): no run is left open."""
