@@ -364,6 +364,30 @@ def test_the_paged_probe_counts_attention_calls_not_what_they_stored():
     assert gen.runner.kv_layout == "slots"
 
 
+@pytest.mark.parametrize("arch", ["falcon", "mpt"])
+def test_a_model_computing_attention_itself_runs_on_slots_and_the_warning_says_why(arch):
+    """Falcon and MPT compute attention in their own code, never through transformers' attention interface: the paged
+    forward fails there, and the warning named only that failure ("TypeError: unsupported operand type(s) for +").
+    It says why now, and the model samples on slots what it samples there."""
+    from transformers import AutoModelForCausalLM, FalconConfig, MptConfig
+
+    config = (
+        FalconConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=False)
+        if arch == "falcon"
+        else MptConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4)
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+    prompts, params = [[5, 17, 42, 8], [9, 2, 31]], SamplingParams(n=2, max_new_tokens=8, seed=0)
+    slots = Generator(model, max_batch_size=4, max_seq_len=32, kv_layout="slots").generate(prompts, params)
+    with pytest.warns(
+        UserWarning, match=r"runs on the slot KV cache: its attention layers compute attention themselves"
+    ):
+        gen = Generator(model, max_batch_size=4, max_seq_len=32, kv_layout="paged")
+    assert gen.runner.kv_layout == "slots"
+    assert [o.token_ids for o in gen.generate(prompts, params)] == [o.token_ids for o in slots]
+
+
 def test_a_model_calling_its_attention_twice_a_layer_runs_on_slots():
     """DiffLlama's differential attention calls the attention twice a layer: the paged cache would keep the second
     call's values only, so the model runs on the slot layout, with a warning, and samples what it samples there."""

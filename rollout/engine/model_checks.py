@@ -206,6 +206,12 @@ def probe(runner, layout: str) -> bool:
             raise ValueError(_failing_model_message(runner.model, own)) from err
         if layout == "paged":
             message = f"{name} runs on the slot KV cache: the paged attention failed ({type(err).__name__}: {err})"
+            if not calls and not isinstance(err, StepMetadataMissing):  # (Falcon, MPT: their own attention code)
+                message = (
+                    f"{name} runs on the slot KV cache: its attention layers compute attention themselves rather than "
+                    "through transformers' attention interface, which the paged cache plugs into (the paged forward "
+                    f"then failed in {type(err).__name__}: {err})"
+                )
             if isinstance(err, StepMetadataMissing):  # (StableLM, Nemotron)
                 message = (
                     f"{name} runs on the slot KV cache: its attention layers do not pass the forward's keyword "
