@@ -150,7 +150,8 @@ def _completions_by_name(fn, keywords) -> bool:
 def check_reward_columns(terms: Sequence[WeightedReward], columns: Sequence[str], where: str = "the data") -> None:
     """Every reward's required keyword arguments are among `columns` or the ones the loop passes itself; raises
     ValueError naming the reward and the missing columns."""
-    available = set(columns) | set(RESERVED_REWARD_KWARGS)
+    # what each function is given by name: the columns (but one named `completions`, left out) and the loop's own
+    available = (set(columns) | set(RESERVED_REWARD_KWARGS)) - {"completions"}
     for term in terms:
         required = required_arguments(term.fn)
         taken = "completions" if _completions_by_name(term.fn, available) else (required[0] if required else None)

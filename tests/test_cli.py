@@ -333,6 +333,21 @@ def test_the_bench_baseline_does_the_generators_work(tmp_path, capsys, monkeypat
     assert len(table) == 2 and all(line.rstrip().endswith(" -") for line in table)
 
 
+def test_a_data_column_named_completions_reaches_no_reward_in_bench_either(tmp_path, monkeypatch):
+    """The bench baseline scored its completions with every data column, one named `completions` too, which collided
+    with the texts after the baseline had run (`got multiple values for argument 'completions'`)."""
+    from rollout.tasks import arithmetic_dataset
+
+    data = arithmetic_dataset(2, split="eval", seed=0)
+    lines = [json.dumps({"prompt": r["prompt"], "answer": r["answer"], "completions": "x"}) for r in data]
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    small = ["sampling.n=2", "sampling.max_new_tokens=8", "bench.static_k=[]", "spec.method=null"]
+    assert main(["bench", QUICKSTART, *small, f"data.dataset={tmp_path / 'data.jsonl'}", f"output_dir={tmp_path}"]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["reward_mean"] is not None for r in rows)
+
+
 def test_bench_without_speculation_runs_ngram_rows(tmp_path, monkeypatch):
     """A recipe with speculation off (`spec.method=null`, as the quickstart says to compare) benches its static-K rows
     with n-gram drafts: the recipe's `spec.model` is no part of them (it refused them, after the model had loaded)."""

@@ -572,6 +572,16 @@ def test_a_column_a_reward_needs_is_checked_in_every_row_and_a_completions_colum
     batch = rollout(rows)
     assert len(batch) == 4 and all("completions" not in kwargs for kwargs in seen)
 
+    def texts_then_completions(
+        texts, completions, **kwargs
+    ):  # `completions` by keyword: the loop passes it by position
+        return [0.0] * len(texts)
+
+    positional = Rollout(model, tokenizer, rewards=[texts_then_completions], sampling=SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match=r"needs the column\(s\) \['completions'\], which the data lacks"):
+        positional(rows, on_step=lambda *args: steps.append(args))
+    assert steps == [], "refused after generating"
+
 
 def test_a_reward_in_trls_convention_takes_every_argument_by_name():
     # TRL calls rewards as f(prompts=..., completions=..., **columns): one whose first parameter is `prompts` works

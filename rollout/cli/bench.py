@@ -32,7 +32,7 @@ from rollout.cli.runs import (
 from rollout.distributed import Ranks, group_costs, shard_groups
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES
-from rollout.rewards import build_rewards, mean_reward, score
+from rollout.rewards import RESERVED_REWARD_KWARGS, build_rewards, mean_reward, score
 
 BASELINE = "model.generate (padded)"
 
@@ -272,7 +272,9 @@ def _baseline_reward(
     n = recipe.sampling.n
     rows = list(inputs.data)
     texts = inputs.tokenizer.batch_decode(completions, skip_special_tokens=True)
-    columns = {name: [rows[i // n][name] for i in range(len(texts))] for name in rows[0]}
+    columns = {
+        name: [rows[i // n][name] for i in range(len(texts))] for name in rows[0] if name not in RESERVED_REWARD_KWARGS
+    }
     columns["prompts"] = [inputs.prompts[i // n] for i in range(len(texts))]
     columns["completion_ids"] = completions
     columns["finish_reasons"] = ["stop" if c and c[-1] in stop_ids else "length" for c in completions]
