@@ -178,6 +178,43 @@ def test_the_paged_pool_follows_a_policy_cast_after_the_generator_was_built(dtyp
     assert gen.runner.cache.dtype == dtype and gen.runner.cache.v_pools[-1].dtype == dtype
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_policy_cast_between_two_steps_is_followed_by_the_padded_forward(temperature):
+    """The step API with the host one step ahead: a cast between two `step()` calls (a trainer's, mid-serving) left the
+    graph runner's buffers in the old dtype, and its greedy steps, whose LM head runs after the replay, failed
+    ("expected m1 and m2 to have the same dtype"). They now read the policy again and sample what the eager paged
+    forward samples through the same cast."""
+
+    def served(graphs: bool) -> list:
+        model = make_model("llama", dtype=torch.float32)
+        gen = padded_generator(model, graphs, max_batch_size=8, max_seq_len=48, async_scheduling=True)
+        params = SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=1)
+        gen.add_requests(random_prompts(4, max_len=12, seed=7), params)
+        finished = gen.step().finished + gen.step().finished + gen.step().finished
+        model.to(torch.float64)
+        while gen.has_unfinished:
+            finished += gen.step().finished
+        assert gen.runner.cache.dtype == torch.float64
+        return sorted((o.prompt_index, o.sample_index, o.token_ids) for o in finished)
+
+    expected = served(graphs=False)
+    assert len(expected) == 8 and served(graphs=True) == expected
+
+
+def test_invalidate_graphs_has_the_pool_follow_an_autocast_the_policy_enters_unseen():
+    """A change only `invalidate_graphs` reveals (here the policy's class swapped for one whose forward enters a bf16
+    autocast): the graphs observed the new autocast, the paged pool kept float32; both follow it now."""
+    model = make_model("llama", dtype=torch.float32)
+    gen = padded_generator(model, True, max_batch_size=8, max_seq_len=48)
+    prompts, params = random_prompts(3, max_len=12, seed=7), SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    gen.generate(prompts, params)
+    base = type(model)
+    model.__class__ = type("Autocast" + base.__name__, (base,), {"forward": torch.autocast("cpu")(base.forward)})
+    gen.invalidate_graphs()
+    gen.generate(prompts, params)
+    assert gen.runner.graphs.key.autocast == torch.bfloat16 and gen.runner.cache.dtype == torch.bfloat16
+
+
 def test_the_paged_pool_holds_keys_in_the_dtype_an_autocast_attends_in():
     """Float32 weights under a bf16 autocast (a trainer's, around the call or wrapped around the policy's forward):
     sdpa attends in bf16, and so does the paged pool now, at half a float32 pool's memory (it held float32, the

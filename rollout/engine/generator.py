@@ -330,10 +330,11 @@ class Generator(Admission, DecodeStep):
             modes.enter_context(eval_mode(self.model, self._policy_modules))
             for draft, modules in self._draft_modules:  # a draft model passed in may be trained too (or the policy)
                 modes.enter_context(eval_mode(draft, modules))
+            cast = False
             for runner in self._runners():  # a policy cast, or under another autocast, since the last step
-                runner.follow_policy_dtype()
-            for graphs in self.graph_runners:
-                graphs.refresh(self._graph_epoch, full)
+                cast |= runner.follow_policy_dtype(self._graph_epoch, full)
+            for graphs in self.graph_runners:  # (a cast between two steps: the modules read again, as in a call)
+                graphs.refresh(self._graph_epoch, full or cast)
             yield
 
     def _list_draft_modules(self) -> list[tuple[torch.nn.Module, list[torch.nn.Module]]]:

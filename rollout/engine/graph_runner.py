@@ -179,6 +179,10 @@ class GraphRunner:
             self.compiled = CompiledForward(decoder)
         self.decoder, self.lm_head = decoder, head
         cells = self.max_rows * self.max_width
+        dtype = next(self.model.parameters()).dtype
+        if self.hidden.dtype != dtype:  # a policy cast: the final hidden states an eager head reads come in its dtype
+            with torch.inference_mode(False):
+                self.hidden = torch.zeros(cells, self.hidden.shape[1], dtype=dtype, device=self.device)
         if isinstance(head, torch.nn.Linear) and head.bias is None:
             shape, dtype = (cells, head.out_features), head.weight.dtype
             if self.logits is None or tuple(self.logits.shape) != shape or self.logits.dtype != dtype:
