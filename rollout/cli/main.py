@@ -21,6 +21,7 @@ import sys
 from rollout.cli.files import checkpoint_to_resume
 from rollout.cli.library_log import capture_library_warnings, route_transformers
 from rollout.distributed import VANISHED, Ranks, RankStopped, signal_behind, signals_ignored, start_ranks
+from rollout.engine.errors import NonFiniteLogits
 
 
 def _setup(args: argparse.Namespace):
@@ -341,7 +342,7 @@ def _main(args: argparse.Namespace) -> int:
         return _fail(args, err, 2, with_type=False)
     except KeyboardInterrupt as err:
         return _interrupted(args, err)
-    except FloatingPointError as err:  # the policy's logits went NaN: what finished is kept, and nothing more is said
+    except NonFiniteLogits as err:  # the policy's logits went NaN: what finished is kept, and nothing more is said
         return _fail(args, err, 1, with_type=False)
     except Exception as err:  # a rank's unexpected failure: one line naming the rank (one process: the traceback)
         if signal_behind(err) is not None:  # a signal that compiled code reported as its own error

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from rollout.engine.errors import NonFiniteLogits
 from rollout.engine.run_ahead import LaunchedStep
 from rollout.engine.sequence import Sequence
 from rollout.engine.trace import StepRecord
@@ -334,10 +335,11 @@ class DecodeStep:
         seq = self.slots.sequences[row_start + row]
         where = "" if seq is None else f" of prompt {seq.prompt_index}, sample {seq.sample_index}"
         position = int(self.slots.num_tokens[row_start + row] - self.slots.prompt_len[row_start + row]) + col
-        raise FloatingPointError(
-            f"the policy's logits are not finite (NaN or inf) at completion token {position}{where}, on "
+        raise NonFiniteLogits(
+            f"the policy's logits are not finite (NaN or inf) at completion token {position}{where} of the call, on "
             f"{int(emitted.any(1).sum())} of the step's {len(values)} rows: its weights or activations overflowed or "
-            "diverged (a training update, float16), so nothing can be sampled from them"
+            "diverged, so nothing can be sampled from them; check the last update (learning rate, gradient clipping) "
+            "or run the policy in bfloat16 or float32 rather than float16"
         )
 
     def _plain_layout(self, num_rows: int) -> DraftLayout:

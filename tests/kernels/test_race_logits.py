@@ -84,7 +84,7 @@ def test_a_row_holding_a_nan_draws_token_zero_with_a_nan_log_probability(dtype, 
     case = make_case(9, 1271, dtype, filtered=filtered)
     expected_ids, expected_logprobs = race_logits_ref(**case)
     logits = case["logits"].clone()
-    logits[case["logit_rows"][2], 700] = float("nan")  # in the second of two programs of race 2 (and of its row's)
+    logits[case["logit_rows"][2], 700] = float("nan")  # in the second of three programs of race 2's row
     logits[case["logit_rows"][5], 3] = float("nan")
     nan_rows = torch.isin(case["logit_rows"], case["logit_rows"][[2, 5]])
     case["logits"] = logits
