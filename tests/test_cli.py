@@ -676,6 +676,23 @@ def test_a_ranked_rollout_whose_wandb_logging_a_stop_cut_is_closed_from_the_file
     assert [row["step/index"] for row in history if "step/index" in row] == [0, 1, 2]
     (closed,) = [row for row in history if "rollout/index" in row]
     assert closed["rollout/tokens"] == 12 and closed["rollout/reward_mean"] == pytest.approx(0.5)
+    # a stop while rank 0 writes the ranks' steps, before their samples: the rollout is cut short (a resume redoes it),
+    # not closed with some ranks' steps and times missing
+    cut = RunTracker(tmp_path / "cut", {"k": 1}, wandb_mode="disabled", plot=False)
+    log_step = RunTracker.log_step
+
+    def stopping_log_step(self, step, rollout=None):
+        if step.get("rank") == 1:
+            raise KeyboardInterrupt
+        log_step(self, step, rollout)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunTracker, "log_step", stopping_log_step)
+        with pytest.raises(KeyboardInterrupt):
+            cut.log_ranked_rollout(records, rank_steps, summaries, 0)
+    cut.close_if_whole(0, 2)
+    assert cut.finish(complete=False, reason="interrupted")["num_rollouts"] == 0
+    assert (tmp_path / "cut" / "rollouts.jsonl").read_text() == ""
 
 
 def test_a_run_without_a_reward_says_so_rather_than_a_mean_of_zero(tmp_path, capsys, monkeypatch):

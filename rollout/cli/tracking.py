@@ -261,17 +261,12 @@ class RunTracker:
     def log_ranked_rollout(
         self, records: list[dict], steps: list[list[dict]], summaries: list[dict], rollout: int, resumed: bool = False
     ) -> None:
-        """Close one rollout of a data-parallel run (rank 0 writes for every rank): append its samples in prompt
-        order and every rank's steps (each with its `rank`), move the run clock on by the slowest rank's wall time,
+        """Close one rollout of a data-parallel run (rank 0 writes for every rank): append every rank's steps (each with
+        its `rank`) and its samples in prompt order, move the run clock on by the slowest rank's wall time,
         and log W&B metrics per rank. `steps[r]` and `summaries[r]` are rank r's (its `Rollout` summary). `resumed`:
         the file already held some of this rollout's groups, so it is rewritten in order."""
         order = lambda r: (r["rollout"], r["prompt_index"], r["sample_index"])  # noqa: E731
         records = sorted(({"rollout": rollout, **r} for r in records), key=order)
-        self.log_records(records, rollout)
-        if resumed:
-            write_jsonl(
-                self.output_dir / "rollouts.jsonl", sorted(read_jsonl(self.output_dir / "rollouts.jsonl"), key=order)
-            )
         first = len(self.steps)
         for rank, rank_steps in enumerate(steps):
             for step in rank_steps:
@@ -287,6 +282,13 @@ class RunTracker:
             }
         )
         self.wall_seconds += max(seconds) + max(sharing)  # the ranks generate, then share their responses
+        # the samples last: a stop before them leaves a rollout cut short (redone on resume); after them, its steps and
+        # times are all there for `close_if_whole`
+        self.log_records(records, rollout)
+        if resumed:
+            write_jsonl(
+                self.output_dir / "rollouts.jsonl", sorted(read_jsonl(self.output_dir / "rollouts.jsonl"), key=order)
+            )
         self.num_rollouts = max(self.num_rollouts, rollout + 1)  # its files are whole
         # a rollout all on disk before a resume (no rank had a group left) was logged by the run that closed it
         if self.wandb_run is not None and (records or len(self.steps) > first):
