@@ -13,6 +13,7 @@ The public engine: `generate` (a whole call), or `add_requests`, then `step` unt
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable
 
@@ -126,6 +127,8 @@ class Generator(Admission, DecodeStep):
         self._closed = False  # `close` freed the caches
         self._ahead = RunAhead()  # the host one step ahead: the step in flight (`rollout.engine.run_ahead`)
         self._policy_modules = list(model.modules())  # listed anew by every `generate` and `add_requests` call
+        if self.draft_history is not None:  # the history's own calls hold the generator too: never beside a step
+            self.draft_history.guard = functools.partial(self._one_call, "its drafting history")
         self._draft_modules = self._list_draft_modules()  # a draft model's, the same way
         # the policy measures what it needs (auto: step times, as vLLM profiles)
         self.warm_up_seconds = warm_up(self) if self.policy is not None else 0.0
@@ -196,18 +199,21 @@ class Generator(Admission, DecodeStep):
             return self._generate(prompt_ids, params, on_step, on_group, seed_indices)
 
     @contextlib.contextmanager
-    def _one_call(self):
+    def _one_call(self, through: str = ""):
         """Hold the generator for a public call (`generate`, `add_requests`, `step`, `abort`, `snapshot`, `restore`,
-        `close`): one from another thread while it is held is refused, never mixed in; a call inside this thread's
-        own (`generate`'s steps, a callback's) goes through. Yields whether this call took it (the outermost)."""
+        `close`, and its drafting history's, `through` it): one from another thread while it is held is refused, never
+        mixed in; a call inside this thread's own (`generate`'s steps, a callback's) goes through. Yields whether
+        this call took it (the outermost)."""
         me = threading.get_ident()
         if self._owner == me:
             yield False
             return
         if not self._lock.acquire(blocking=False):
+            via = f" through {through}" if through else ""
             raise RuntimeError(
-                "this Generator is already generating (a call from another thread): one Generator serves one call at "
-                "a time; give each thread its own Generator, or make the calls one after another"
+                f"this Generator is already generating (a call{via} from another thread): one Generator serves one "
+                "call at a time; give each thread its own Generator, or make the calls one after another (a callback "
+                "of the call, on its thread, may call it)"
             )
         self._owner = me
         try:

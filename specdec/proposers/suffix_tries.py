@@ -16,10 +16,12 @@ frontier: its trie nodes for its last 0..depth-1 tokens, the match lengths draft
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import pathlib
 import zipfile
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -102,6 +104,9 @@ class SuffixTries(Proposer):
         self._sync_kernels = suffix_sync_kernels
         self.background = background
         self._taking_in: Future | None = None  # the background insertion in progress (`_taking_in_thread`)
+        # what a user's call on the history holds: its generator sets one that refuses a call from another thread
+        # while a call of the generator runs (its insertion would run beside the step's: a crash)
+        self.guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         self._start_empty()
 
     # ---- history: what a user keeps, inspects, saves and loads ---------------------------------------------------
@@ -121,11 +126,12 @@ class SuffixTries(Proposer):
     def clear(self) -> None:
         """Forget every cached response. Rows in flight (a call under way, as when an `on_step` callback clears, or a
         server's requests) stay in the tries, and join the history as they finish."""
-        self.wait()
-        if not self._in_flight.any():
-            self._start_empty()
-            return
-        self._evict(keep=0)  # every cached response, and the tries only they held
+        with self.guard():
+            self.wait()
+            if not self._in_flight.any():
+                self._start_empty()
+                return
+            self._evict(keep=0)  # every cached response, and the tries only they held
 
     def _start_empty(self) -> None:
         """Forget every response and every row in flight."""
@@ -152,39 +158,43 @@ class SuffixTries(Proposer):
 
     def stats(self) -> dict:
         """The cached history's size: responses, their tokens, distinct prompts, trie nodes and bytes held."""
-        self.flush()
-        return {
-            "responses": len(self.history),
-            "tokens": int(sum(len(r) for _, r in self.history)),
-            "prompts": len(self.prompts),
-            "nodes": self.index.num_nodes,
-            "bytes": self.index.nbytes + int(sum(r.nbytes for _, r in self.history)),
-        }
+        with self.guard():
+            self.flush()
+            return {
+                "responses": len(self.history),
+                "tokens": int(sum(len(r) for _, r in self.history)),
+                "prompts": len(self.prompts),
+                "nodes": self.index.num_nodes,
+                "bytes": self.index.nbytes + int(sum(r.nbytes for _, r in self.history)),
+            }
 
     def add_responses(self, prompts: list[list[int]], responses: list[list[int]]) -> None:
         """Add responses made elsewhere (an earlier run, another model) to the history, oldest first:
         `responses[i]` answers `prompts[i]` (token ids). Past `max_cached_requests` the oldest are evicted."""
-        self.wait()
-        if not isinstance(prompts, (list, tuple)) or not isinstance(responses, (list, tuple)):
-            raise ValueError("prompts and responses must be lists of token-id lists")
-        if len(prompts) != len(responses):
-            raise ValueError(f"got {len(prompts)} prompts but {len(responses)} responses: give one prompt per response")
-        for name, sequences in (("prompts", prompts), ("responses", responses)):
-            for i, seq in enumerate(sequences):
-                try:
-                    ids = np.asarray(seq)
-                except ValueError:  # a ragged nest of lists
-                    ids = None
-                if ids is None or not self._in_vocabulary(ids):
-                    raise ValueError(f"{name}[{i}] must be a list of token ids in [0, {self.separator})")
-        self.flush()  # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
-        self._add_history(
-            [
-                (np.asarray(p, dtype=np.int32).tobytes(), np.asarray(r, dtype=np.int32))
-                for p, r in zip(prompts, responses)
-            ]
-        )
-        self._evict()
+        with self.guard():
+            self.wait()
+            if not isinstance(prompts, (list, tuple)) or not isinstance(responses, (list, tuple)):
+                raise ValueError("prompts and responses must be lists of token-id lists")
+            if len(prompts) != len(responses):
+                raise ValueError(
+                    f"got {len(prompts)} prompts but {len(responses)} responses: give one prompt per response"
+                )
+            for name, sequences in (("prompts", prompts), ("responses", responses)):
+                for i, seq in enumerate(sequences):
+                    try:
+                        ids = np.asarray(seq)
+                    except ValueError:  # a ragged nest of lists
+                        ids = None
+                    if ids is None or not self._in_vocabulary(ids):
+                        raise ValueError(f"{name}[{i}] must be a list of token ids in [0, {self.separator})")
+            self.flush()  # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
+            self._add_history(
+                [
+                    (np.asarray(p, dtype=np.int32).tobytes(), np.asarray(r, dtype=np.int32))
+                    for p, r in zip(prompts, responses)
+                ]
+            )
+            self._evict()
 
     def adopt(self, other: SuffixTries) -> None:
         """Take the history of `other` (another generator's `draft_history`: its tries and cached responses, as they
@@ -201,14 +211,15 @@ class SuffixTries(Proposer):
                 f"adopt: that history counts n-grams up to {other.max_tree_depth} tokens over a vocabulary of "
                 f"{other.separator}, this one up to {self.max_tree_depth} over {self.separator}: load a saved one"
             )
-        other.flush()  # (its background insertion waited for, its finished rows' last tokens inserted)
-        self.flush()
-        if other._in_flight.any() or self._in_flight.any():
-            raise ValueError("adopt: a history with rows in flight cannot move: call it between generate calls")
-        self.index, self.global_root, self.prompts = other.index, other.global_root, other.prompts
-        self.history, self._dead_tokens = other.history, other._dead_tokens
-        other._start_empty()
-        self._evict()
+        with self.guard(), other.guard():
+            other.flush()  # (its background insertion waited for, its finished rows' last tokens inserted)
+            self.flush()
+            if other._in_flight.any() or self._in_flight.any():
+                raise ValueError("adopt: a history with rows in flight cannot move: call it between generate calls")
+            self.index, self.global_root, self.prompts = other.index, other.global_root, other.prompts
+            self.history, self._dead_tokens = other.history, other._dead_tokens
+            other._start_empty()
+            self._evict()
 
     def _in_vocabulary(self, ids: np.ndarray) -> bool:
         """Whether `ids` is one sequence of token ids of the target's vocabulary (empty is)."""
@@ -220,58 +231,62 @@ class SuffixTries(Proposer):
         """Write the cached responses (oldest first, each with its prompt) to `path` (that name as given: numpy would
         add `.npz` to one without it, and `load(path)` then found nothing), an `.npz` archive; or to a binary file
         object."""
-        self.wait()
-        keys = [k for k, _ in self.history]
-        number = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct prompt once
-        prompts = [np.frombuffer(k, dtype=np.int32) for k in number]
-        responses = [r for _, r in self.history]
-        arrays = dict(
-            prompt_tokens=np.concatenate(prompts or [np.zeros(0, np.int32)]),
-            prompt_lens=np.array([len(p) for p in prompts], dtype=np.int64),
-            response_tokens=np.concatenate(responses or [np.zeros(0, np.int32)]),
-            response_lens=np.array([len(r) for r in responses], dtype=np.int64),
-            response_prompt=np.array([number[k] for k in keys], dtype=np.int64),
-        )
-        if isinstance(path, (str, os.PathLike)):
-            with open(path, "wb") as file:
-                np.savez_compressed(file, **arrays)
-        else:
-            np.savez_compressed(path, **arrays)
+        with self.guard():
+            self.wait()
+            keys = [k for k, _ in self.history]
+            number = {key: i for i, key in enumerate(dict.fromkeys(keys))}  # each distinct prompt once
+            prompts = [np.frombuffer(k, dtype=np.int32) for k in number]
+            responses = [r for _, r in self.history]
+            arrays = dict(
+                prompt_tokens=np.concatenate(prompts or [np.zeros(0, np.int32)]),
+                prompt_lens=np.array([len(p) for p in prompts], dtype=np.int64),
+                response_tokens=np.concatenate(responses or [np.zeros(0, np.int32)]),
+                response_lens=np.array([len(r) for r in responses], dtype=np.int64),
+                response_prompt=np.array([number[k] for k in keys], dtype=np.int64),
+            )
+            if isinstance(path, (str, os.PathLike)):
+                with open(path, "wb") as file:
+                    np.savez_compressed(file, **arrays)
+            else:
+                np.savez_compressed(path, **arrays)
 
     def load(self, path: str | pathlib.Path) -> None:
         """Replace the history by the responses saved in `path`, the newest `max_cached_requests` of them (rows in
         flight stay, and join it as they finish). A file that cannot be read as one `save` writes is refused with a
         ValueError, the history left as it was."""
-        self.wait()
-        where = f"cannot load a suffix history from {str(path)!r}"
-        try:
-            data = np.load(path)
-            if not isinstance(data, np.lib.npyio.NpzFile):
-                raise ValueError(f"expected an .npz archive, found one {type(data).__name__}")
-            with data:
-                arrays = {name: data[name] for name in _SAVED}
-        except _UNREADABLE as error:
-            raise ValueError(f"{where}: {type(error).__name__}: {error}") from error
-        for name in ("prompt_tokens", "response_tokens"):  # a history made for a larger vocabulary, or a damaged file
-            if not self._in_vocabulary(arrays[name]):
-                raise ValueError(
-                    f"{where}: its {name} hold ids outside this model's vocabulary [0, {self.separator}); load a "
-                    "history saved for this model"
-                )
-        problem = _inconsistent(arrays)
-        if problem:
-            raise ValueError(f"{where}: {problem}; the file is damaged or was not written by save()")
-        prompts = np.split(arrays["prompt_tokens"].astype(np.int32), np.cumsum(arrays["prompt_lens"])[:-1])
-        responses = np.split(arrays["response_tokens"].astype(np.int32), np.cumsum(arrays["response_lens"])[:-1])
-        owners = arrays["response_prompt"].tolist()
-        self.clear()
-        # only what the history keeps goes in: the older ones, inserted and evicted at once, left their nodes in the
-        # store (all of them with max_cached_requests=0) until a later call rebuilt it
-        kept = range(max(len(owners) - max(self.max_cached_requests, 0), 0), len(owners))
-        if kept:
-            self.flush()  # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
-            self._add_history([(prompts[owners[i]].tobytes(), responses[i]) for i in kept])
-            self._evict()
+        with self.guard():
+            self.wait()
+            where = f"cannot load a suffix history from {str(path)!r}"
+            try:
+                data = np.load(path)
+                if not isinstance(data, np.lib.npyio.NpzFile):
+                    raise ValueError(f"expected an .npz archive, found one {type(data).__name__}")
+                with data:
+                    arrays = {name: data[name] for name in _SAVED}
+            except _UNREADABLE as error:
+                raise ValueError(f"{where}: {type(error).__name__}: {error}") from error
+            # a history made for a larger vocabulary, or a damaged file
+            for name in ("prompt_tokens", "response_tokens"):
+                if not self._in_vocabulary(arrays[name]):
+                    raise ValueError(
+                        f"{where}: its {name} hold ids outside this model's vocabulary [0, {self.separator}); load a "
+                        "history saved for this model"
+                    )
+            problem = _inconsistent(arrays)
+            if problem:
+                raise ValueError(f"{where}: {problem}; the file is damaged or was not written by save()")
+            prompts = np.split(arrays["prompt_tokens"].astype(np.int32), np.cumsum(arrays["prompt_lens"])[:-1])
+            responses = np.split(arrays["response_tokens"].astype(np.int32), np.cumsum(arrays["response_lens"])[:-1])
+            owners = arrays["response_prompt"].tolist()
+            self.clear()
+            # only what the history keeps goes in: the older ones, inserted and evicted at once, left their nodes in the
+            # store (all of them with max_cached_requests=0) until a later call rebuilt it
+            kept = range(max(len(owners) - max(self.max_cached_requests, 0), 0), len(owners))
+            if kept:
+                # the responses whose last tokens are deferred stay the newest ones (what `_evict` relies on)
+                self.flush()
+                self._add_history([(prompts[owners[i]].tobytes(), responses[i]) for i in kept])
+                self._evict()
 
     # ---- the generator's hooks ---------------------------------------------------------------------------------
 
