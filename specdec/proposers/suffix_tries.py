@@ -16,9 +16,11 @@ frontier: its trie nodes for its last 0..depth-1 tokens, the match lengths draft
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import os
 import pathlib
+import weakref
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -44,12 +46,24 @@ def _taking_in_thread() -> ThreadPoolExecutor:
     return _TAKING_IN
 
 
+_HANDED_OVER: weakref.WeakSet = weakref.WeakSet()  # histories that handed an insertion to that thread
+
+
+def _finish_insertions_before_fork() -> None:
+    """Wait for every insertion in progress: a child forked meanwhile would copy half-updated tries, and a future
+    that no thread of its own ever completes (its `wait` blocked for good)."""
+    for tries in list(_HANDED_OVER):
+        taking_in = tries._taking_in
+        if taking_in is not None:
+            concurrent.futures.wait([taking_in])  # (its error, if any, is raised by the next `wait`, in either)
+
+
 def _forget_thread_in_child() -> None:
     global _TAKING_IN
     _TAKING_IN = None  # a forked child has none of its parent's threads: work handed to that one would never run
 
 
-os.register_at_fork(after_in_child=_forget_thread_in_child)
+os.register_at_fork(before=_finish_insertions_before_fork, after_in_child=_forget_thread_in_child)
 
 
 @dataclass
@@ -376,6 +390,7 @@ class SuffixTries(Proposer):
             self._sync(*args)
             return
         self._taking_in = _taking_in_thread().submit(self._sync, *args)
+        _HANDED_OVER.add(self)
 
     # ---- keeping the tries in step with the rows -------------------------------------------------------------------
 

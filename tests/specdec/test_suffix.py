@@ -891,3 +891,28 @@ def test_a_restore_that_changes_only_the_pending_token_leaves_no_old_token_in_th
             taken_in = tries._responses[row, : num_inserted - prompt_len].tolist()
             assert taken_in == gen.slots.token_ids[row, prompt_len:num_inserted].tolist(), row
     assert_counts_exact(lockstep.new)  # (the reference drafted alike at every step)
+
+
+def test_a_fork_while_an_insertion_runs_in_the_background_waits_for_it():
+    """A process forked while a background insertion ran (a data loader's workers, say) copied half-updated tries and a
+    future that no thread of the child completes: its first history call (`wait`) hung for good. A fork now waits for
+    the insertion first, so the child holds the tries as they were after it."""
+    import signal
+
+    history = SuffixProposer(4, vocab_size=97, num_slots=64, num_positions=2048, background=True)
+    history.prefill(0, [list(range(1, 20))], torch.zeros(64, dtype=torch.long), [{} for _ in range(64)])
+    tokens = torch.from_numpy(np.random.default_rng(0).integers(0, 97, (64, 2048)))
+    history.update(tokens, [2000] * 64)  # handed to the thread: ~120k tokens, counted for a while
+    assert not history._taking_in.done(), "the insertion finished before the fork: nothing was tested"
+    pid = os.fork()
+    if pid == 0:  # the child: exit at once whatever happens, never into pytest
+        code = 1
+        try:
+            signal.alarm(30)  # hung in wait: killed
+            history.wait()
+            code = 0 if history.stats()["tokens"] == 0 else 2
+        finally:
+            os._exit(code)
+    history.wait()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
