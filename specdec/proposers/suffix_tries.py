@@ -532,7 +532,10 @@ def _inconsistent(arrays: dict[str, np.ndarray]) -> str | None:
         if arrays[name].size and arrays[name].min() < 0:
             return f"{name} holds a negative value"
     for kind in ("prompt", "response"):
-        total, size = int(arrays[f"{kind}_lens"].sum()), arrays[f"{kind}_tokens"].size
+        lens, size = arrays[f"{kind}_lens"], arrays[f"{kind}_tokens"].size
+        if lens.size and lens.max() > size:  # (a sum of huge lengths can wrap around to the right total)
+            return f"{kind}_lens holds a length of {lens.max()} tokens, {kind}_tokens holds {size} in all"
+        total = int(lens.sum())
         if total != size:
             return f"{kind}_lens add up to {total} tokens, {kind}_tokens holds {size}"
     num_responses, num_prompts = len(arrays["response_lens"]), len(arrays["prompt_lens"])

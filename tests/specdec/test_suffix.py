@@ -363,6 +363,7 @@ def _saved_arrays(path) -> dict:
         ("lengths past the tokens", "response_lens add up to 7 tokens, response_tokens holds 5"),
         ("negative length", "response_lens holds a negative value"),
         ("float lengths", "response_lens must be one row of integers"),
+        ("lengths that wrap around", "response_lens holds a length of 4611686018427387907 tokens"),
     ],
 )
 def test_a_damaged_history_file_is_refused_and_the_history_kept(tmp_path, damage, message):
@@ -386,6 +387,11 @@ def test_a_damaged_history_file_is_refused_and_the_history_kept(tmp_path, damage
             "lengths past the tokens": {"response_lens": np.array([3, 4])},
             "negative length": {"response_lens": np.array([6, -1])},
             "float lengths": {"response_lens": np.array([3.0, 2.0])},
+            # four lengths 2^62 too long: their int64 sum wraps around to the 5 tokens there are
+            "lengths that wrap around": {
+                "response_lens": np.array([3, 2, 0, 0]) + 2**62,
+                "response_prompt": np.array([0, 1, 1, 1]),
+            },
         }[damage]
         np.savez(path, **{**arrays, **changed})
     proposer = SuffixProposer(3, vocab_size=10, num_slots=1, num_positions=16)
