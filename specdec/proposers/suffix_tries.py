@@ -508,10 +508,18 @@ class SuffixTries(Proposer):
             del self.prompts[key]
 
     def _apply(self, roots: list[int], responses: list[np.ndarray], delta: int) -> None:
-        """Insert (+1) or remove (-1) whole responses, separator first, in their prompt tries and the global trie."""
-        tokens, lengths = _padded([np.concatenate(([self.separator], r)) for r in responses])
-        starts = np.concatenate([np.asarray(roots), np.full(len(roots), self.global_root)])
-        self.index.add_sequences(starts, np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]), delta)
+        """Insert (+1) or remove (-1) whole responses, separator first, in their prompt tries and the global trie: in
+        runs of consecutive responses whose padding to their longest stays within `_PADDED_CELLS` (one long response
+        among many short ones padded them all to its length: 7 GB and 13 s for 5000 responses and one of 4000 tokens,
+        against 2 GB and 3 s without it)."""
+        start = 0
+        for stop in _runs_within([len(r) + 1 for r in responses], _PADDED_CELLS):
+            tokens, lengths = _padded([np.concatenate(([self.separator], r)) for r in responses[start:stop]])
+            starts = np.concatenate([np.asarray(roots[start:stop]), np.full(stop - start, self.global_root)])
+            self.index.add_sequences(
+                starts, np.concatenate([tokens, tokens]), np.concatenate([lengths, lengths]), delta
+            )
+            start = stop
 
 
 # what reading a file that is not an .npz `save` wrote raises (a truncated or altered archive, a pickle, another file)
@@ -544,6 +552,23 @@ def _inconsistent(arrays: dict[str, np.ndarray]) -> str | None:
     if num_responses and arrays["response_prompt"].max() >= num_prompts:
         return f"response_prompt names prompt {arrays['response_prompt'].max()} of {num_prompts}"
     return None
+
+
+_PADDED_CELLS = 1 << 21  # padded tokens of one insertion of whole sequences at most (one sequence may pass it)
+
+
+def _runs_within(lengths: list[int], cells: int) -> list[int]:
+    """The ends of consecutive runs of `lengths` whose count times their longest stays within `cells` (a run holds
+    one sequence at least)."""
+    ends, count, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        if count and (count + 1) * max(longest, length) > cells:
+            ends.append(i)
+            count, longest = 0, 0
+        count, longest = count + 1, max(longest, length)
+    if count:
+        ends.append(len(lengths))
+    return ends
 
 
 def _padded(sequences: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
