@@ -348,6 +348,21 @@ def test_a_data_column_named_completions_reaches_no_reward_in_bench_either(tmp_p
     assert len(rows) == 2 and all(r["reward_mean"] is not None for r in rows)
 
 
+def test_bench_refuses_a_row_the_loaded_data_rules_out_before_any_row_runs(tmp_path, capsys, monkeypatch):
+    """A K table that ends below the slots `max_batch_size=auto` gives, or a K as long as `max_seq_len`: the bench ran
+    every other row first, then refused the recipe's own (a long benchmark lost, `complete: false`). Both are refused
+    once the data is loaded, before the first row."""
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    small = ["data.num_prompts=2", "sampling.n=2", "sampling.max_new_tokens=8", "bench.static_k=[1]"]
+    table = ["rollout.max_batch_size=auto", "spec.num_speculative_tokens_per_batch_size=[[1,2,2]]"]
+    line = _error(capsys, ["bench", QUICKSTART, *small, *table, f"output_dir={tmp_path / 'table'}"])
+    assert "ends at batch size 2 but max_batch_size is 4" in line
+    long_k = ["spec.num_speculative_tokens=300", "spec.num_speculative_tokens_per_batch_size=null"]
+    line = _error(capsys, ["bench", QUICKSTART, *small, *long_k, f"output_dir={tmp_path / 'k'}"])
+    assert "spec.num_speculative_tokens (300) must be below max_seq_len" in line
+    assert not list(tmp_path.glob("*/bench.json")), "a row ran before the refusal"
+
+
 def test_bench_without_speculation_runs_ngram_rows(tmp_path, monkeypatch):
     """A recipe with speculation off (`spec.method=null`, as the quickstart says to compare) benches its static-K rows
     with n-gram drafts: the recipe's `spec.model` is no part of them (it refused them, after the model had loaded)."""

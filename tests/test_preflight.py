@@ -81,6 +81,11 @@ REFUSED = [
         {"HF_HUB_OFFLINE": "1"},
     ),
     (["run", QUICKSTART, "spec.model=tiny-drft"], ["spec.model", "tiny-drft"], {}),
+    (  # (found by the generator, after the model had loaded)
+        ["run", QUICKSTART, "rollout.max_seq_len=1024", "spec.num_speculative_tokens=1024"],
+        ["spec.num_speculative_tokens (1024) must be below rollout.max_seq_len (1024)"],
+        {},
+    ),
     (["run", QUICKSTART, "data.template='\"Q: {question}\"'"], ["data.template names the column 'question'"], {}),
     (["run", QUICKSTART, "data.template='\"Q: {problem!z}\"'"], ["data.template", "has the conversion !z"], {}),
     (["run", QUICKSTART, "data.dataset=prompts.jsonl"], ["reward 'arithmetic' needs the column(s) ['answer']"], {}),

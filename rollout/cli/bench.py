@@ -33,6 +33,8 @@ from rollout.distributed import Ranks, group_costs, shard_groups
 from rollout.engine.sampling import SamplingParams
 from rollout.phases import PHASES
 from rollout.rewards import RESERVED_REWARD_KWARGS, build_rewards, mean_reward, score
+from specdec.config import SpecConfig
+from specdec.policies import TablePolicy
 
 BASELINE = "model.generate (padded)"
 
@@ -79,6 +81,8 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None, on_write=Non
         costs = group_costs(inputs.prompt_ids, recipe.sampling.n, prior=recipe.sampling.max_new_tokens)
         shard = shard_groups(costs, ranks.world_size, recipe.distributed.balance)[ranks.rank]
         inputs = shard_inputs(inputs, shard)
+    for _, changes in runs[1:]:  # what needs the loaded data (max_seq_len, max_batch_size=auto): before any row too
+        _check_row_fits(recipe, inputs, spec_config(recipe, **changes))
     params = recipe.sampling
     rows = []
     workload = {
@@ -263,6 +267,22 @@ def _cut(row: list[int], stop_ids: set[int]) -> list[int]:
         if token in stop_ids:
             return row[: i + 1]
     return row
+
+
+def _check_row_fits(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig) -> None:
+    """Refuse a row whose generator would refuse its K or its table at the sizes the data gives (rows run one after
+    another: found at its own row, the rows before it had run for nothing)."""
+    k, table = spec.num_speculative_tokens, spec.num_speculative_tokens_per_batch_size
+    if k >= inputs.max_seq_len:
+        raise ValueError(
+            f"spec.num_speculative_tokens ({k}) must be below max_seq_len ({inputs.max_seq_len}): a row never has room "
+            "for more drafts than that; lower it (a few tokens, e.g. 4)"
+        )
+    if isinstance(table, (list, tuple)) and inputs.prompt_ids:  # (a rank without a group builds no generator)
+        try:
+            TablePolicy(table, k, batch_size(recipe, inputs, spec))
+        except ValueError as err:
+            raise ValueError(f"spec: {err}") from None
 
 
 def _baseline_reward(
