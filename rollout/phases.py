@@ -31,7 +31,8 @@ class PhaseLabeler:
     """
 
     def __init__(self, tail_fraction: float = 0.25):
-        if not isinstance(tail_fraction, (int, float)) or not 0.0 <= tail_fraction <= 1.0:
+        number = isinstance(tail_fraction, (int, float)) and not isinstance(tail_fraction, bool)
+        if not number or not 0.0 <= tail_fraction <= 1.0:  # (True is an int: it was taken as 1.0)
             raise ValueError(f"tail_fraction ({tail_fraction!r}) must be in [0, 1], e.g. 0.25 (0 = no tail phase)")
         self.tail_fraction = float(tail_fraction)
         self.peak_batch_size = 0

@@ -184,6 +184,15 @@ def test_report_reads_a_run_a_machine_failure_cut_short(finished_run, tmp_path, 
     assert main(["report", str(cut)]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ("prefill", "bulk", "tail", "total", "tokens/s"))
+    # a summary that parses but whose table is damaged (a traceback), and a line damaged before the last (left out
+    # without a word): the table from the steps, and a note naming what was left out
+    (cut / "summary.json").write_text('{"phases": {"bulk": 1}}')
+    lines = text.splitlines()
+    (cut / "steps.jsonl").write_text("\n".join([*lines[:2], lines[2][:30], *lines[3:]]) + "\n")
+    assert main(["report", str(cut)]) == 0
+    captured = capsys.readouterr()
+    assert "total" in captured.out
+    assert f"holds 1 damaged line(s), left out: the table counts the {len(lines) - 1} steps" in captured.err
 
 
 def test_report_says_a_run_is_incomplete_and_refuses_what_is_not_a_runs_steps(finished_run, tmp_path, capsys):
@@ -205,6 +214,15 @@ def test_report_says_a_run_is_incomplete_and_refuses_what_is_not_a_runs_steps(fi
     assert main(["report", str(stopped)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not a step (it lacks kind, seconds, batch_size" in err[0], err
+    record = json.loads((finished_run / "steps.jsonl").read_text().splitlines()[0])
+    for changed, message in (
+        ({"phase": "warmup"}, "its phase 'warmup' is none of"),
+        ({"seconds": None}, "its seconds"),
+    ):
+        (stopped / "steps.jsonl").write_text(json.dumps({**record, **changed}) + "\n")
+        assert main(["report", str(stopped)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"record 1 is not a step ({message}" in err[0], err
     (stopped / "steps.jsonl").write_text("garbage\n")
     assert main(["report", str(stopped)]) == 2
     assert "holds no step record" in capsys.readouterr().err

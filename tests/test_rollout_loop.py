@@ -299,8 +299,9 @@ def test_phase_labels_follow_the_peak_decode_batch():
     labeler = PhaseLabeler(tail_fraction=0.25)
     trace = [("prefill", 3), ("decode", 8), ("decode", 2), ("decode", 1), ("prefill", 1), ("decode", 2)]
     assert [labeler.label(p, b) for p, b in trace] == ["prefill", "bulk", "bulk", "tail", "prefill", "bulk"]
-    with pytest.raises(ValueError, match="tail_fraction"):
-        PhaseLabeler(1.5)
+    for bad in (1.5, True):  # (True was taken as 1.0)
+        with pytest.raises(ValueError, match="tail_fraction"):
+            PhaseLabeler(bad)
 
 
 def test_summary_definitions():

@@ -316,6 +316,6 @@ def format_bench(rows: list[dict]) -> str:
         reward = f"{row['reward_mean']:8.3f}" if row["reward_mean"] is not None else f"{'-':>8s}"  # all null
         lines.append(
             f"{row['name']:32s}{row['seconds']:9.2f}{row['tokens']:8d}{row['tokens_per_s']:10.1f}{speedup:8.2f}x"
-            f"{cells}{row['mean_k']:6.2f}{row['acceptance_rate']:8.3f}{reward}"
+            f"{cells} {row['mean_k']:5.2f}{row['acceptance_rate']:8.3f}{reward}"
         )
     return "\n".join(lines)

@@ -178,6 +178,18 @@ _STEP_KEYS = (
 )
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def _reward(mean: float | None) -> str:
     """A reward mean as printed: '-' where no sample has a reward (every one null, or no sample kept)."""
     return "-" if mean is None else f"{mean:.3f}"
@@ -197,17 +209,31 @@ def _report(args: argparse.Namespace) -> None:
     if not steps_path.is_file():
         raise FileNotFoundError(f"{steps_path}: not found; is {folder} the output_dir of a finished `rollout run`?")
     from rollout.cli.files import read_jsonl
+    from rollout.phases import PHASES
 
     steps = read_jsonl(steps_path)  # a line cut by a kill (the last) is left out
     if not steps:
         raise ValueError(f"{steps_path} holds no step record: the run recorded no steps, or the file is not a run's")
     for number, step in enumerate(steps, 1):
         missing = [key for key in _STEP_KEYS if not isinstance(step, dict) or key not in step]
-        if missing:
+        wrong = [key for key in _STEP_KEYS[2:] if key not in missing and not _is_number(step[key])]
+        what = f"it lacks {', '.join(missing)}" if missing else None
+        if what is None and wrong:
+            what = f"its {wrong[0]} is {step[wrong[0]]!r}, not a number"
+        if what is None and step["phase"] not in PHASES:
+            what = f"its phase {step['phase']!r} is none of {', '.join(PHASES)}"
+        if what is not None:
             raise ValueError(
-                f"{steps_path}: record {number} is not a step (it lacks {', '.join(missing)}): the file is not a "
-                "`rollout run`'s steps.jsonl, or was edited"
+                f"{steps_path}: record {number} is not a step ({what}): the file is not a `rollout run`'s "
+                "steps.jsonl, or was edited"
             )
+    lines = [line for line in steps_path.read_text().split("\n") if line.strip()]
+    if len(lines) - len(steps) > (not _parses(lines[-1])):  # damaged lines before the last (a kill cuts only that)
+        print(
+            f"note: {steps_path} holds {len(lines) - len(steps)} damaged line(s), left out: the table counts the "
+            f"{len(steps)} steps that parse",
+            file=sys.stderr,
+        )
     summary_path = folder / "summary.json"
     summary = None
     if summary_path.is_file():
@@ -215,14 +241,21 @@ def _report(args: argparse.Namespace) -> None:
             summary = json.loads(summary_path.read_text())
         except json.JSONDecodeError:  # damaged: the steps say the same
             summary = None
-    if not isinstance(summary, dict) or "phases" not in summary:  # from the steps: each rank's own under ranks
+    summary = summary if isinstance(summary, dict) else {}
+    table = None
+    if "phases" in summary:
+        try:
+            table = format_table(summary)
+        except (KeyError, TypeError, ValueError, AttributeError):  # its table damaged in place: from the steps
+            table = None
+    if table is None:  # from the steps: each rank's own under ranks
         num_ranks = 1 + max(s.get("rank", 0) for s in steps)
         if num_ranks > 1:  # (each rank's wall time taken as its steps' time: the steps hold no other)
             own = [[sum(s["seconds"] for s in steps if s.get("rank", 0) == r)] for r in range(num_ranks)]
-            summary = summarize_ranks(steps, own)
+            table = format_table(summarize_ranks(steps, own))
         else:
-            summary = summarize(steps)
-    print(format_table(summary))
+            table = format_table(summarize(steps))
+    print(table)
     if "reward_mean" in summary:
         print(f"reward mean {_reward(summary['reward_mean'])}")
     if summary.get("complete") is False:  # stopped: the figures are those of what finished
