@@ -466,15 +466,7 @@ def test_the_public_engine_refuses_a_call_from_another_thread_during_a_call():
         "close": gen.close,
     }
     outcomes = {}
-
-    def from_another_thread(record, finished, total):
-        if len(outcomes) < len(calls):
-            for name, call in calls.items():
-                thread = threading.Thread(target=lambda n=name, c=call: outcomes.__setitem__(n, _outcome(c)))
-                thread.start()
-                thread.join()
-            gen.snapshot()  # this thread's own call: goes through
-
+    from_another_thread = _calling_from_another_thread(calls, outcomes, gen.snapshot)  # (its own call: goes through)
     assert [o.token_ids for o in gen.generate(prompts, params, on_step=from_another_thread)] == expected
     assert outcomes == dict.fromkeys(calls, "refused")
     finished = threading.Thread(target=lambda: outcomes.__setitem__("after", _outcome(gen.abort)))
@@ -488,7 +480,6 @@ def test_the_drafting_history_refuses_a_call_from_another_thread_during_a_call()
     insertion ran beside the step's), and `clear()` or `load()` there broke the call (KeyError). The history's calls
     hold its generator as the engine's do: refused from another thread during a call, taken from its callbacks."""
     import io
-    import threading
 
     model = make_model("qwen2", dtype=torch.float32)
     spec = SpecConfig(method="suffix", num_speculative_tokens=3)
@@ -507,6 +498,16 @@ def test_the_drafting_history_refuses_a_call_from_another_thread_during_a_call()
         "adopt": lambda: other.adopt(history),
     }
     outcomes = {}
+    from_another_thread = _calling_from_another_thread(calls, outcomes, history.stats)  # (its own: goes through)
+    assert [o.token_ids for o in gen.generate(prompts, params, on_step=from_another_thread)] == expected
+    assert outcomes == dict.fromkeys(calls, "refused")
+    assert history.stats()["responses"] == 6
+
+
+def _calling_from_another_thread(calls: dict, outcomes: dict, own_call):
+    """An `on_step` callback that, at the first step, makes each of `calls` from a thread of its own (each outcome into
+    `outcomes` by name), then `own_call` on the call's thread."""
+    import threading
 
     def from_another_thread(record, finished, total):
         if not outcomes:
@@ -514,11 +515,9 @@ def test_the_drafting_history_refuses_a_call_from_another_thread_during_a_call()
                 thread = threading.Thread(target=lambda n=name, c=call: outcomes.__setitem__(n, _outcome(c)))
                 thread.start()
                 thread.join()
-            history.stats()  # this thread's own call: goes through
+            own_call()
 
-    assert [o.token_ids for o in gen.generate(prompts, params, on_step=from_another_thread)] == expected
-    assert outcomes == dict.fromkeys(calls, "refused")
-    assert history.stats()["responses"] == 6
+    return from_another_thread
 
 
 def _outcome(call) -> str:
