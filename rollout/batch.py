@@ -124,8 +124,9 @@ class RolloutBatch:
             prompt_ids `[N, P]` long, padded with `pad_token_id`; prompt_mask `[N, P]` long, 1 = token, 0 = pad;
             completion_ids `[N, C]` long, padded with `pad_token_id`; completion_mask `[N, C]` long, 1 = token;
             logprobs `[N, C]` float32, 0.0 at padding; group_index `[N]` long; truncated `[N]` bool; and when the
-            batch has rewards, rewards `[N]` float32 (0.0 where a reward is None), reward_mask `[N]` bool (False
-            there) and advantages `[N]` float32 (population std; 0.0 where a reward is None). P and C are the
+            batch has rewards, rewards `[N]` float32 (0.0 where a reward is None, or NaN or infinite as a trainer may
+            set it), reward_mask `[N]` bool (False there) and advantages `[N]` float32 (population std; 0.0 where a
+            reward is missing so). P and C are the
             longest prompt and completion.
         """
         pad = self.pad_token_id if pad_token_id is None else pad_token_id
@@ -154,8 +155,12 @@ class RolloutBatch:
             "truncated": torch.tensor(self.truncated, dtype=torch.bool),
         }
         if self.reward is not None:
-            tensors["rewards"] = torch.tensor([0.0 if r is None else r for r in self.reward], dtype=torch.float32)
-            tensors["reward_mask"] = torch.tensor([r is not None for r in self.reward], dtype=torch.bool)
+            # a reward the advantages leave out (None, or a NaN or infinite one a trainer set) is masked, and 0 here
+            scored = [r is not None and math.isfinite(r) for r in self.reward]
+            tensors["rewards"] = torch.tensor(
+                [r if ok else 0.0 for r, ok in zip(self.reward, scored)], dtype=torch.float32
+            )
+            tensors["reward_mask"] = torch.tensor(scored, dtype=torch.bool)
             tensors["advantages"] = self.advantages().to(torch.float32)
         return tensors
 

@@ -139,7 +139,9 @@ class PromptFormatter:
                     "set data.chat_template=true for chat messages, or give a data.template"
                 )
             return value
-        if isinstance(value, list):  # already a conversation
+        if hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1:  # a DataFrame's or parquet's cell: an array
+            value = value.tolist()
+        if isinstance(value, (list, tuple)):  # already a conversation
             messages = list(value)
         else:
             messages = [{"role": "user", "content": str(value)}]

@@ -162,6 +162,15 @@ def test_group_advantages():
         adv = group_advantages(rewards, groups, eps=0.0, std=std)
         assert adv[[0, 1, 2, 5, 6, 7]].tolist() == [0.0] * 6 and adv[3] > 0 > adv[4]
     assert group_advantages(rewards, groups, scale=False)[[0, 1, 2, 5, 6, 7]].tolist() == [0.0] * 6
+    # and `to_padded` masks a reward the advantages leave out, a NaN or infinite one a trainer set too (it said True,
+    # and a trainer's masked mean of the rewards came out NaN)
+    batch = RolloutBatch(
+        group_index=[0, 0, 0], sample_index=[0, 1, 2], prompt=["p"] * 3, completion=["c"] * 3,
+        prompt_ids=[[5]] * 3, completion_ids=[[6]] * 3, logprobs=[[-0.5]] * 3, finish_reason=["stop"] * 3,
+        reward=[1.0, float("nan"), float("inf")], pad_token_id=0,
+    )  # fmt: skip
+    tensors = batch.to_padded()
+    assert tensors["reward_mask"].tolist() == [True, False, False] and tensors["rewards"].tolist() == [1.0, 0.0, 0.0]
 
 
 def test_non_finite_rewards_recorded_as_null(tiny):
@@ -380,6 +389,11 @@ def test_local_data_files_and_templates(tmp_path, tiny, capfd):
     own = [{"role": "system", "content": "Be long."}, {"role": "user", "content": "Hi"}]
     with pytest.raises(ValueError, match="system_prompt is set and a conversation in the data has a system message"):
         PromptFormatter(chat, chat_template=True, system_prompt="Be brief.")([{"prompt": own}])
+    # a conversation as a DataFrame or parquet cell holds it (an array of dicts), or as a tuple: it was formatted as
+    # the text of its repr, in one user message, without a word
+    expected = PromptFormatter(chat, chat_template=True)([{"prompt": own}])[0]
+    for held in (np.array(own, dtype=object), tuple(own)):
+        assert PromptFormatter(chat, chat_template=True)([{"prompt": held}])[0] == expected
 
 
 def test_tracker_appends_rollouts_of_a_training_loop(batch, tmp_path, monkeypatch):
