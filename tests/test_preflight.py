@@ -59,6 +59,8 @@ REFUSED = [
     (["train", GRPO, "train.lr_scheduler_type=cosin"], ["train.lr_scheduler_type ('cosin')", "cosine"], {}),
     (["train", GRPO, "train.lr_scheduler_type=reduce_lr_on_plateau"], ["runs no evaluation", "cosine"], {}),
     (["train", GRPO, "train.lr_scheduler_type=warmup_stable_decay"], ["num_decay_steps", "linear"], {}),
+    (["train", GRPO, "train.lr_scheduler_type=greedy"], ["runs no evaluation", "cosine"], {}),  # (after the model)
+    (["train", GRPO, "train.warmup_steps=2"], ["does nothing with train.lr_scheduler_type constant"], {}),
     (["train", GRPO, "data.num_prompts=1"], ["data.num_prompts (1) is below train.prompts_per_step (8)"], {}),
     (["train", GRPO, "sampling.temperature=0"], ["sampling.temperature is 0", "sampling.n 8"], {}),
     (["train", GRPO, "sampling.n=1"], ["sampling.n (1) must be at least 2 for GRPO"], {}),
@@ -263,7 +265,8 @@ def test_the_checked_trainer_choices_are_the_installed_trl_and_transformers_ones
 
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     for name in LR_SCHEDULER_TYPES:  # what rollout train builds: no lr_scheduler_kwargs
-        if name in UNUSABLE_SCHEDULERS and name != "reduce_lr_on_plateau":  # (that one fails in the Trainer's checks)
+        # (those stepping on an evaluation metric fail in the Trainer's checks)
+        if name in UNUSABLE_SCHEDULERS and name not in ("reduce_lr_on_plateau", "greedy"):
             with pytest.raises((TypeError, ValueError)):
                 get_scheduler(name, optimizer, num_warmup_steps=0, num_training_steps=10)
         elif name not in UNUSABLE_SCHEDULERS:

@@ -102,6 +102,44 @@ def test_a_failing_train_run_keeps_its_steps_and_says_it_is_incomplete(tmp_path,
     assert exits == [1]
 
 
+def test_a_stop_while_the_trainer_is_built_leaves_an_incomplete_summary(tmp_path, capsys, monkeypatch):
+    """Ctrl-C after the folder is written and before training begins (while TRL builds its trainer, or W&B starts):
+    the folder held config.yaml and an empty train.jsonl, no summary, where outputs.md has one marked incomplete."""
+    pytest.importorskip("trl", reason="the trl extra is not installed")
+    import rollout.cli.train as train
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # what the SIGINT handler raises there
+
+    monkeypatch.setattr(train, "start_wandb_run", interrupted)
+    args = [
+        "train.steps=2",
+        "train.prompts_per_step=2",
+        "sampling.n=2",
+        "sampling.max_new_tokens=8",
+        "data.num_prompts=4",
+    ]
+    assert main(["train", GRPO, *args, "logging.wandb_mode=disabled", f"output_dir={tmp_path / 'out'}"]) == 130
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["complete"] is False and summary["incomplete_reason"] == "interrupted (SIGINT)"
+    assert summary["num_steps"] == 0
+
+
+def test_trls_log_warnings_go_to_the_runs_warnings_log(tmp_path, capsys):
+    """TRL warns through Python's logging (a null reward's warning, every step): with no handler of its own, Python's
+    last resort printed it on stderr, beside the command's one line. It is held with the other library warnings."""
+    import logging
+
+    from rollout.cli.library_log import attach_library_log, capture_library_warnings
+
+    with capture_library_warnings() as log:
+        attach_library_log(tmp_path)
+        logging.getLogger("trl.trainer.grpo_trainer").warning("All reward functions returned None")
+    assert capsys.readouterr().err == ""
+    assert "All reward functions returned None" in (tmp_path / "warnings.log").read_text()
+    assert logging.getLogger("trl").propagate and log.messages
+
+
 def test_a_step_whose_rewards_were_all_null_is_logged_and_summarised(tmp_path, capsys):
     # with rollout.non_finite_rewards_as_null, TRL logs reward None for a step whose every completion was unscorable
     from rollout.cli.train import StepLog, summarize_training

@@ -1,4 +1,4 @@
-"""What the libraries underneath say while a command runs (Python warnings, transformers' log warnings).
+"""What the libraries underneath say while a command runs (Python warnings, transformers' and TRL's log warnings).
 
 The command line promises one line on stderr for a user error or an interruption. A library's deprecation notice
 printed on the way would break that promise, so while a command runs such messages are held here: once the run has
@@ -61,18 +61,23 @@ def capture_library_warnings():
     warning keeps Python's rule of once per place in the code."""
     log = LibraryLog()
     py_logger = logging.getLogger(_PY_WARNINGS)
-    propagate = py_logger.propagate
+    # TRL logs through Python's logging (accelerate's adapter): with no handler of its own, Python's last resort
+    # printed its warnings on stderr (a null reward's, every step)
+    loggers = [py_logger, logging.getLogger("trl")]
+    propagate = [logger.propagate for logger in loggers]
     logging.captureWarnings(True)
-    py_logger.addHandler(log)
-    py_logger.propagate = False  # not on to the root logger's stderr handler
+    for logger in loggers:
+        logger.addHandler(log)
+        logger.propagate = False  # not on to the root logger's stderr handler
     if "transformers" in sys.modules:  # otherwise routed when a command imports it (`route_transformers`)
         route_transformers(log)
     try:
         yield log
     finally:
         logging.captureWarnings(False)
-        py_logger.removeHandler(log)
-        py_logger.propagate = propagate
+        for logger, flag in zip(loggers, propagate):
+            logger.removeHandler(log)
+            logger.propagate = flag
         if log.transformers_verbosity is not None:  # transformers' logging as it was
             import transformers
 

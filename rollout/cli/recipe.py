@@ -47,6 +47,7 @@ LR_SCHEDULER_TYPES = (
 _NO_KWARGS = "needs lr_scheduler_kwargs, which a recipe does not pass"
 UNUSABLE_SCHEDULERS = {
     "reduce_lr_on_plateau": "steps on an evaluation metric, and rollout train runs no evaluation",
+    "greedy": "steps on an evaluation metric, and rollout train runs no evaluation",
     "cosine_with_min_lr": f"{_NO_KWARGS} (min_lr or min_lr_rate)",
     "cosine_warmup_with_min_lr": f"{_NO_KWARGS} (min_lr or min_lr_rate)",
     "warmup_stable_decay": f"{_NO_KWARGS} (num_decay_steps)",
@@ -240,6 +241,11 @@ class TrainRecipe:
             self.lr_scheduler_type not in UNUSABLE_SCHEDULERS,
             f"train.lr_scheduler_type {self.lr_scheduler_type} {UNUSABLE_SCHEDULERS.get(self.lr_scheduler_type)}: "
             f"choose one of {', '.join(usable)}",
+        )
+        _require(  # (transformers' constant schedule takes no warm-up: it was left out without a word)
+            self.warmup_steps == 0 or self.lr_scheduler_type != "constant",
+            f"train.warmup_steps ({self.warmup_steps}) does nothing with train.lr_scheduler_type constant: use "
+            "constant_with_warmup for a warm-up then a constant rate, or leave warmup_steps at 0",
         )
 
 

@@ -99,39 +99,40 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
 
     if ranks.is_main:
         write_atomic(output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(recipe_dict(recipe))))
-    dataset = trl_dataset(recipe, inputs)
-    func = trl_rollout_func(
-        spec=recipe_spec(recipe),
-        max_batch_size=None if recipe.rollout.max_batch_size == "auto" else recipe.rollout.max_batch_size,
-        max_seq_len=inputs.max_seq_len,
-        tail_fraction=recipe.rollout.tail_fraction,
-        share_history=recipe.distributed.share_history,
-        **engine_options(recipe),
-        stop_token_ids=recipe.sampling.stop_token_ids,
-        ignore_eos=recipe.sampling.ignore_eos,
-    )
-    record = StepLog(output_dir / "train.jsonl" if ranks.is_main else None, kept)
-    history_file = f"draft_history-rank{ranks.rank}.npz"
-    if checkpoint is not None and (pathlib.Path(checkpoint) / history_file).is_file():
-        func.history_to_load = pathlib.Path(checkpoint) / history_file
-    trainer = _rollout_trainer(trl.GRPOTrainer, _epochs_done(checkpoint), func, history_file)(
-        model=inputs.model,
-        reward_funcs=[_trl_reward(term, recipe.rollout.non_finite_rewards_as_null) for term in terms],
-        args=args,
-        train_dataset=dataset,
-        processing_class=inputs.tokenizer,
-        rollout_func=func,
-        callbacks=[record],
-    )
-    trainer.remove_callback(PrinterCallback)  # it prints every log dict; StepLog prints one line per step instead
-    # the trainer's W&B callback logs into the run already started (here: its folder and mode are ours to choose)
-    run = None
-    if ranks.is_main:
-        run = start_wandb_run(wandb_mode, log.project, log.run_name, output_dir, recipe_dict(recipe))
     # a resumed training's clock goes on from the steps it keeps (their step times: its stop and restart are not on it)
-    start = time.perf_counter() - sum(s.get("step_time") or 0.0 for s in kept or [])
-    failed = True
-    try:
+    kept_seconds = sum(s.get("step_time") or 0.0 for s in kept or [])
+    start = time.perf_counter() - kept_seconds
+    record, run, failed = None, None, True
+    try:  # from here a stop leaves the folder with an incomplete summary, while the trainer is built too
+        dataset = trl_dataset(recipe, inputs)
+        func = trl_rollout_func(
+            spec=recipe_spec(recipe),
+            max_batch_size=None if recipe.rollout.max_batch_size == "auto" else recipe.rollout.max_batch_size,
+            max_seq_len=inputs.max_seq_len,
+            tail_fraction=recipe.rollout.tail_fraction,
+            share_history=recipe.distributed.share_history,
+            **engine_options(recipe),
+            stop_token_ids=recipe.sampling.stop_token_ids,
+            ignore_eos=recipe.sampling.ignore_eos,
+        )
+        record = StepLog(output_dir / "train.jsonl" if ranks.is_main else None, kept)
+        history_file = f"draft_history-rank{ranks.rank}.npz"
+        if checkpoint is not None and (pathlib.Path(checkpoint) / history_file).is_file():
+            func.history_to_load = pathlib.Path(checkpoint) / history_file
+        trainer = _rollout_trainer(trl.GRPOTrainer, _epochs_done(checkpoint), func, history_file)(
+            model=inputs.model,
+            reward_funcs=[_trl_reward(term, recipe.rollout.non_finite_rewards_as_null) for term in terms],
+            args=args,
+            train_dataset=dataset,
+            processing_class=inputs.tokenizer,
+            rollout_func=func,
+            callbacks=[record],
+        )
+        trainer.remove_callback(PrinterCallback)  # it prints every log dict; StepLog prints one line per step instead
+        # the trainer's W&B callback logs into the run already started (here: its folder and mode are ours to choose)
+        if ranks.is_main:
+            run = start_wandb_run(wandb_mode, log.project, log.run_name, output_dir, recipe_dict(recipe))
+        start = time.perf_counter() - kept_seconds  # (the training's clock: not the trainer's building)
         trainer.train(resume_from_checkpoint=checkpoint)
         failed = False
     except BaseException as err:  # an error, Ctrl-C, SIGTERM: the steps so far are in train.jsonl; say so
@@ -140,7 +141,8 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
                 reason = stop_reason(err)
                 if ranks.distributed:
                     reason = ranks.stop_cause() or f"rank {ranks.rank}: {reason}"
-                _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot, reason)
+                steps = record.steps if record is not None else list(kept or [])
+                _write_summary(steps, time.perf_counter() - start, output_dir, log.plot, reason)
         raise
     finally:
         if run is not None:
