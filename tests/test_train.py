@@ -271,12 +271,14 @@ def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_
     assert len({s["reward"] for s in whole}) > 1 and all(s["grad_norm"] > 0 for s in whole[:3]), whole
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] is True and summary["num_steps"] == 5
-    # stopped before its first checkpoint: nothing to resume from, and the line does not promise it
+    # stopped before its first checkpoint: nothing to resume from, and the line says what runs it again
     early = tmp_path / "early"
     with monkeypatch.context() as patch:
         patch.setattr(train.StepLog, "on_log", stopped_at(1))
         assert main(["train", str(recipe), *args, f"output_dir={early}"]) == 130
-    assert capsys.readouterr().err.strip().splitlines() == ["rollout train: interrupted"]
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "rollout train: interrupted: no checkpoint was kept yet, so nothing resumes; overwrite=true runs it again"
+    ]
     assert main(["train", str(recipe), *args, f"output_dir={early}", "resume=true"]) == 2
     assert "holds no complete checkpoint" in capsys.readouterr().err
     # a finished training has nothing left to run (transformers went on into the unfinished epoch, past train.steps)

@@ -431,8 +431,17 @@ def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
                 step = None
             if step is not None:
                 kept = f": the checkpoint of step {step} is kept; resume=true continues from it"
+            elif recipe is not None and _stopped_before_a_checkpoint(pathlib.Path(recipe.output_dir)):
+                kept = ": no checkpoint was kept yet, so nothing resumes; overwrite=true runs it again"
         print(f"rollout {args.command}: {rank}{what}{kept}", file=sys.stderr)
     return code
+
+
+def _stopped_before_a_checkpoint(folder: pathlib.Path) -> bool:
+    """Whether a training's folder was written (its config) but holds no complete checkpoint: the same command is
+    refused there, and resume=true too."""
+    complete = any(folder.glob("trainer/checkpoint-*/trainer_state.json"))
+    return (folder / "config.yaml").is_file() and not complete
 
 
 def _by_a_signal(failure: str | None) -> bool:
