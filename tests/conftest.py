@@ -55,14 +55,20 @@ def make_model(
     )
     kwargs.update(extra)
     kwargs.update(overrides)
+    model = model_from_config(config_cls(**kwargs), attn=attn, dtype=dtype, seed=seed)
+    model.generation_config.eos_token_id = eos_token_id
+    return model
+
+
+def model_from_config(config, attn: str = "sdpa", dtype: torch.dtype = torch.float64, seed: int = 0, **options):
+    """A random model of `config` in eval mode, its matrices drawn with std 0.15 (the default 0.02 gives logits near
+    uniform: sampling tests want sharp distributions); `options` go to `from_config`."""
     torch.manual_seed(seed)
-    # larger init than the default 0.02 so logits are far from uniform and sampling tests see sharp distributions
-    model = AutoModelForCausalLM.from_config(config_cls(**kwargs), attn_implementation=attn, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype, **options)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
                 param.normal_(0.0, 0.15)
-    model.generation_config.eos_token_id = eos_token_id
     return model.eval()
 
 

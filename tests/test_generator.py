@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import make_model, random_prompts
+from conftest import make_model, model_from_config, random_prompts
 
 from rollout import Generator, SamplingParams
 from specdec.config import SpecConfig
@@ -723,7 +723,7 @@ def test_a_model_that_fails_in_its_own_forward_is_refused_as_such():
 
 def rope_scaled_model(kind: str):
     """A float64 model whose rotary frequencies follow the longest position of a forward: past 48 positions."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
+    from transformers import LlamaConfig, Phi3Config
 
     common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, pad_token_id=0, bos_token_id=None, eos_token_id=None)  # fmt: skip
@@ -733,13 +733,7 @@ def rope_scaled_model(kind: str):
                             rope_scaling=scaling)  # fmt: skip
     else:
         config = LlamaConfig(**common, max_position_embeddings=48, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.15)
-    return model.eval()
+    return model_from_config(config)
 
 
 @pytest.mark.parametrize("kind", ["longrope", "dynamic"])

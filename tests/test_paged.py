@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import make_model, random_prompts
+from conftest import make_model, model_from_config, random_prompts
 from test_generator import hf_greedy, teacher_forced_logprobs, use_frequent_token_as_eos
 
 from rollout import Generator, SamplingParams
@@ -298,21 +298,13 @@ def test_a_paged_plan_charges_what_the_pools_take_a_draft_models_included():
 
 
 def _moe_or_diff(config_class, **extra):
-    from transformers import AutoModelForCausalLM
-
     config = config_class(
         vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=None,
         **extra,
     )  # fmt: skip
-    torch.manual_seed(0)
     options = {"experts_implementation": "eager"} if "num_experts_per_tok" in extra else {}  # (float64 experts)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float64, **options)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, 0.15)
-    return model.eval()
+    return model_from_config(config, **options)
 
 
 @pytest.mark.parametrize("name", ["phimoe", "qwen2_moe"])
