@@ -86,6 +86,16 @@ class SpecConfig:
             return ()
         return (self.method,) if isinstance(self.method, str) else tuple(self.method)
 
+    def check_room(self, max_seq_len: int, key: str = "max_seq_len", prefix: str = "") -> None:
+        """Refuse a K that a row of `max_seq_len` tokens (named `key`) never has room for; `prefix` names where the
+        setting came from (`spec.`)."""
+        k = self.num_speculative_tokens
+        if k >= max_seq_len:  # (the KV cache holds max_seq_len + K + 1 positions a slot)
+            raise ValueError(
+                f"{prefix}num_speculative_tokens ({k}) must be below {key} ({max_seq_len}): a row never has room for "
+                "more drafts than that; lower it (a few tokens, e.g. 4)"
+            )
+
     def _check_suffix(self) -> None:
         depth = self.suffix_decoding_max_tree_depth
         if not isinstance(depth, int) or isinstance(depth, bool) or not 2 <= depth <= MAX_TREE_DEPTH:

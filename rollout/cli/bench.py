@@ -272,15 +272,11 @@ def _cut(row: list[int], stop_ids: set[int]) -> list[int]:
 def _check_row_fits(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig) -> None:
     """Refuse a row whose generator would refuse its K or its table at the sizes the data gives (rows run one after
     another: found at its own row, the rows before it had run for nothing)."""
-    k, table = spec.num_speculative_tokens, spec.num_speculative_tokens_per_batch_size
-    if k >= inputs.max_seq_len:
-        raise ValueError(
-            f"spec.num_speculative_tokens ({k}) must be below max_seq_len ({inputs.max_seq_len}): a row never has room "
-            "for more drafts than that; lower it (a few tokens, e.g. 4)"
-        )
+    spec.check_room(inputs.max_seq_len, prefix="spec.")
+    table = spec.num_speculative_tokens_per_batch_size
     if isinstance(table, (list, tuple)) and inputs.prompt_ids:  # (a rank without a group builds no generator)
         try:
-            TablePolicy(table, k, batch_size(recipe, inputs, spec))
+            TablePolicy(table, spec.num_speculative_tokens, batch_size(recipe, inputs, spec))
         except ValueError as err:
             raise ValueError(f"spec: {err}") from None
 

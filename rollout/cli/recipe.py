@@ -592,12 +592,8 @@ def check_recipe(recipe: Recipe) -> None:
     """Build the generator's settings from the recipe so that their errors come before any model loads."""
     _check_finite(recipe_dict(recipe))
     spec = spec_config(recipe)
-    max_seq_len = recipe.rollout.max_seq_len  # (null: sized from the data, checked once it is loaded)
-    if spec is not None and max_seq_len is not None and spec.num_speculative_tokens >= max_seq_len:
-        raise ValueError(
-            f"spec.num_speculative_tokens ({spec.num_speculative_tokens}) must be below rollout.max_seq_len "
-            f"({max_seq_len}): a row never has room for more drafts than that; lower it (a few tokens, e.g. 4)"
-        )
+    if spec is not None and recipe.rollout.max_seq_len is not None:  # (null: sized from the data, checked then)
+        spec.check_room(recipe.rollout.max_seq_len, key="rollout.max_seq_len", prefix="spec.")
     table = spec.num_speculative_tokens_per_batch_size if spec is not None else None
     if isinstance(table, (list, tuple)) and recipe.rollout.max_batch_size != "auto":  # auto: checked once resolved
         try:

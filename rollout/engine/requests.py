@@ -207,11 +207,7 @@ def check_generator_args(
         raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
     if spec is not None and spec.methods:
         k = spec.num_speculative_tokens
-        if k >= max_seq_len:  # (the KV cache holds max_seq_len + K + 1 positions a slot)
-            raise ValueError(
-                f"num_speculative_tokens ({k}) must be below max_seq_len ({max_seq_len}): a row never has room for "
-                "more drafts than that; lower it (a few tokens, e.g. 4)"
-            )
+        spec.check_room(max_seq_len)
         if spec.num_speculative_tokens_per_batch_size == "auto" and max_seq_len < k + 5:
             raise ValueError(
                 f"max_seq_len ({max_seq_len}) is too short for the auto K policy's warm-up, which times steps of up to "
