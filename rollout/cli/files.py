@@ -178,17 +178,17 @@ def write_jsonl(path: str | pathlib.Path, records: list[dict], allow_nan: bool =
     write_atomic(path, "".join(json.dumps(r, allow_nan=allow_nan) + "\n" for r in records))
 
 
-def read_jsonl(path: str | pathlib.Path) -> list[dict]:
-    """The whole lines of a JSONL file that parse (a line cut by a kill, the last one, is left out)."""
+def read_jsonl(path: str | pathlib.Path, damaged: list[int] | None = None) -> list[dict]:
+    """The whole lines of a JSONL file that parse (a line cut by a kill, the last one, is left out); `damaged`, if
+    given, gets the index among the non-blank lines of each one left out."""
     path = pathlib.Path(path)
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text().split("\n"):
-        if not line.strip():
-            continue
+    for index, line in enumerate(line for line in path.read_text().split("\n") if line.strip()):
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            continue
+            if damaged is not None:
+                damaged.append(index)
     return records

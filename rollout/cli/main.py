@@ -182,14 +182,6 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _parses(line: str) -> bool:
-    try:
-        json.loads(line)
-    except json.JSONDecodeError:
-        return False
-    return True
-
-
 def _reward(mean: float | None) -> str:
     """A reward mean as printed: '-' where no sample has a reward (every one null, or no sample kept)."""
     return "-" if mean is None else f"{mean:.3f}"
@@ -211,7 +203,8 @@ def _report(args: argparse.Namespace) -> None:
     from rollout.cli.files import read_jsonl
     from rollout.phases import PHASES
 
-    steps = read_jsonl(steps_path)  # a line cut by a kill (the last) is left out
+    damaged: list[int] = []
+    steps = read_jsonl(steps_path, damaged)  # a line cut by a kill (the last) is left out
     if not steps:
         raise ValueError(f"{steps_path} holds no step record: the run recorded no steps, or the file is not a run's")
     for number, step in enumerate(steps, 1):
@@ -227,10 +220,9 @@ def _report(args: argparse.Namespace) -> None:
                 f"{steps_path}: record {number} is not a step ({what}): the file is not a `rollout run`'s "
                 "steps.jsonl, or was edited"
             )
-    lines = [line for line in steps_path.read_text().split("\n") if line.strip()]
-    if len(lines) - len(steps) > (not _parses(lines[-1])):  # damaged lines before the last (a kill cuts only that)
+    if [i for i in damaged if i != len(steps) + len(damaged) - 1]:  # damaged lines before the last (a kill cuts that)
         print(
-            f"note: {steps_path} holds {len(lines) - len(steps)} damaged line(s), left out: the table counts the "
+            f"note: {steps_path} holds {len(damaged)} damaged line(s), left out: the table counts the "
             f"{len(steps)} steps that parse",
             file=sys.stderr,
         )
