@@ -36,7 +36,7 @@ def test_train_writes_per_step_metrics_summary_plot_and_a_wandb_run(tmp_path, of
     from test_cli import wandb_records
 
     small = ["train.steps=3", "train.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=24"]
-    assert main(["train", GRPO, *small, "data.num_prompts=8", f"output_dir={tmp_path}"]) == 0
+    assert main(["train", GRPO, *small, "data.num_prompts=8", "train.beta=0.05", f"output_dir={tmp_path}"]) == 0
     printed = capsys.readouterr().out
     assert printed.count("\nstep ") + printed.startswith("step ") == 3 and "reward first 10%" in printed
     steps = read_jsonl(tmp_path / "train.jsonl")
@@ -48,6 +48,10 @@ def test_train_writes_per_step_metrics_summary_plot_and_a_wandb_run(tmp_path, of
         )
         assert s["rollout/tokens_per_s"] > 0 and s["rollout/bulk/tokens_per_s"] > 0
         assert "rollout/mean_k" in s and 0.0 <= s["rollout/acceptance_rate"] <= 1.0
+        # TRL's own metrics beside them: the KL term's (train.beta > 0; it moves in the resume test below), the
+        # policy's entropy, the clipping
+        assert s["kl"] >= 0.0 and s["entropy"] > 0.0 and 0.0 <= s["frac_reward_zero_std"] <= 1.0
+        assert 0.0 <= s["clip_ratio/region_mean"] <= 1.0 and 0.0 <= s["completions/clipped_ratio"] <= 1.0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["num_steps"] == 3
     assert summary["reward_first_10pct"] == pytest.approx(steps[0]["reward"])
@@ -221,6 +225,7 @@ def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_
     args = ["train.steps=5", "train.save_steps=3", "train.prompts_per_step=2", "train.learning_rate=3e-3"]
     args += ["sampling.n=4", "sampling.max_new_tokens=24", "data.num_prompts=6", "logging.wandb_mode=disabled"]
     args += ["logging.plot=false", "spec.method=suffix"]  # (exact: the same samples as without drafts)
+    args += ["train.beta=0.05"]  # a reference model restored too, and its KL copied to train.jsonl
     written = []  # per checkpoint the trainer saves: was the history in it when its state made it complete?
     save_state = transformers.TrainerState.save_to_json
 
@@ -261,7 +266,7 @@ def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_
     capsys.readouterr()
     resumed = read_jsonl(out / "train.jsonl")
     assert [s["step"] for s in resumed] == [1, 2, 3, 4, 5]  # step 4 made again, once
-    for key in ("reward", "loss", "grad_norm"):
+    for key in ("reward", "loss", "grad_norm", "kl"):
         assert [s[key] for s in resumed] == [s[key] for s in whole], key
     # and the resumed steps draft from the history the checkpoint kept (they started from none: 8 responses, not 32)
     assert [s["rollout/history_responses"] for s in resumed] == [s["rollout/history_responses"] for s in whole]
@@ -269,6 +274,7 @@ def test_a_stopped_training_resumes_from_its_checkpoint_as_if_never_stopped(tmp_
     # a real check: the steps differ, and the model had moved before the checkpoint (its weights and the
     # optimiser's moments are what the resume restores)
     assert len({s["reward"] for s in whole}) > 1 and all(s["grad_norm"] > 0 for s in whole[:3]), whole
+    assert whole[0]["kl"] == 0.0 and all(s["kl"] > 0 for s in whole[1:]), whole  # away from the reference model
     summary = json.loads((out / "summary.json").read_text())
     assert summary["complete"] is True and summary["num_steps"] == 5
     # stopped before its first checkpoint: nothing to resume from, and the line says what runs it again

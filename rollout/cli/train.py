@@ -4,8 +4,10 @@ The recipe's model, data, sampling, spec, rollout and rewards sections mean what
 `train` section holds the steps, prompts per step, epochs and optimiser settings. The output folder gets:
 
 - `train.jsonl`: one line per optimiser step: `step`, `epoch`, `reward`, `reward_std`, `loss`, `step_time` (seconds),
-  `rollout/seconds`, `rollout/share` (of the step), `rollout/tokens_per_s`, `rollout/mean_k`,
-  `rollout/acceptance_rate`, and per phase `rollout/<phase>/{tokens_per_s, mean_k, acceptance_rate, ...}`;
+  TRL's `grad_norm`, `learning_rate`, `entropy`, `kl` (with `train.beta` > 0), `frac_reward_zero_std`,
+  `clip_ratio/region_mean`, `completions/mean_length` and `completions/clipped_ratio`, `rollout/seconds`,
+  `rollout/share` (of the step), `rollout/tokens_per_s`, `rollout/mean_k`, `rollout/acceptance_rate`, and per phase
+  `rollout/<phase>/{tokens_per_s, mean_k, acceptance_rate, ...}`;
 - `summary.json`: steps, wall time, the reward of the first and last 10% of steps and their difference, the rollout
   share of the step time, and rollout tokens/s per epoch;
 - `config.yaml`, `train.png` (reward and rollout tokens/s over the steps), `model/` with `train.save_model`, and the
@@ -47,7 +49,10 @@ from rollout.distributed import Ranks, RankStopped, signals_ignored
 from rollout.rewards import RewardError, WeightedReward, build_rewards, score
 
 # the per-step keys copied from the trainer's logs to train.jsonl (besides every rollout/ key)
-TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "learning_rate", "step_time", "completions/mean_length")
+TRAIN_KEYS = (
+    "reward", "reward_std", "frac_reward_zero_std", "loss", "grad_norm", "learning_rate", "step_time", "kl", "entropy",
+    "clip_ratio/region_mean", "completions/mean_length", "completions/clipped_ratio",
+)  # fmt: skip
 
 
 def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = False) -> dict | None:
