@@ -36,8 +36,11 @@ def test_train_writes_per_step_metrics_summary_plot_and_a_wandb_run(tmp_path, of
     from test_cli import wandb_records
 
     small = ["train.steps=3", "train.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=24"]
-    assert main(["train", GRPO, *small, "data.num_prompts=8", "train.beta=0.05", f"output_dir={tmp_path}"]) == 0
+    assert main(["train", GRPO, *small, "data.num_prompts=9", "train.beta=0.05", f"output_dir={tmp_path}"]) == 0
     printed = capsys.readouterr().out
+    assert (
+        "warning: 9 prompts make 4 steps of train.prompts_per_step 2 an epoch and 1 is left out of each" in printed
+    ), printed
     assert printed.count("\nstep ") + printed.startswith("step ") == 3 and "reward first 10%" in printed
     steps = read_jsonl(tmp_path / "train.jsonl")
     assert [s["step"] for s in steps] == [1, 2, 3]

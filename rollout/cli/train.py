@@ -83,8 +83,10 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
         recipe, report_to="none" if wandb_mode == "disabled" else "wandb", num_processes=ranks.world_size
     )
     inputs = load_inputs(on_rank_device(recipe, ranks))
-    if ranks.is_main and (warning := header_warning(recipe, inputs)) is not None:
-        print(warning, flush=True)
+    if ranks.is_main:
+        lines = [header_warning(recipe, inputs), _left_out_warning(len(inputs.prompt_ids), recipe.train)]
+        if any(lines):
+            print("\n".join(line for line in lines if line), flush=True)
     output_dir = pathlib.Path(recipe.output_dir)
     error, checkpoint, kept = None, None, None
     if ranks.is_main:
@@ -157,6 +159,20 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
     if not ranks.is_main:
         return None
     return _write_summary(record.steps, time.perf_counter() - start, output_dir, log.plot)
+
+
+def _left_out_warning(num_prompts: int, train) -> str | None:
+    """A line when the prompts do not split into whole steps: TRL's sampler keeps whole steps and leaves the rest of
+    each epoch's shuffled order out (other prompts each epoch)."""
+    per_step = train.prompts_per_step
+    left = num_prompts % per_step
+    if left == 0 or num_prompts < per_step:  # (fewer than one step is refused before)
+        return None
+    return (
+        f"warning: {num_prompts} prompts make {num_prompts // per_step} steps of train.prompts_per_step {per_step} an "
+        f"epoch and {left} {'is' if left == 1 else 'are'} left out of each (TRL keeps whole steps; the ones left out "
+        f"change with each epoch's shuffled order); a multiple of {per_step} in data.num_prompts uses them all"
+    )
 
 
 def _epochs_done(checkpoint: str | None) -> int:
