@@ -400,3 +400,61 @@ def test_the_draft_models_graphs_follow_their_own_model():
     with gen._serving(full=True):
         pass
     assert target.recaptures == [] and draft.recaptures == ["tensors"]
+
+
+def test_a_pool_planned_from_the_free_memory_holds_blocks_in_the_dtype_its_keys_take():
+    """Float32 weights under a bf16 autocast: the pool holds bf16 keys, and was planned in float32's, so it held half
+    the blocks its planned bytes hold (a GPU's pool, allocated whole, used half its share). It is sized in the dtype
+    it holds now: at build under accelerate's wrapper, and when a call's autocast retypes it; a `kv_pool_blocks` a
+    user set stays as set. The header's bytes are what the pool takes."""
+    from rollout.engine import memory_plan
+
+    model = make_model("llama", dtype=torch.float32)
+    per_block = memory_plan.kv_bytes_per_token(model.config, 4) * memory_plan.DEFAULT_BLOCK_SIZE
+    free = int(12 * per_block / memory_plan.CPU_PAGED_SHARE) + 1  # 12 float32 blocks planned (8 slots hold 32)
+    prompts = random_prompts(6, max_len=12, seed=3)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(memory_plan, "free_memory", lambda device: free)
+        plain = padded_generator(model, False, max_batch_size=8, max_seq_len=48)
+        pinned = padded_generator(model, False, max_batch_size=8, max_seq_len=48, kv_pool_blocks=12)
+        wrapped = padded_generator(wrapped_in_autocast(model), False, max_batch_size=8, max_seq_len=48)
+    assert plain.runner.cache.max_blocks == 12 and plain.kv_cache_bytes == 12 * per_block
+    assert wrapped.runner.cache.dtype == torch.bfloat16 and wrapped.runner.cache.max_blocks == 24
+    assert wrapped.kv_cache_bytes == 12 * per_block  # the same bytes, twice the blocks
+    expected = samples(wrapped.generate(prompts, params))
+    model.forward = model._original_forward
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a caller's autocast retypes the plain one's pool: 24 too
+        assert samples(plain.generate(prompts, params)) == expected and plain.runner.cache.max_blocks == 24
+        assert samples(pinned.generate(prompts, params)) == expected and pinned.runner.cache.max_blocks == 12
+    assert pinned.kv_cache_bytes == 12 * per_block
+    # back in float32 the plain pool keeps the blocks it grew to (never fewer than it holds), within 24
+    plain.generate(prompts, params)
+    held = plain.runner.cache.num_blocks
+    assert plain.runner.cache.dtype == torch.float32 and plain.runner.cache.max_blocks == max(held, 12) <= 24
+
+
+def test_a_pool_allocated_whole_takes_the_blocks_a_narrower_dtype_frees_at_once():
+    """A GPU's pool is allocated whole at its planned size: retyped to a narrower dtype, the blocks its bytes now hold
+    are allocated at once (the pool's addresses change anyway), never beyond every slot's; the keys held are kept."""
+    from rollout.engine.paged_cache import PagedKVCache
+
+    def pool(budget_blocks: int, cap: int) -> PagedKVCache:
+        cache = PagedKVCache(2, 2, 8, torch.float32, torch.device("cpu"), 4, 64, max_blocks=budget_blocks)
+        return PagedKVCache(
+            2, 2, 8, torch.float32, torch.device("cpu"), 4, 64, max_blocks=budget_blocks,
+            byte_budget=budget_blocks * cache.block_bytes(torch.float32), block_cap=cap,
+        )  # fmt: skip
+
+    cache = pool(6, 16)
+    assert cache.num_blocks == cache.max_blocks == 6
+    cache.k_pools[1][5] = 1.5
+    generation = cache.generation
+    cache.retype(torch.bfloat16)
+    assert cache.num_blocks == cache.max_blocks == 12 and cache.generation > generation
+    assert cache.k_pools[1].dtype == torch.bfloat16 and bool((cache.k_pools[1][5] == 1.5).all())
+    cache.retype(torch.float32)  # wider again: it keeps the blocks it holds (out of memory is refused, as before)
+    assert cache.num_blocks == cache.max_blocks == 12
+    capped = pool(6, 8)
+    capped.retype(torch.bfloat16)
+    assert capped.num_blocks == capped.max_blocks == 8

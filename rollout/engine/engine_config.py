@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from rollout.engine.memory_plan import check_kv_cache_fits, plan_kv_cache
+from rollout.engine.memory_plan import check_kv_cache_fits, min_pool_blocks, plan_kv_cache, pool_budget
 from rollout.engine.model_checks import check_positions, check_rope_scaling
 from rollout.engine.model_runner import ModelRunner
 from specdec.config import SpecConfig
@@ -51,9 +51,14 @@ def resolve_engine(
     check_rope_scaling(model, max_seq_len)
     # planned before anything is allocated: the slot cache must fit, a paged pool is sized to what is free
     kv_cache_bytes, max_kv_blocks = plan_kv_cache(model, spec, max_batch_size, max_seq_len, kv_layout, kv_pool_blocks)
-    runner = ModelRunner(model, max_batch_size, num_positions, kv_layout, max_kv_blocks)  # checks the model
+    every_slot = max_batch_size * min_pool_blocks(max_seq_len, spec)
+    budget = pool_budget(model, max_kv_blocks, every_slot, pinned=kv_pool_blocks is not None)
+    runner = ModelRunner(model, max_batch_size, num_positions, kv_layout, max_kv_blocks, kv_byte_budget=budget)
     if max_kv_blocks is not None and not runner.paged:  # planned paged, but the model runs on slots
         kv_cache_bytes = check_kv_cache_fits(model, spec, max_batch_size, max_seq_len)
+    elif runner.paged:  # the pool's bytes in the dtype it holds (a bf16 autocast's over float32 weights), as planned
+        weights = runner.cache.block_bytes(runner.dtype) * max_kv_blocks
+        kv_cache_bytes += runner.cache.block_bytes(runner.cache.dtype) * runner.cache.max_blocks - weights
     graphs_possible = runner.paged and runner.device.type == "cuda"
     if cuda_graphs is True and not graphs_possible:
         raise ValueError(

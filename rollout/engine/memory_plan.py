@@ -150,6 +150,17 @@ def plan_kv_cache(
     return blocks * per_block + draft_bytes, blocks
 
 
+def pool_budget(model: torch.nn.Module, max_kv_blocks: int | None, every_slot: int, pinned: bool) -> int | None:
+    """The bytes a paged pool planned from the free memory may take (`plan_kv_cache`'s `max_kv_blocks` blocks in the
+    weights' dtype), so that a pool holding keys in a narrower dtype (a bf16 autocast over float32 weights) takes more
+    blocks in them; None where its size is fixed: `kv_pool_blocks` set it (`pinned`), or it holds `every_slot`'s blocks
+    already, all a pool can use."""
+    if max_kv_blocks is None or pinned or max_kv_blocks >= every_slot:
+        return None
+    itemsize = next(model.parameters()).element_size()
+    return max_kv_blocks * kv_bytes_per_token(model.config, itemsize) * DEFAULT_BLOCK_SIZE
+
+
 # ---- bytes --------------------------------------------------------------------------------------------------------
 
 

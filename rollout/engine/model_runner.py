@@ -42,6 +42,8 @@ class ModelRunner:
             4D masks) or "auto": paged on a GPU, slots on a CPU. A model whose attention layers do not call
             transformers' attention interface runs on slots, with a warning saying so.
         max_kv_blocks: the paged pool's planned size in blocks (default: every slot at `num_positions`).
+        kv_byte_budget: the bytes a pool planned from the free memory may take (`memory_plan.pool_budget`): its blocks
+            then follow the dtype it holds keys in (None: `max_kv_blocks` is fixed).
         block_size: positions per block of the paged pool.
     """
 
@@ -53,6 +55,7 @@ class ModelRunner:
         kv_layout: str = "slots",
         max_kv_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_byte_budget: int | None = None,
     ):
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {', '.join(KV_LAYOUTS)}")
@@ -88,7 +91,7 @@ class ModelRunner:
         self.kv_layout = kv_layout
         if kv_layout == "paged":
             max_blocks = max_kv_blocks or num_slots * -(-num_positions // block_size)
-            self.cache = self._paged_cache(num_slots, num_positions, max_blocks, block_size)
+            self.cache = self._paged_cache(num_slots, num_positions, max_blocks, block_size, kv_byte_budget)
         else:
             self.cache = SlotKVCache(self.num_layers, num_slots, num_positions)
 
@@ -143,13 +146,16 @@ class ModelRunner:
         )
         return self.graphs
 
-    def _paged_cache(self, num_slots: int, num_positions: int, max_blocks: int, block_size: int) -> PagedKVCache:
+    def _paged_cache(
+        self, num_slots: int, num_positions: int, max_blocks: int, block_size: int, byte_budget: int | None
+    ) -> PagedKVCache:
         """A pool allocated whole on a GPU (planned from its free memory), grown with the tokens on a CPU."""
         num_kv_heads, head_dim = kv_head_shape(self.model.config)
         initial = None if self.device.type == "cuda" else min(max_blocks, 4 * num_slots + 16)
+        every_slot = num_slots * -(-num_positions // block_size)
         cache = PagedKVCache(
             self.num_layers, num_kv_heads, head_dim, self.kv_dtype(), self.device, num_slots, num_positions, max_blocks,
-            initial, block_size,
+            initial, block_size, byte_budget, every_slot,
         )  # fmt: skip
         cache.layer_windows = self.windows_by_layer()
         return cache

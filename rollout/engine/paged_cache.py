@@ -45,6 +45,10 @@ class PagedKVCache:
         initial_blocks: blocks allocated at once; the pool grows (doubling, up to `max_blocks`) when rows need more.
             A GPU allocates the whole plan at once; a CPU grows with the tokens in flight.
         num_positions: the most positions a row may hold (its table's width).
+        byte_budget: for a pool planned from the free memory, the bytes it may take (see `memory_plan.pool_budget`):
+            its size in blocks then follows the dtype it holds (`max_blocks` in the weights' dtype, twice as many in
+            bf16 over float32 weights), up to `block_cap`, and changes with `retype`. None: `max_blocks` is fixed.
+        block_cap: the most blocks a budgeted pool takes (every slot's).
     """
 
     def __init__(
@@ -59,12 +63,17 @@ class PagedKVCache:
         max_blocks: int,
         initial_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        byte_budget: int | None = None,
+        block_cap: int | None = None,
     ):
         self.block_size = block_size
-        self.max_blocks = max_blocks
         self.device = device
         self.shape = (num_kv_heads, head_dim)
-        first = max_blocks if initial_blocks is None else min(max_blocks, initial_blocks)
+        self.num_layers = num_layers
+        self.byte_budget, self.block_cap = byte_budget, block_cap
+        self.whole = initial_blocks is None  # allocated whole at its planned size (a GPU's), not grown with the rows
+        self.max_blocks = max_blocks if byte_budget is None else self._budgeted_blocks(dtype, 0)
+        first = self.max_blocks if self.whole else min(self.max_blocks, initial_blocks)
         self.manager = BlockManager(first, block_size, num_slots, -(-num_positions // block_size))
         pool = (first, block_size, num_kv_heads, head_dim)
         # zeros, never empty: a masked NaN still poisons attention (0 x NaN) on the torch path
@@ -81,10 +90,21 @@ class PagedKVCache:
     def dtype(self) -> torch.dtype:
         return self.k_pools[0].dtype
 
+    def block_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one block's keys and values in every layer, held in `dtype`."""
+        return 2 * self.num_layers * self.block_size * math.prod(self.shape) * dtype.itemsize
+
+    def _budgeted_blocks(self, dtype: torch.dtype, held: int) -> int:
+        """A budgeted pool's size in `dtype`: what its bytes hold, up to its cap, never below the `held` blocks."""
+        fitting = self.byte_budget // self.block_bytes(dtype)
+        return max(held, min(fitting, self.block_cap if self.block_cap is not None else fitting))
+
     def retype(self, dtype: torch.dtype) -> None:
         """Hold keys and values in `dtype` from now on, those held converted (the policy was cast, or now runs under
-        another autocast: the attention computes in the dtype its own would). The pools are new tensors. A device
-        out of memory for the wider pools (a GPU pool is planned whole, for the dtype it was made in) leaves them in
+        another autocast: the attention computes in the dtype its own would). The pools are new tensors. A pool
+        planned from the free memory (`byte_budget`) then holds as many blocks as its bytes do in `dtype` (more in a
+        narrower one: allocated at once where the pool is allocated whole; never fewer than it holds). A device out
+        of memory for the wider pools (a GPU pool is planned whole, for the dtype it was made in) leaves them in
         their dtype and raises."""
         old = self.dtype
         self.generation += 1  # whatever happens below, the pools' addresses change
@@ -102,6 +122,10 @@ class PagedKVCache:
                 f"need {wider * (dtype.itemsize - old.itemsize) / 2**30:.2f} GiB more than {self.device} has free; "
                 "build the Generator for the policy as it is now (or set kv_pool_blocks lower)"
             ) from error
+        if self.byte_budget is not None:
+            self.max_blocks = self._budgeted_blocks(dtype, self.manager.num_blocks)
+            if self.whole and self.max_blocks > self.manager.num_blocks:
+                self._grow(self.max_blocks)
 
     def pools(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.k_pools[layer], self.v_pools[layer]
