@@ -267,7 +267,8 @@ class Rollout:
         if kind == "row":
             rows = [dict(item) for item in items]
             if self.formatter.template is None:  # (a template names its own columns)
-                check_prompt_column(list(rows[0]), self.prompt_column)
+                for i, row in enumerate(rows):  # every row: a list of dicts may differ from row to row
+                    check_prompt_column(list(row), self.prompt_column, "the data" if len(rows) == 1 else f"row {i}")
             prompts, prompt_ids = self.formatter(rows)
         elif kind == "token ids":  # checked before decoding: -1 or 2**32 failed in the tokenizer's OverflowError
             prompt_ids = check_prompts(items, self.generator.vocab_size, self.generator.max_seq_len)
@@ -277,6 +278,13 @@ class Rollout:
             rows = [{self.prompt_column: item} for item in items]
             formatter = self.formatter if kind == "text" else self.chat_formatter
             prompts, prompt_ids = formatter(rows)
+        if kind != "token ids":
+            for i, (text, ids) in enumerate(zip(prompts, prompt_ids)):
+                if not ids:  # an empty text, where the tokenizer adds no BOS
+                    raise ValueError(
+                        f"prompt {i} ({text!r:.40}) has no tokens: every prompt needs some text (this tokenizer adds "
+                        "no BOS token to an empty one)"
+                    )
         return rows, prompts, prompt_ids
 
     @property

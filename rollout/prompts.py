@@ -8,11 +8,19 @@ import string
 from collections.abc import Sequence
 
 
-def check_prompt_column(column_names: Sequence[str], prompt_column: str) -> None:
+def check_prompt_column(column_names: Sequence[str], prompt_column: str, where: str = "the dataset") -> None:
+    """Refuse, in one line, `column_names` (of `where`: the dataset, or one row) without the prompt column."""
     if prompt_column not in column_names:
+        names = list(column_names)
+        if {"role", "content"} <= set(names):  # a chat message taken for a row: a conversation passed unwrapped
+            raise ValueError(
+                f"{where} is a chat message ({', '.join(names)}), not a row with a {prompt_column!r} column: data is a "
+                "list of prompts, so one conversation goes in a list of its own ([[{'role': 'user', 'content': "
+                "...}]])"
+            )
         raise ValueError(
-            f"data.prompt_column: the dataset has no column {prompt_column!r}; its columns: "
-            f"{', '.join(column_names)}; set data.prompt_column to the one that holds the prompts"
+            f"data.prompt_column: {where} has no column {prompt_column!r}; its columns: "
+            f"{', '.join(names)}; set data.prompt_column to the one that holds the prompts"
         )
 
 
@@ -119,6 +127,7 @@ class PromptFormatter:
     def text(self, row: dict) -> str:
         """The prompt text of one row (chat-templated when asked)."""
         if self.template is None:
+            check_prompt_column(list(row), self.prompt_column, "a row")
             value = row[self.prompt_column]
         else:
             try:
@@ -134,17 +143,29 @@ class PromptFormatter:
                 ) from None
         if not self.chat_template:
             if not isinstance(value, str):
+                chat = isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) == 1  # (an array: parquet's)
+                fix = "set data.chat_template=true for chat messages" if chat else "every row needs its prompt there"
                 raise ValueError(
-                    f"data.prompt_column {self.prompt_column!r} holds {type(value).__name__}, not text: "
-                    "set data.chat_template=true for chat messages, or give a data.template"
+                    f"data.prompt_column {self.prompt_column!r} holds {type(value).__name__} {value!r:.40}, not text: "
+                    f"{fix}, or give a data.template"
                 )
             return value
         if hasattr(value, "tolist") and getattr(value, "ndim", 0) == 1:  # a DataFrame's or parquet's cell: an array
             value = value.tolist()
         if isinstance(value, (list, tuple)):  # already a conversation
             messages = list(value)
-        else:
-            messages = [{"role": "user", "content": str(value)}]
+        elif isinstance(value, str):
+            messages = [{"role": "user", "content": value}]
+        elif isinstance(value, dict):  # one message, not put in a conversation
+            raise ValueError(
+                f"data.prompt_column {self.prompt_column!r} holds one chat message (a dict), not a conversation: a "
+                "conversation is a list of messages, so put it in a list ([message])"
+            )
+        else:  # None (a row without it), a number (pandas' NaN): not text to put in a user message
+            raise ValueError(
+                f"data.prompt_column {self.prompt_column!r} holds {type(value).__name__} {value!r:.40}, not text or a "
+                "list of chat messages: every row needs its prompt there"
+            )
         if self.system_prompt is not None:
             if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
                 raise ValueError(

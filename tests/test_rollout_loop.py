@@ -561,6 +561,43 @@ def test_a_reward_returning_other_than_one_number_each_is_named(returned, messag
         score([WeightedReward("mine", mine, 1.0)], ["a", "b"], {})
 
 
+def test_every_rows_prompt_is_checked_before_generating(tiny):
+    """From a helper's probe of prompts: a later row without the prompt column failed in a bare KeyError; under a chat
+    template a row without its prompt (None) or one message dict (not in a list) became the text of its repr in a user
+    message, without a word; a conversation passed unwrapped (its messages taken for rows) was told to set
+    data.prompt_column to 'content', which makes each message a prompt; an empty text, where the tokenizer adds no
+    BOS, was named as 'not a list of token ids'. Each is one line now, before anything is generated."""
+    import copy
+
+    model, tokenizer = tiny
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    params = SamplingParams(n=2, max_new_tokens=4, seed=0)
+    steps = []
+    plain = Rollout(model, tokenizer, rewards=None, sampling=params, max_seq_len=96)
+    chat = Rollout(model, tokenizer, rewards=None, sampling=params, max_seq_len=96, chat_template=True)
+    with pytest.raises(ValueError, match=r"^data.prompt_column: row 1 has no column 'prompt'; its columns: question;"):
+        plain([{"prompt": "1+1="}, {"question": "2+2="}], on_step=lambda *args: steps.append(args))
+    with pytest.raises(ValueError, match=r"^data.prompt_column 'prompt' holds NoneType None, not text: every row nee"):
+        plain([{"prompt": "1+1="}, {"prompt": None}])  # (a JSON line without it: datasets fills None)
+    for rollout in (plain, chat):
+        with pytest.raises(ValueError, match=r"^row 0 is a chat message \(role, content\), not a row .* in a list of"):
+            rollout([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}])
+    with pytest.raises(ValueError, match=r"^data.prompt_column 'prompt' holds NoneType None, not text or a list of"):
+        chat([{"prompt": "1+1="}, {"prompt": None}], on_step=lambda *args: steps.append(args))
+    with pytest.raises(ValueError, match=r"^data.prompt_column 'prompt' holds float nan, not text or a list of"):
+        chat([{"prompt": float("nan")}])  # (pandas' missing value)
+    with pytest.raises(ValueError, match=r"holds one chat message \(a dict\), not a conversation: .*\(\[message\]\)$"):
+        chat([{"prompt": {"role": "user", "content": "1+1="}}])
+    assert tokenizer("")["input_ids"] == []  # (this tokenizer adds no BOS)
+    with pytest.raises(ValueError, match=r"^prompt 1 \(''\) has no tokens: every prompt needs some text"):
+        plain(["1+1=", ""], on_step=lambda *args: steps.append(args))
+    assert steps == [], "refused after generating"
+    # what the refusals point to runs
+    assert len(chat([[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]])) == 2
+    assert len(chat([{"prompt": [{"role": "user", "content": "1+1="}]}])) == 2
+
+
 def test_a_column_a_reward_needs_is_checked_in_every_row_and_a_completions_column_is_left_out(tiny):
     """Rows given as dicts may differ: a reward needing `answer` that only the first row has was refused after the
     whole rollout was generated; now before. A data column named `completions` went to every reward beside the texts
