@@ -107,7 +107,8 @@ REFUSED = [
     (["run", "notes"], ["recipe file not found: notes is a folder; name a YAML file in it"], {}),
     (["run", "sampling.n=8", QUICKSTART], ["not found: sampling.n=8; the recipe file comes first, then the key"], {}),
     (["run", QUICKSTART, "logging.wandb_mode=onlin"], ["logging.wandb_mode ('onlin')", "online"], {}),
-    (["run", QUICKSTART, "rollout.cuda_graphs=true"], ["rollout.cuda_graphs=true needs a CUDA device"], {}),
+    (["run", QUICKSTART, "rollout.cuda_graphs=true"], ["cuda_graphs=true needs a CUDA", "(or cuda_graphs to"], {}),
+    (["run", QUICKSTART, "rollout.compile_forward=true"], ["compile_forward=true needs a", "false, or model"], {}),
     (["run", QUICKSTART], ["WANDB_MODE ('ofline')", "offline"], {"WANDB_MODE": "ofline"}),
     # what the recipe asks for comes before where it writes: a typo is named even where the folder is taken
     (["run", QUICKSTART, "output_dir=notes", "model.name=tiny-targt"], ["model.name: unknown name 'tiny-targt'"], {}),

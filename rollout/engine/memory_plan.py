@@ -120,21 +120,23 @@ def plan_kv_cache(
                 f"kv_pool_blocks ({num_blocks!r}) must be an integer >= {blocks_per_row}: one sequence of max_seq_len "
                 f"{max_seq_len} (plus one step's drafts) takes that many blocks of {DEFAULT_BLOCK_SIZE} tokens"
             )
-        if num_blocks > wanted:
+        used = min(num_blocks, wanted)  # more than every slot's blocks would never be used
+        if free is not None and used * per_block + draft_bytes > USABLE_SHARE * free:  # (as a slot cache)
+            fitting = max(0, int(USABLE_SHARE * free - draft_bytes) // per_block)
+            capped = f", of which {max_batch_size} slots use {used}," if used < num_blocks else ""
+            raise ValueError(
+                f"kv_pool_blocks ({num_blocks}{capped}) takes {used * per_block / 2**30:.2f} GiB of KV cache"
+                + (f" (and a draft model's {draft_bytes / 2**30:.2f} GiB)" if draft_bytes else "")
+                + f" but {device} has {free / 2**30:.2f} GiB free: at most {fitting} blocks fit; lower kv_pool_blocks "
+                "or leave it out (the pool is then planned from the free memory)"
+            )
+        if used < num_blocks:
             warnings.warn(
                 f"kv_pool_blocks ({num_blocks}) is more than {max_batch_size} slots of max_seq_len {max_seq_len} can "
                 f"hold ({wanted} blocks of {DEFAULT_BLOCK_SIZE} tokens): the pool holds {wanted}",
                 stacklevel=_outside_the_engine(),
             )
-            num_blocks = wanted
-        if free is not None and num_blocks * per_block + draft_bytes > USABLE_SHARE * free:  # (as a slot cache)
-            fitting = max(0, int(USABLE_SHARE * free - draft_bytes) // per_block)
-            raise ValueError(
-                f"kv_pool_blocks ({num_blocks}) takes {num_blocks * per_block / 2**30:.2f} GiB of KV cache"
-                + (f" (and a draft model's {draft_bytes / 2**30:.2f} GiB)" if draft_bytes else "")
-                + f" but {device} has {free / 2**30:.2f} GiB free: at most {fitting} blocks fit; lower kv_pool_blocks "
-                "or leave it out (the pool is then planned from the free memory)"
-            )
+            num_blocks = used
         return num_blocks * per_block + draft_bytes, num_blocks
     if free is None or per_block == 0:
         return wanted * per_block + draft_bytes, wanted
