@@ -87,6 +87,30 @@ def test_graphs_under_a_trainers_bf16_autocast_compute_in_bf16():
     assert [o.logprobs for o in plain] != [o.logprobs for o in eager]
 
 
+def test_a_planned_pool_takes_the_blocks_a_bf16_autocast_frees_and_replays_after_it(monkeypatch):
+    """Float32 weights, a pool planned from the free memory (made small here): a caller's bf16 autocast retypes the
+    pool, allocated whole, to twice the blocks in the same bytes at once, and the graphs, captured for the old pool,
+    are captured again and replay the same samples as a generator built for the autocast."""
+    from rollout.engine import memory_plan
+
+    model = make_model("llama", dtype=torch.float32).cuda()
+    per_block = memory_plan.kv_bytes_per_token(model.config, 4) * memory_plan.DEFAULT_BLOCK_SIZE
+    planned = 12 * per_block / memory_plan.USABLE_SHARE + 1  # 12 float32 blocks of the 16 slots' 80
+    monkeypatch.setattr(memory_plan, "free_memory", lambda device: int(planned))
+    prompts = random_prompts(6, max_len=14, seed=6)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=2)
+    gen = Generator(model, max_batch_size=16, max_seq_len=64, cuda_graphs=True)
+    cache = gen.runner.cache
+    assert cache.num_blocks == cache.max_blocks == 12 and cache.dtype == torch.float32
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        replayed = gen.generate(prompts, params)
+    assert cache.num_blocks == cache.max_blocks == 24 and cache.dtype == torch.bfloat16
+    assert gen.runner.graphs.graphs and gen.runner.graphs.error is None
+    built = Generator(wrapped_in_autocast(model), max_batch_size=16, max_seq_len=64, cuda_graphs=True)
+    assert built.runner.cache.max_blocks == 24 and built.kv_cache_bytes == 12 * per_block
+    assert equal_samples(replayed, built.generate(prompts, params)) >= len(replayed) - 1
+
+
 def test_graphs_dropped_by_a_change_are_captured_again_and_replayed():
     """A change of the policy drops the graphs; the steps after it capture them again, into a new memory pool (torch
     refuses to capture into one whose graphs are all gone: on torch 2.11 a capture there failed and decoding went on
