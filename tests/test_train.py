@@ -65,6 +65,13 @@ def test_train_writes_per_step_metrics_summary_plot_and_a_wandb_run(tmp_path, of
     assert list(summary["rollout_tokens_per_s_per_epoch"]) == ["1"]
     assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "train:" in (tmp_path / "config.yaml").read_text()
+    # `rollout report` on the folder prints the training's summary lines again and writes its plot again
+    lines = printed.splitlines()
+    ended = lines[[i for i, line in enumerate(lines) if line.startswith("3 steps in ")][0] : -1]  # (not 'output:')
+    (tmp_path / "train.png").unlink()
+    assert main(["report", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [*ended, f"plot: {tmp_path / 'train.png'}"]
+    assert (tmp_path / "train.png").is_file()
     # the trainer's own W&B run holds the rollout metrics of every step
     run_files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(run_files) == 1

@@ -3,7 +3,7 @@
     rollout run RECIPE [key=value ...]     run a recipe; write its output folder (rollouts, steps, summary, plot, W&B)
     rollout train RECIPE [key=value ...]   GRPO through TRL's GRPOTrainer, rollouts by this library; per-step metrics
     rollout bench RECIPE [key=value ...]   baseline, no speculation, static K values and the recipe's policy, one table
-    rollout report OUTPUT_DIR              print the per-phase table of a finished run and write its plot
+    rollout report OUTPUT_DIR              print a run's per-phase table (a training's summary) and write its plot
 
 `key.sub=value` overrides win over the recipe file, e.g. `rollout run recipes/quickstart.yaml sampling.n=8`.
 User errors print one line `rollout <command>: error: ...` on stderr and exit with status 2.
@@ -134,6 +134,12 @@ def _train(args: argparse.Namespace) -> None:
     summary = run_training(recipe, args.ranks, checked=True)  # `_setup` ran the preflight
     if not args.ranks.is_main:
         return
+    _print_training(summary)
+    print(f"output: {recipe.output_dir}")
+
+
+def _print_training(summary: dict) -> None:
+    """A training's summary lines: steps, time, reward at the start and the end, rollout share, tokens/s per epoch."""
     first, last, gain = (summary[k] for k in ("reward_first_10pct", "reward_last_10pct", "reward_gain"))
     rewards = "no reward logged" if None in (first, last, gain) else (
         f"reward first 10% {first:.3f} -> last 10% {last:.3f} ({gain:+.3f})"
@@ -144,7 +150,6 @@ def _train(args: argparse.Namespace) -> None:
     )
     for epoch, tps in summary["rollout_tokens_per_s_per_epoch"].items():
         print(f"epoch {epoch}: rollout {tps:.0f} tokens/s")
-    print(f"output: {recipe.output_dir}")
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -195,12 +200,21 @@ def _report(args: argparse.Namespace) -> None:
     folder = pathlib.Path(args.output_dir)
     steps_path = folder / "steps.jsonl"
     if folder.is_file():
-        raise ValueError(f"{folder} is a file: give the output folder of a `rollout run` (the one holding steps.jsonl)")
+        raise ValueError(
+            f"{folder} is a file: give the output folder of a `rollout run` or `rollout train` (the one holding "
+            "steps.jsonl or train.jsonl)"
+        )
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder}: no such folder")
-    if not steps_path.is_file():
-        raise FileNotFoundError(f"{steps_path}: not found; is {folder} the output_dir of a finished `rollout run`?")
     from rollout.cli.files import read_jsonl
+
+    if not steps_path.is_file() and (folder / "train.jsonl").is_file():
+        return _report_training(folder)
+    if not steps_path.is_file():
+        raise FileNotFoundError(
+            f"{steps_path}: not found; is {folder} the output_dir of a `rollout run` (or of a `rollout train`, which "
+            "holds train.jsonl)?"
+        )
     from rollout.phases import PHASES
 
     damaged: list[int] = []
@@ -256,6 +270,39 @@ def _report(args: argparse.Namespace) -> None:
     print(f"plot: {plot_steps(steps, folder / PLOT_NAME, title=str(folder))}")
 
 
+def _report_training(folder: pathlib.Path) -> None:
+    """`rollout report` of a `rollout train` folder: its summary lines from train.jsonl (the wall time from its
+    summary.json where that has one), and train.png written again."""
+    from rollout.cli.files import read_jsonl
+    from rollout.cli.train import plot_training, summarize_training
+
+    path = folder / "train.jsonl"
+    damaged: list[int] = []
+    steps = read_jsonl(path, damaged)
+    if not steps:
+        raise ValueError(f"{path} holds no step record: the training stopped before its first optimiser step")
+    for number, step in enumerate(steps, 1):
+        wrong = [key for key in ("step", "step_time") if not isinstance(step, dict) or not _is_number(step.get(key))]
+        if wrong:
+            raise ValueError(
+                f"{path}: record {number} is not an optimiser step (its {wrong[0]} is not a number): the file is not "
+                "a `rollout train`'s train.jsonl, or was edited"
+            )
+    if [i for i in damaged if i != len(steps) + len(damaged) - 1]:
+        print(f"note: {path} holds {len(damaged)} damaged line(s), left out", file=sys.stderr)
+    try:
+        kept = json.loads((folder / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):  # none, or damaged: the steps' own time
+        kept = None
+    kept = kept if isinstance(kept, dict) else {}
+    wall = kept.get("wall_seconds")
+    summary = summarize_training(steps, wall if _is_number(wall) else sum(s["step_time"] for s in steps))
+    _print_training(summary)
+    if kept.get("complete") is False:
+        print(f"incomplete ({kept.get('incomplete_reason') or 'stopped'}): the figures of its {len(steps)} steps")
+    print(f"plot: {plot_training(steps, folder / 'train.png', title=str(folder))}")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the CLI's one-line errors: `rollout <command>: error: ...` and the usage in the same line."""
 
@@ -284,8 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("recipe", help="a recipe YAML file")
     bench.add_argument("overrides", nargs="*", help=overrides_help)
     bench.set_defaults(func=_bench)
-    report = sub.add_parser("report", help="per-phase table and plot of a finished run")
-    report.add_argument("output_dir", help="the output_dir of a finished `rollout run`")
+    report = sub.add_parser("report", help="per-phase table and plot of a run, or a training's summary and plot")
+    report.add_argument("output_dir", help="the output_dir of a `rollout run` or a `rollout train`")
     report.set_defaults(func=_report)
     parser.commands = {"run": run, "train": train, "bench": bench, "report": report}
     return parser
