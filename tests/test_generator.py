@@ -941,6 +941,37 @@ def test_the_kv_cache_is_planned_before_it_is_allocated():
         Generator(model, max_batch_size=10**7, max_seq_len=2000)
 
 
+def test_a_draft_model_named_by_path_loads_with_the_attention_transformers_picks_for_it(tmp_path):
+    """From a helper's probe: a draft named by path was loaded with sdpa forced, so an eager-only model (Gemma2 here)
+    could not draft by path, though it could as a target or as a loaded draft; and a model this library refuses
+    (ALiBi) was refused in transformers' words about sdpa instead of its own line."""
+    from transformers import BloomConfig, Gemma2Config
+
+    from specdec.config import SpecConfig
+
+    target = make_model("llama")
+    config = Gemma2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model_from_config(config, attn="eager").save_pretrained(tmp_path / "gemma2")
+    prompts, params = random_prompts(3, seed=4), SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3)
+    spec = SpecConfig(method="draft_model", model=str(tmp_path / "gemma2"), num_speculative_tokens=3)
+    drafted = Generator(target, max_batch_size=6, max_seq_len=40, spec=spec)
+    assert drafted.proposers.proposers["draft_model"].runner.model.config._attn_implementation == "eager"
+    plain = Generator(target, max_batch_size=6, max_seq_len=40).generate(prompts, params)
+    assert [o.token_ids for o in drafted.generate(prompts, params)] == [o.token_ids for o in plain]
+    bloom = BloomConfig(vocab_size=97, hidden_size=32, n_layer=1, n_head=2)
+    model_from_config(bloom, attn="eager").save_pretrained(tmp_path / "bloom")
+    with pytest.raises(ValueError, match=r"^BloomForCausalLM \(model_type='bloom'\) uses ALiBi position biases"):
+        Generator(
+            target,
+            max_batch_size=2,
+            max_seq_len=40,
+            spec=SpecConfig(method="draft_model", model=str(tmp_path / "bloom")),
+        )
+
+
 def test_a_draft_model_named_by_path_is_planned_from_its_config(tmp_path, monkeypatch):
     import rollout.engine.memory_plan as memory_plan
     from rollout.engine.memory_plan import check_kv_cache_fits, fitting_batch_size

@@ -82,5 +82,8 @@ def load_draft_model(model, target: ModelRunner) -> PreTrainedModel:
     if str(model) in zoo.WIDENED_NAMES:
         return zoo.load_model(str(model), target.dtype, device=target.device)[0]
     path = draft_model_path(model)
-    draft = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype, attn_implementation="sdpa")
+    # the attention transformers picks for it (sdpa where the model has it, else eager), as for a target by name: an
+    # eager-only draft (Gemma2) was refused by transformers when sdpa was asked for, and so was one this library
+    # refuses for its own reason (ALiBi, local attention), in transformers' words
+    draft = AutoModelForCausalLM.from_pretrained(path, dtype=target.dtype)
     return draft.to(target.device).eval()
