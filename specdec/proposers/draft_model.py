@@ -7,6 +7,8 @@ match the committed history, so its cache length is the base plus that matching 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -16,6 +18,8 @@ from specdec.processing import RowSampling, keep_thresholds, processed_logprobs,
 from specdec.proposers.base import Drafts, ModelRunnerProtocol, ProposalBatch, Proposer
 from specdec.tree import host_longs
 from specdec.verify import RaceKeys
+
+VOCAB_PADDING = 0.01  # output vocabularies this close in size are taken as one tokenizer's, padded otherwise
 
 
 class DraftModelProposer(Proposer):
@@ -32,11 +36,19 @@ class DraftModelProposer(Proposer):
     runs_model = True
 
     def __init__(self, runner: ModelRunnerProtocol, num_speculative_tokens: int, target_vocab_size: int):
-        if runner.vocab_size != target_vocab_size:
+        rows = runner.vocab_size
+        if abs(rows - target_vocab_size) > VOCAB_PADDING * max(rows, target_vocab_size):
             raise ValueError(
-                f"the draft model's vocabulary ({runner.vocab_size} tokens) differs from the target's "
-                f"({target_vocab_size}): a draft must share the target's tokenizer and output vocabulary"
+                f"the draft model's vocabulary ({rows} tokens) differs from the target's ({target_vocab_size}) by "
+                f"more than an embedding matrix's padding ({VOCAB_PADDING:.0%}): a draft must share the target's "
+                "tokenizer"
             )
+        # a pair sharing a tokenizer whose matrices are padded to other sizes (Qwen2.5's 0.5B has 151936 rows, its 7B
+        # 152064): the draft's logits are fitted to the target's ids (those past its own never drafted, those past the
+        # target's cut), and a target's id past the draft's embedding reaches the draft as id 0
+        self.vocab_size = target_vocab_size
+        embeddings = getattr(getattr(runner, "model", None), "get_input_embeddings", lambda: None)()
+        self._input_rows = embeddings.weight.shape[0] if embeddings is not None else rows
         self.runner = runner
         self.num_speculative_tokens = num_speculative_tokens
         self._cache_len = torch.zeros(0, dtype=torch.long)  # [slots]
@@ -49,6 +61,8 @@ class DraftModelProposer(Proposer):
 
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
         self._land()
+        if any(t >= self._input_rows for p in prompts for t in p):
+            prompts = [[t if t < self._input_rows else 0 for t in p] for p in prompts]
         self.runner.prefill(row_start, prompts)
         if len(states) > len(prompts):
             dst = torch.arange(row_start, row_start + len(states))
@@ -102,8 +116,10 @@ class DraftModelProposer(Proposer):
         offsets = torch.arange(int(num_inputs.max()))
         columns = (cache_lens[:, None] + offsets).clamp(max=batch.token_ids.shape[1] - 1)
         input_ids = torch.where(offsets < num_inputs[:, None], batch.token_ids.gather(1, columns), 0)
+        if self._input_rows < self.vocab_size:
+            input_ids = input_ids.masked_fill(input_ids >= self._input_rows, 0)
         logits = self.runner.decode(0, input_ids, num_inputs, cache_lens)
-        step_logits = logits[torch.arange(num_rows, device=device), upload(num_inputs - 1, device)]
+        step_logits = self._fitted(logits[torch.arange(num_rows, device=device), upload(num_inputs - 1, device)])
         cache_lens = num_tokens.clone()
         draft_ids = torch.full((num_rows, max_k), -1, dtype=torch.long, device=device)
         draft_probs = []
@@ -120,7 +136,7 @@ class DraftModelProposer(Proposer):
             draft_ids[:, j] = torch.where(upload(asked > j, device), tokens, -1)
             if j + 1 < max_k:  # the last draft is never fed: verification decides whether it is kept
                 feeding = (asked > j + 1).long()
-                step_logits = self.runner.decode(0, tokens[:, None], feeding, cache_lens)[:, 0]
+                step_logits = self._fitted(self.runner.decode(0, tokens[:, None], feeding, cache_lens)[:, 0])
                 cache_lens += feeding
         # one transfer: the next step reconciles against these on the host (the last draft was never fed)
         self._cache_len[:num_rows], self._base[:num_rows] = cache_lens, num_tokens
@@ -134,6 +150,16 @@ class DraftModelProposer(Proposer):
         keep = upload(torch.arange(max_k)[None, :] < asked[:, None], device)
         flat_probs = stacked[keep] if stacked is not None else None
         return Drafts(draft_ids, list(batch.num_asked), flat_probs)
+
+    def _fitted(self, logits: Tensor) -> Tensor:
+        """`[rows, V_draft]` logits as `[rows, V_target]`: ids past the draft's own at -inf (never drafted), those past
+        the target's left out."""
+        width = logits.shape[-1]
+        if width > self.vocab_size:
+            return logits[:, : self.vocab_size].contiguous()
+        if width < self.vocab_size:
+            return torch.nn.functional.pad(logits, (0, self.vocab_size - width), value=-math.inf)
+        return logits
 
     def _keep_cached(self, drafts: Tensor) -> None:
         """`_cached[:rows, :width] = drafts`: at once from host memory; from a GPU through a pinned buffer, landed

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_model
+from conftest import make_model, random_prompts
 
 from rollout import Generator, SamplingParams
 from specdec.config import SpecConfig
@@ -78,8 +78,40 @@ def test_table_policy_in_the_generator_turns_drafts_off_for_large_batches():
 def test_draft_with_another_vocabulary_is_refused():
     target = make_model("llama", vocab_size=97)
     draft = make_model("llama", vocab_size=101)
-    with pytest.raises(ValueError, match=r"draft model's vocabulary \(101 tokens\) differs from the target's \(97\)"):
+    with pytest.raises(
+        ValueError, match=r"draft model's vocabulary \(101 tokens\) differs from the target's \(97\) by"
+    ):
         Generator(target, spec=SpecConfig(method="draft_model", model=draft))
+
+
+@pytest.mark.parametrize("target_rows, draft_rows", [(512, 508), (508, 512)])
+@pytest.mark.parametrize("verification", ["exact", "rejection"])
+def test_a_draft_whose_embeddings_are_padded_otherwise_drafts_and_changes_no_sample(
+    target_rows, draft_rows, verification
+):
+    """From a helper's probe: a pair sharing a tokenizer, its matrices padded to other sizes (Qwen2.5's 0.5B has 151936
+    rows, its 7B 152064), was refused. It drafts now: the target's ids past the draft's reach it as id 0, the draft's
+    past the target's are never drafted; samples are those of no speculation (exact verification: the same tokens;
+    rejection sampling: the same distribution, checked here at temperature 0)."""
+    target = make_model("llama", vocab_size=target_rows)
+    draft = make_model("qwen2", vocab_size=draft_rows, seed=1)
+    prompts = random_prompts(6, vocab_size=508, seed=2)
+    temperature = 1.0 if verification == "exact" else 0.0
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=48, seed=4)
+    spec = SpecConfig(method="draft_model", model=draft, num_speculative_tokens=3, verification=verification)
+    drafted = Generator(target, max_batch_size=12, max_seq_len=64, spec=spec).generate(prompts, params)
+    plain = Generator(target, max_batch_size=12, max_seq_len=64).generate(prompts, params)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
+    for a, b in zip(drafted, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, rel=0, abs=1e-9)
+    emitted = [t for o in plain for t in o.token_ids]
+    if temperature > 0 and target_rows > draft_rows:  # the draft met ids past its own embedding
+        assert max(emitted) >= draft_rows
+    if verification == "rejection":  # sampled: q over the target's ids (padded or cut), drafts accepted from it
+        gen = Generator(target, max_batch_size=12, max_seq_len=64, spec=spec)
+        sampled = gen.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=48, seed=4))
+        assert all(len(o.token_ids) == len(o.logprobs) > 0 for o in sampled)
+        assert sum(r.num_accepted for r in gen.last_trace) > 0
 
 
 def test_rejection_sampling_under_the_auto_policy_warns_that_runs_will_differ():
