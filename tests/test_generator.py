@@ -869,6 +869,40 @@ def test_a_snapshot_is_not_restored_over_rows_that_finished_or_were_admitted_sin
         gen.restore(None)
 
 
+def test_a_snapshot_is_not_restored_over_a_row_preempted_and_admitted_again_since():
+    """From a helper's probe: a row of the snapshot's prefix that a full pool preempted after the snapshot, and that
+    was admitted again into the same row, passed the restore's checks (the same sequence there): the restore set it
+    back to the snapshot's length over tokens and KV it no longer held, and its sample came back wrong from its second
+    token, without a word. Refused now, changing nothing; and an empty snapshot with rows in flight (it cannot say
+    which rows came since) is refused too, where it dropped every row."""
+    model = make_model("llama")
+    prompts = [[5, 9], [60, 61], [11, 12], [40, 41]]
+    params = [SamplingParams(n=1, max_new_tokens=m, seed=7, ignore_eos=True) for m in (120, 3, 70, 120)]
+    gen = Generator(model, max_batch_size=8, max_seq_len=128, kv_layout="paged", kv_pool_blocks=12)
+    gen.add_requests(prompts, params)
+    done = []
+    for _ in range(10):
+        done += gen.step().finished
+    snap = gen.snapshot()
+    assert [saved.sequence.prompt_index for saved in snap] == [0, 3, 2]  # prompt 1 finished; 3 moved into its row
+    again = None
+    while gen.has_unfinished and again is None:
+        done += gen.step().finished
+        seq = gen.slots.sequences[1]
+        if seq is snap[1].sequence and seq.admitted_at >= snap[1].num_admitted:  # preempted, admitted again
+            again = int(gen.slots.num_tokens[1])
+    assert again is not None and again < snap[1].num_tokens, "no preemption and re-admission: nothing was tested"
+    with pytest.raises(ValueError, match="^row 1's sample was preempted and admitted again after this snapshot"):
+        gen.restore(snap[:2])
+    assert int(gen.slots.num_tokens[1]) == again  # nothing changed
+    with pytest.raises(ValueError, match=r"^an empty snapshot \(or prefix\) would drop all 2 rows in flight"):
+        gen.restore(snap[:0])
+    while gen.has_unfinished:
+        done += gen.step().finished
+    alone = Generator(model, max_batch_size=8, max_seq_len=128, kv_layout="slots").generate(prompts, params)
+    assert sorted((c.prompt_index, c.token_ids) for c in done) == [(i, alone[i].token_ids) for i in range(4)]
+
+
 def test_params_changed_after_a_request_was_added_leave_it_as_it_was_added():
     """A serving loop that reuses one params object: a request still queued took the fields set after it was added
     (and unchecked: `check` had run at adding)."""

@@ -233,8 +233,9 @@ class Admission:
         blocks, for a later restore of a longer prefix, until an abort.
 
         Raises:
-            ValueError: a row no longer holds its snapshot's sequence (it finished, moved or was let go), or a row in
-                flight was admitted since the snapshot, which the restore would drop (nothing changed).
+            ValueError: a row no longer holds its snapshot's sequence (it finished, moved or was let go), was
+                preempted and admitted again since, or a row in flight was admitted since the snapshot, which the
+                restore would drop; an empty snapshot with rows in flight (nothing changed).
         """
         with self._one_call():
             self._check_open()
@@ -259,13 +260,23 @@ class Admission:
     def _check_none_admitted_since(self, rows: list[RowSnapshot]) -> None:
         if not isinstance(rows, (list, tuple)) or not all(isinstance(saved, RowSnapshot) for saved in rows):
             raise ValueError(f"restore takes a list that snapshot() returned (or a prefix of it), got {rows!r:.80}")
-        if not rows:
+        in_flight = self.scheduler.num_active
+        if not rows:  # (no row to say when it was taken: every row in flight may have come since)
+            if in_flight:
+                raise ValueError(
+                    f"an empty snapshot (or prefix) would drop all {in_flight} rows in flight unfinished, and it does "
+                    "not say when it was taken, so rows admitted since cannot be told apart: abort() drops them"
+                )
             return
-        since = [
-            row
-            for row in range(len(rows), self.scheduler.num_active)
-            if self.slots.sequences[row] is not None and self.slots.sequences[row].admitted_at >= rows[0].num_admitted
-        ]
+        taken = rows[0].num_admitted
+        admitted_at = [seq.admitted_at if seq is not None else -1 for seq in self.slots.sequences[:in_flight]]
+        again = [row for row in range(min(len(rows), in_flight)) if admitted_at[row] >= taken]
+        if again:  # preempted and admitted again since: its tokens past its prompt, and their KV, are gone
+            raise ValueError(
+                f"row {again[0]}'s sample was preempted and admitted again after this snapshot was taken, so what the "
+                "snapshot holds of it is gone: restore a snapshot taken since, or a prefix without it"
+            )
+        since = [row for row in range(len(rows), in_flight) if admitted_at[row] >= taken]
         if since:
             raise ValueError(
                 f"{len(since)} rows in flight were admitted after this snapshot was taken, and a restore would drop "
