@@ -39,6 +39,12 @@ def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_p
             )
         else:
             draft = load_draft_model(spec.model, target)
+            device = next(draft.parameters()).device
+            if device != target.device:  # (drafts are verified on the target's device; a meta draft has no weights)
+                raise ValueError(
+                    f"the draft model is on {device} and the target on {target.device}: put the draft on the target's "
+                    f"device (draft.to({str(target.device)!r}))"
+                )
             check_positions(draft, num_positions - 1 - spec.num_speculative_tokens, "the draft model")  # max_seq_len
             # the target's KV layout (a draft that cannot page falls back to slots, with a warning), and its graphs
             runner = ModelRunner(draft, num_slots=num_slots, num_positions=num_positions, kv_layout=target.kv_layout)

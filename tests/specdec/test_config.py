@@ -84,6 +84,15 @@ def test_draft_with_another_vocabulary_is_refused():
         Generator(target, spec=SpecConfig(method="draft_model", model=draft))
 
 
+def test_a_draft_on_another_device_is_refused_when_built():
+    """A loaded draft was taken as it was: one on another device failed later, mid-run (a draft on the meta device, its
+    weights not loaded, in a bare RuntimeError from inside the engine)."""
+    target = make_model("llama")
+    draft = make_model("llama").to("meta")
+    with pytest.raises(ValueError, match=r"^the draft model is on meta and the target on cpu: put the draft on"):
+        Generator(target, spec=SpecConfig(method="draft_model", model=draft))
+
+
 @pytest.mark.parametrize("target_rows, draft_rows", [(512, 508), (508, 512)])
 @pytest.mark.parametrize("verification", ["exact", "rejection"])
 def test_a_draft_whose_embeddings_are_padded_otherwise_drafts_and_changes_no_sample(
