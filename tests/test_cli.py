@@ -455,6 +455,30 @@ def test_more_user_errors_are_one_line_with_the_place(tmp_path, capsys):
         assert "rollout.max_batch_size" in _error(capsys, ["run", QUICKSTART, f"rollout.max_batch_size={bad}"])
 
 
+def test_a_draft_folder_holding_another_tokenizer_is_refused_before_the_output_folder(tmp_path, capsys):
+    """From a helper's probe: a draft folder whose tokenizer maps tokens to other ids, its vocabulary the same size,
+    drafted without a word (its drafts rejected: the samples the same, the speed lost). The recipe names both
+    folders, so the command line compares their tokenizers; the shipped draft's folder holds the target's."""
+    import shutil
+
+    assets = ROOT / "rollout" / "models" / "assets"
+    draft = tmp_path / "draft"
+    shutil.copytree(assets / "tiny-draft", draft)
+    vocab = json.loads((draft / "tokenizer.json").read_text())
+    ids = vocab["model"]["vocab"]
+    first, second = sorted(ids, key=ids.get)[40:42]
+    ids[first], ids[second] = ids[second], ids[first]  # two tokens swapped: the same size, another tokenizer
+    (draft / "tokenizer.json").write_text(json.dumps(vocab))
+    out = tmp_path / "out"
+    line = _error(capsys, ["run", QUICKSTART, *SMALL, f"spec.model={draft}", f"output_dir={out}"])
+    assert "spec.model: " in line and "holds another tokenizer than model.name's (2 of its" in line, line
+    assert not out.exists()
+    from rollout.cli.sources import check_draft_tokenizer
+    from rollout.models.zoo import load_model
+
+    check_draft_tokenizer(str(assets / "tiny-draft"), load_model("tiny-target")[1])  # the same: nothing to say
+
+
 def test_max_batch_size_auto_takes_a_whole_rollout(tmp_path, capsys):
     small = [s for s in SMALL if not s.startswith("rollout.max_batch_size")]
     argv = ["run", QUICKSTART, *small, "rollout.max_batch_size=auto", "logging.wandb_mode=disabled"]

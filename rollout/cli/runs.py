@@ -9,7 +9,7 @@ import torch
 
 from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe, recipe_dict, spec_config
-from rollout.cli.sources import draft_model_spec, load_dataset, load_model
+from rollout.cli.sources import check_draft_tokenizer, draft_model_spec, load_dataset, load_model
 from rollout.cli.tracking import RunTracker, stop_reason
 from rollout.distributed import Ranks
 from rollout.engine.memory_plan import fitting_batch_size
@@ -47,6 +47,9 @@ def load_inputs(recipe: Recipe) -> RecipeInputs:
         raise ValueError(f"data.dataset {d.dataset!r} split {d.split!r} has no rows")
     torch.manual_seed(recipe.sampling.seed)
     model, tokenizer = load_model(recipe.model.name, recipe.model.dtype, recipe.model.device)
+    method = recipe.spec.method
+    if "draft_model" in ([method] if isinstance(method, str) else list(method or [])):
+        check_draft_tokenizer(recipe.spec.model, tokenizer)
     formatter = PromptFormatter(tokenizer, d.prompt_column, d.template, d.chat_template, d.system_prompt)
     prompts, prompt_ids = formatter(list(data))
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))

@@ -54,6 +54,31 @@ def draft_model_spec(name, dtype: str, device: str):
     return model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def check_draft_tokenizer(name, tokenizer) -> None:
+    """A draft model's folder (`spec.model`) that holds a tokenizer must hold the target's: the generator sees only
+    the models, whose vocabularies may be the same size and the tokens other ones (its drafts would then be rejected,
+    the samples unchanged and the speed lost, without a word). A draft given otherwise is not checked here."""
+    if not isinstance(name, str) or name in zoo.ALL_NAMES or not pathlib.Path(name).is_dir():
+        return
+    folder = pathlib.Path(name)
+    if not any((folder / file).is_file() for file in TOKENIZER_FILES):
+        return
+    from transformers import AutoTokenizer
+
+    draft = AutoTokenizer.from_pretrained(folder, local_files_only=True).get_vocab()
+    target = tokenizer.get_vocab()
+    if draft != target:
+        other = sum(1 for token, i in draft.items() if target.get(token) != i)
+        raise ValueError(
+            f"spec.model: {name} holds another tokenizer than model.name's ({other} of its {len(draft)} tokens have "
+            f"other ids or none there; the target's has {len(target)}): a draft model must share the target's "
+            "tokenizer, or its drafts are rejected"
+        )
+
+
 def load_dataset(name: str, split: str = "eval", config_name: str | None = None, num_prompts: int | None = None):
     """A `datasets.Dataset` from the embedded `arithmetic` task, a local data file (json, jsonl, csv, parquet), a
     folder written by `Dataset.save_to_disk`, or a hub id. `num_prompts` keeps the first rows (None: all). Quiet:
