@@ -561,6 +561,43 @@ def test_a_reward_returning_other_than_one_number_each_is_named(returned, messag
         score([WeightedReward("mine", mine, 1.0)], ["a", "b"], {})
 
 
+def test_rewards_and_callbacks_run_outside_the_generators_inference_mode(tiny):
+    """From a helper's probe: rewards and `on_group` callbacks ran inside the generator's inference mode, so what they
+    made were inference tensors (a learned scorer built on first use, a group's `to_padded()` for a loss), and a later
+    backward through them failed ("Inference tensors cannot be saved for backward"). They run in the caller's grad mode
+    now, and `on_step` too; the policy is in eval mode there, and handed back in its mode."""
+    model, tokenizer = tiny
+    scorer, seen = {}, []
+
+    def learned(completions, **kwargs):
+        scorer.setdefault("head", torch.nn.Linear(4, 1))  # built on first use
+        seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled(), model.training))
+        return [0.0] * len(completions)
+
+    rollout = Rollout(model, tokenizer, rewards=[learned], sampling=SamplingParams(n=2, max_new_tokens=8, seed=0))
+    padded, steps = [], {True: [], False: []}
+
+    def record(grad):
+        return lambda *args: steps[grad].append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+
+    model.train()
+    try:
+        rollout(["1+1=", "2+2="], on_group=lambda group: padded.append(group.to_padded()), on_step=record(True))
+        assert model.training  # handed back
+        with torch.no_grad():  # the caller's grad mode, whatever it is
+            rollout(["3+3="], on_step=record(False))
+    finally:
+        model.eval()
+    assert seen[:2] == [(False, True, False)] * 2 and seen[2] == (False, False, False)
+    assert steps[True] and set(steps[True]) == {(False, True)} and set(steps[False]) == {(False, False)}
+    head = scorer["head"]
+    assert not head.weight.is_inference()
+    head(torch.randn(3, 4, requires_grad=True)).sum().backward()  # trains: it failed in backward
+    logprobs = padded[0]["logprobs"]
+    assert not logprobs.is_inference()
+    (logprobs * torch.ones_like(logprobs, requires_grad=True)).sum().backward()
+
+
 def test_every_rows_prompt_is_checked_before_generating(tiny):
     """From a helper's probe of prompts: a later row without the prompt column failed in a bare KeyError; under a chat
     template a row without its prompt (None) or one message dict (not in a list) became the text of its repr in a user

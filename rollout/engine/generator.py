@@ -188,6 +188,10 @@ class Generator(Admission, DecodeStep):
             seed_indices: the index that seeds each prompt's samples with the params' seed (default: its position
                 in this call); a caller that resumes a run passes each prompt's index in the whole run, so a
                 prompt's samples do not depend on which other prompts share the call.
+
+        The callbacks run outside the call's inference mode, in the grad mode the call was made in (tensors they
+        make are ordinary ones), with the policy in eval mode (handed back in its own mode when the call returns).
+
         Returns:
             `params.n` completions per prompt, prompt-major (all samples of prompt 0 first).
         """
@@ -228,17 +232,22 @@ class Generator(Admission, DecodeStep):
         groups = PromptGroups(sequences)
         num_finished = 0
         self._generating = True
+        # the callbacks are the caller's code (a reward, a trainer's loss inputs): outside the call's inference mode, in
+        # the caller's grad mode; tensors they made in inference mode failed in a later backward
+        callers = functools.partial(_callers_code, torch.is_grad_enabled())
         try:
             with self._serving(full=True):  # checked in full once per call: the policy does not change under a call
                 while self.has_unfinished:
                     out = self._step()
                     num_finished += len(out.finished)
                     if on_step is not None:
-                        on_step(out.record, num_finished, len(sequences))
+                        with callers():
+                            on_step(out.record, num_finished, len(sequences))
                     for done in out.finished:
                         group = groups.finish(done.prompt_index)
                         if on_group is not None and group is not None:
-                            on_group(group)
+                            with callers():
+                                on_group(group)
         finally:
             self._generating = False
         return [seq.completion() for seq in sequences]
@@ -376,3 +385,10 @@ class Generator(Admission, DecodeStep):
         record, observation = self._finish_decode(launched)
         record.num_preempted, record.num_discarded = len(scheduled.preempted), discarded
         return self._postprocess(record, observation)
+
+
+@contextlib.contextmanager
+def _callers_code(grad_enabled: bool):
+    """A callback inside a call: no inference mode, and the grad mode the caller called in."""
+    with torch.inference_mode(False), torch.set_grad_enabled(grad_enabled):
+        yield
