@@ -163,8 +163,8 @@ class Rollout:
             n: completions per prompt for this call; None uses `sampling.n`.
             on_group: called with each prompt's scored samples (a `RolloutBatch` of one group, no steps) as soon as
                 its last sample finishes: stream them to disk here, and what was written survives a later failure.
-                Callbacks and rewards run outside the generator's inference mode, in the caller's grad mode, with the
-                policy in eval mode.
+                Callbacks and rewards run in the caller's inference and grad modes (not the generator's inference
+                mode), with the policy in eval mode.
             group_indices: each prompt's group index (default 0, 1, ...); it also seeds the prompt's samples, so a
                 resumed run that passes the remaining prompts with their original indices draws the same samples.
         Returns:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from types import MethodType
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_model, random_prompts
@@ -428,15 +429,17 @@ def test_a_pool_planned_from_the_free_memory_holds_blocks_in_the_dtype_its_keys_
         assert samples(plain.generate(prompts, params)) == expected and plain.runner.cache.max_blocks == 24
         assert samples(pinned.generate(prompts, params)) == expected and pinned.runner.cache.max_blocks == 12
     assert pinned.kv_cache_bytes == 12 * per_block
-    # back in float32 the plain pool keeps the blocks it grew to (never fewer than it holds), within 24
+    # back in float32 the plain pool holds what its bytes hold there again: 12 blocks (no row held more)
     plain.generate(prompts, params)
-    held = plain.runner.cache.num_blocks
-    assert plain.runner.cache.dtype == torch.float32 and plain.runner.cache.max_blocks == max(held, 12) <= 24
+    assert plain.runner.cache.dtype == torch.float32 and plain.runner.cache.max_blocks == 12
+    assert plain.runner.cache.num_blocks <= 12
 
 
 def test_a_pool_allocated_whole_takes_the_blocks_a_narrower_dtype_frees_at_once():
     """A GPU's pool is allocated whole at its planned size: retyped to a narrower dtype, the blocks its bytes now hold
-    are allocated at once (the pool's addresses change anyway), never beyond every slot's; the keys held are kept."""
+    are allocated at once (the pool's addresses change anyway), never beyond every slot's; the keys held are kept.
+    From a review: retyped back to the wider dtype, it kept twice the blocks planned, in twice the memory (a GPU's
+    float32 -> bf16 -> float32 round trip ran out of memory); the blocks past the last one a row holds go first now."""
     from rollout.engine.paged_cache import PagedKVCache
 
     def pool(budget_blocks: int, cap: int) -> PagedKVCache:
@@ -453,8 +456,20 @@ def test_a_pool_allocated_whole_takes_the_blocks_a_narrower_dtype_frees_at_once(
     cache.retype(torch.bfloat16)
     assert cache.num_blocks == cache.max_blocks == 12 and cache.generation > generation
     assert cache.k_pools[1].dtype == torch.bfloat16 and bool((cache.k_pools[1][5] == 1.5).all())
-    cache.retype(torch.float32)  # wider again: it keeps the blocks it holds (out of memory is refused, as before)
-    assert cache.num_blocks == cache.max_blocks == 12
+    # wider again: the blocks rows hold are kept, those past them go (the memory planned, not twice it)
+    cache.reserve(np.array([0, 1, 2]), np.array([64, 64, 64]))  # 3 rows of 4 blocks: all 12 held
+    cache.retype(torch.float32)
+    assert cache.num_blocks == cache.max_blocks == 12 and cache.dtype == torch.float32
+    cache.retype(torch.bfloat16)
+    cache.release_rows(0, 2)  # row 2 holds 4 blocks; the planned 6 past the last of them go
+    held = cache.manager.tables[2, :4].copy()
+    cache.k_pools[0][held] = 2.5
+    cache.retype(torch.float32)
+    assert cache.num_blocks == cache.max_blocks == max(6, int(held.max()) + 1) < 12
+    assert bool((cache.k_pools[0][held] == 2.5).all()) and cache.manager.num_used == 4
+    cache.release_rows(2, 3)
+    cache.retype(torch.bfloat16), cache.retype(torch.float32)  # no block held: the planned 6
+    assert cache.num_blocks == cache.max_blocks == 6 and bool((cache.k_pools[1][5] == 1.5).all())
     capped = pool(6, 8)
     capped.retype(torch.bfloat16)
     assert capped.num_blocks == capped.max_blocks == 8

@@ -586,9 +586,13 @@ def test_rewards_and_callbacks_run_outside_the_generators_inference_mode(tiny):
         assert model.training  # handed back
         with torch.no_grad():  # the caller's grad mode, whatever it is
             rollout(["3+3="], on_step=record(False))
+        with torch.inference_mode():  # and its inference mode: its own inference tensors stay writable there
+            total = torch.zeros(1)
+            rollout(["4+4="], on_group=lambda group: total.add_(len(group.completion)))
+        assert total.item() == 2
     finally:
         model.eval()
-    assert seen[:2] == [(False, True, False)] * 2 and seen[2] == (False, False, False)
+    assert seen == [(False, True, False)] * 2 + [(False, False, False), (True, False, False)]
     assert steps[True] and set(steps[True]) == {(False, True)} and set(steps[False]) == {(False, False)}
     head = scorer["head"]
     assert not head.weight.is_inference()

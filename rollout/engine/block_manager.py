@@ -54,6 +54,24 @@ class BlockManager:
         self.refs = np.concatenate([self.refs, np.zeros(len(added), dtype=np.int32)])
         self.num_blocks = num_blocks
 
+    def shrinkable_to(self) -> int:
+        """The fewest blocks the pool can shrink to: one past the highest block a row holds (0 when none is held)."""
+        held = np.flatnonzero(self.refs)
+        return int(held[-1]) + 1 if len(held) else 0
+
+    def shrink(self, num_blocks: int) -> None:
+        """Drop blocks `[num_blocks, self.num_blocks)`, none of them held (see `shrinkable_to`; the caller shrinks its
+        tensors to match)."""
+        assert self.shrinkable_to() <= num_blocks <= self.num_blocks, "a held block would be dropped"
+        free = self.free[: self.num_free]
+        kept = free[free < num_blocks]  # (in stack order)
+        self.free = np.zeros(num_blocks, dtype=np.int64)
+        self.free[: len(kept)] = kept
+        self.num_free = len(kept)
+        self.refs = self.refs[:num_blocks].copy()
+        self.num_blocks = num_blocks
+        self.tables[self.tables >= num_blocks] = 0  # entries past a row's blocks: valid indices still (see above)
+
     def blocks_for(self, num_positions: np.ndarray) -> np.ndarray:
         return -(-num_positions // self.block_size)
 

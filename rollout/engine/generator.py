@@ -189,8 +189,9 @@ class Generator(Admission, DecodeStep):
                 in this call); a caller that resumes a run passes each prompt's index in the whole run, so a
                 prompt's samples do not depend on which other prompts share the call.
 
-        The callbacks run outside the call's inference mode, in the grad mode the call was made in (tensors they
-        make are ordinary ones), with the policy in eval mode (handed back in its own mode when the call returns).
+        The callbacks run in the inference and grad modes the call was made in, not in the call's inference mode
+        (tensors they make are ordinary ones unless the caller's are not), with the policy in eval mode (handed back
+        in its own mode when the call returns).
 
         Returns:
             `params.n` completions per prompt, prompt-major (all samples of prompt 0 first).
@@ -232,9 +233,9 @@ class Generator(Admission, DecodeStep):
         groups = PromptGroups(sequences)
         num_finished = 0
         self._generating = True
-        # the callbacks are the caller's code (a reward, a trainer's loss inputs): outside the call's inference mode, in
-        # the caller's grad mode; tensors they made in inference mode failed in a later backward
-        callers = functools.partial(_callers_code, torch.is_grad_enabled())
+        # the callbacks are the caller's code (a reward, a trainer's loss inputs): in the caller's inference and grad
+        # modes, not the call's; tensors they made in its inference mode failed in a later backward
+        callers = functools.partial(_callers_code, torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         try:
             with self._serving(full=True):  # checked in full once per call: the policy does not change under a call
                 while self.has_unfinished:
@@ -388,7 +389,7 @@ class Generator(Admission, DecodeStep):
 
 
 @contextlib.contextmanager
-def _callers_code(grad_enabled: bool):
-    """A callback inside a call: no inference mode, and the grad mode the caller called in."""
-    with torch.inference_mode(False), torch.set_grad_enabled(grad_enabled):
+def _callers_code(inference: bool, grad_enabled: bool):
+    """A callback inside a call: the inference and grad modes the caller called in."""
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad_enabled):
         yield

@@ -71,10 +71,11 @@ class PagedKVCache:
         self.shape = (num_kv_heads, head_dim)
         self.num_layers = num_layers
         self.byte_budget, self.block_cap = byte_budget, block_cap
+        self.row_blocks = -(-num_positions // block_size)  # one row's at most: a budgeted pool never holds fewer
         self.whole = initial_blocks is None  # allocated whole at its planned size (a GPU's), not grown with the rows
-        self.max_blocks = max_blocks if byte_budget is None else self._budgeted_blocks(dtype, 0)
+        self.max_blocks = max_blocks if byte_budget is None else self._budgeted_blocks(dtype)
         first = self.max_blocks if self.whole else min(self.max_blocks, initial_blocks)
-        self.manager = BlockManager(first, block_size, num_slots, -(-num_positions // block_size))
+        self.manager = BlockManager(first, block_size, num_slots, self.row_blocks)
         pool = (first, block_size, num_kv_heads, head_dim)
         # zeros, never empty: a masked NaN still poisons attention (0 x NaN) on the torch path
         self.k_pools = [torch.zeros(pool, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -94,20 +95,28 @@ class PagedKVCache:
         """Bytes of one block's keys and values in every layer, held in `dtype`."""
         return 2 * self.num_layers * self.block_size * math.prod(self.shape) * dtype.itemsize
 
-    def _budgeted_blocks(self, dtype: torch.dtype, held: int) -> int:
-        """A budgeted pool's size in `dtype`: what its bytes hold, up to its cap, never below the `held` blocks."""
+    def _budgeted_blocks(self, dtype: torch.dtype) -> int:
+        """What a budgeted pool's bytes hold in `dtype`, up to its cap (and one row's blocks at least)."""
         fitting = self.byte_budget // self.block_bytes(dtype)
-        return max(held, min(fitting, self.block_cap if self.block_cap is not None else fitting))
+        return max(self.row_blocks, min(fitting, self.block_cap) if self.block_cap is not None else fitting)
 
     def retype(self, dtype: torch.dtype) -> None:
         """Hold keys and values in `dtype` from now on, those held converted (the policy was cast, or now runs under
         another autocast: the attention computes in the dtype its own would). The pools are new tensors. A pool
-        planned from the free memory (`byte_budget`) then holds as many blocks as its bytes do in `dtype` (more in a
-        narrower one: allocated at once where the pool is allocated whole; never fewer than it holds). A device out
-        of memory for the wider pools (a GPU pool is planned whole, for the dtype it was made in) leaves them in
-        their dtype and raises."""
+        planned from the free memory (`byte_budget`) holds as many blocks as its bytes do in `dtype`: more in a
+        narrower one (allocated at once where the pool is allocated whole), fewer in a wider one, the blocks past
+        the last one a row holds dropped first (a float32 -> bf16 -> float32 round trip takes the memory planned
+        back, not twice it). A device out of memory for the wider pools leaves them in their dtype and raises."""
         old = self.dtype
         self.generation += 1  # whatever happens below, the pools' addresses change
+        if self.byte_budget is not None and dtype.itemsize > old.itemsize:  # wider: fewer blocks first, in `old`
+            keep = max(self._budgeted_blocks(dtype), self.manager.shrinkable_to())
+            if keep < self.manager.num_blocks:
+                for pools in (self.k_pools, self.v_pools):
+                    for i, pool in enumerate(pools):
+                        pools[i] = pool[:keep].clone()  # one layer at a time
+                self.manager.shrink(keep)
+                self.max_blocks = max(keep, self._budgeted_blocks(old))  # (if the conversion below fails)
         try:
             for pools in (self.k_pools, self.v_pools):
                 for i, pool in enumerate(pools):
@@ -122,10 +131,18 @@ class PagedKVCache:
                 f"need {wider * (dtype.itemsize - old.itemsize) / 2**30:.2f} GiB more than {self.device} has free; "
                 "build the Generator for the policy as it is now (or set kv_pool_blocks lower)"
             ) from error
-        if self.byte_budget is not None:
-            self.max_blocks = self._budgeted_blocks(dtype, self.manager.num_blocks)
-            if self.whole and self.max_blocks > self.manager.num_blocks:
+        if self.byte_budget is None:
+            return
+        self.max_blocks = max(self._budgeted_blocks(dtype), self.manager.num_blocks)
+        if self.whole and self.max_blocks > self.manager.num_blocks:
+            try:
                 self._grow(self.max_blocks)
+            except torch.OutOfMemoryError:  # the device's memory went elsewhere since the plan: as many as it has
+                held = self.manager.num_blocks
+                for pools in (self.k_pools, self.v_pools):
+                    for i, pool in enumerate(pools):
+                        pools[i] = pool[:held]  # (a layer grown before the failure: its first blocks)
+                self.max_blocks = held
 
     def pools(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.k_pools[layer], self.v_pools[layer]
