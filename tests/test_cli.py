@@ -480,6 +480,13 @@ def test_a_draft_folder_holding_another_tokenizer_is_refused_before_the_output_f
     check_draft_tokenizer(str(assets / "tiny-draft"), tokenizer)  # the same: nothing to say
     tokenizer.add_tokens(["<tool_call>"])  # a token one of them adds alone: the ids they share agree
     check_draft_tokenizer(str(assets / "tiny-draft"), tokenizer)
+    # each adds its own token at the same id: one id, two tokens
+    other = load_model("tiny-target")[1]
+    other.add_tokens(["<draft_only>"])
+    other.save_pretrained(tmp_path / "other")
+    assert other.convert_tokens_to_ids("<draft_only>") == tokenizer.convert_tokens_to_ids("<tool_call>")
+    with pytest.raises(ValueError, match=r"holds another tokenizer than model.name's \(1 of its"):
+        check_draft_tokenizer(str(tmp_path / "other"), tokenizer)
 
 
 def test_max_batch_size_auto_takes_a_whole_rollout(tmp_path, capsys):

@@ -901,6 +901,17 @@ def test_a_snapshot_is_not_restored_over_a_row_preempted_and_admitted_again_sinc
         done += gen.step().finished
     alone = Generator(model, max_batch_size=8, max_seq_len=128, kv_layout="slots").generate(prompts, params)
     assert sorted((c.prompt_index, c.token_ids) for c in done) == [(i, alone[i].token_ids) for i in range(4)]
+    # a row that finished and another sample admitted into it since: named as such (a review found it named as
+    # preempted and admitted again)
+    one = Generator(model, max_batch_size=1, max_seq_len=48)
+    one.add_requests([[5, 9]], SamplingParams(n=1, max_new_tokens=2, seed=1, ignore_eos=True))
+    one.step()
+    snap = one.snapshot()
+    one.add_requests([[7, 8]], SamplingParams(n=1, max_new_tokens=4, seed=1, ignore_eos=True), keep_in_flight=True)
+    while one.slots.sequences[0] is snap[0].sequence or one.num_active == 0:
+        one.step()
+    with pytest.raises(ValueError, match="^row 0 no longer holds the sequence this snapshot saw there"):
+        one.restore(snap)
 
 
 def test_params_changed_after_a_request_was_added_leave_it_as_it_was_added():

@@ -36,11 +36,16 @@ def test_train_writes_per_step_metrics_summary_plot_and_a_wandb_run(tmp_path, of
     from test_cli import wandb_records
 
     small = ["train.steps=3", "train.prompts_per_step=2", "sampling.n=2", "sampling.max_new_tokens=24"]
-    assert main(["train", GRPO, *small, "data.num_prompts=9", "train.beta=0.05", f"output_dir={tmp_path}"]) == 0
+    assert main(["train", GRPO, *small, "data.num_prompts=7", "train.beta=0.05", f"output_dir={tmp_path}"]) == 0
     printed = capsys.readouterr().out
     assert (
-        "warning: 9 prompts make 4 steps of train.prompts_per_step 2 an epoch and 1 is left out of each" in printed
+        "warning: 7 prompts make 3 steps of train.prompts_per_step 2 an epoch and 1 is left out of each" in printed
     ), printed
+    from rollout.cli.recipe import TrainRecipe
+    from rollout.cli.train import _left_out_warning
+
+    assert _left_out_warning(9, TrainRecipe(steps=3, prompts_per_step=2)) is None  # it ends before its first epoch
+    assert _left_out_warning(8, TrainRecipe(steps=None, epochs=2, prompts_per_step=2)) is None  # whole steps
     assert printed.count("\nstep ") + printed.startswith("step ") == 3 and "reward first 10%" in printed
     steps = read_jsonl(tmp_path / "train.jsonl")
     assert [s["step"] for s in steps] == [1, 2, 3]

@@ -116,7 +116,7 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
         raise ValueError(
             f"{' and '.join(forced)} need{'s' if len(forced) == 1 else ''} a CUDA device; model.device is "
             f"{recipe.model.device!r} ({device_type}): set {'it' if len(forced) == 1 else 'them'} to false"
-            + (" (or cuda_graphs to auto)" if r.cuda_graphs is True else "")
+            + (" (or cuda_graphs to auto)" if forced == ["rollout.cuda_graphs=true"] else "")
             + ", or model.device=cuda"
         )
     # the output folder after what the recipe asks for: a typo is worth fixing before choosing where to write

@@ -72,11 +72,14 @@ def check_draft_tokenizer(name, tokenizer) -> None:
     target = tokenizer.get_vocab()
     common = [token for token in draft if token in target]
     other = sum(1 for token in common if draft[token] != target[token])
-    if other or 2 * len(common) < min(len(draft), len(target)):  # (tokens one of them adds alone are fine)
+    # an id each holds for a token the other lacks: one id, two tokens (tokens one of them adds alone are fine)
+    target_ids = {i: token for token, i in target.items()}
+    other += sum(1 for token, i in draft.items() if token not in target and i in target_ids)
+    if other or 2 * len(common) < min(len(draft), len(target)):
         raise ValueError(
-            f"spec.model: {name} holds another tokenizer than model.name's ({other} of the {len(common)} tokens "
-            f"both hold have other ids, of its {len(draft)} and the target's {len(target)}): a draft model must "
-            "share the target's tokenizer, or its drafts are rejected"
+            f"spec.model: {name} holds another tokenizer than model.name's ({other} of its {len(draft)} tokens have "
+            f"other ids there, or their ids other tokens; the target's has {len(target)}): a draft model must share "
+            "the target's tokenizer, or its drafts are rejected"
         )
 
 

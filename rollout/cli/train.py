@@ -168,6 +168,8 @@ def _left_out_warning(num_prompts: int, train) -> str | None:
     left = num_prompts % per_step
     if left == 0 or num_prompts < per_step:  # (fewer than one step is refused before)
         return None
+    if train.steps is not None and train.steps < num_prompts // per_step:  # it ends before an epoch does
+        return None
     return (
         f"warning: {num_prompts} prompts make {num_prompts // per_step} steps of train.prompts_per_step {per_step} an "
         f"epoch and {left} {'is' if left == 1 else 'are'} left out of each (TRL keeps whole steps; the ones left out "

@@ -270,7 +270,11 @@ class Admission:
             return
         taken = rows[0].num_admitted
         admitted_at = [seq.admitted_at if seq is not None else -1 for seq in self.slots.sequences[:in_flight]]
-        again = [row for row in range(min(len(rows), in_flight)) if admitted_at[row] >= taken]
+        again = [  # (a row holding another sequence is refused by `SlotState.restore`, naming that)
+            row
+            for row in range(min(len(rows), in_flight))
+            if self.slots.sequences[row] is rows[row].sequence and admitted_at[row] >= taken
+        ]
         if again:  # preempted and admitted again since: its tokens past its prompt, and their KV, are gone
             raise ValueError(
                 f"row {again[0]}'s sample was preempted and admitted again after this snapshot was taken, so what the "

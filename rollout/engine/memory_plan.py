@@ -123,9 +123,9 @@ def plan_kv_cache(
         used = min(num_blocks, wanted)  # more than every slot's blocks would never be used
         if free is not None and used * per_block + draft_bytes > USABLE_SHARE * free:  # (as a slot cache)
             fitting = max(0, int(USABLE_SHARE * free - draft_bytes) // per_block)
-            capped = f", of which {max_batch_size} slots use {used}," if used < num_blocks else ""
+            capped = f" (of which {max_batch_size} slots use {used})" if used < num_blocks else ""
             raise ValueError(
-                f"kv_pool_blocks ({num_blocks}{capped}) takes {used * per_block / 2**30:.2f} GiB of KV cache"
+                f"kv_pool_blocks {num_blocks}{capped} takes {used * per_block / 2**30:.2f} GiB of KV cache"
                 + (f" (and a draft model's {draft_bytes / 2**30:.2f} GiB)" if draft_bytes else "")
                 + f" but {device} has {free / 2**30:.2f} GiB free: at most {fitting} blocks fit; lower kv_pool_blocks "
                 "or leave it out (the pool is then planned from the free memory)"

@@ -61,7 +61,7 @@ class DraftModelProposer(Proposer):
 
     def prefill(self, row_start: int, prompts: list[list[int]], group_of: Tensor, states: list[dict]) -> None:
         self._land()
-        if any(t >= self._input_rows for p in prompts for t in p):
+        if self._input_rows < self.vocab_size and any(t >= self._input_rows for p in prompts for t in p):
             prompts = [[t if t < self._input_rows else 0 for t in p] for p in prompts]
         self.runner.prefill(row_start, prompts)
         if len(states) > len(prompts):

@@ -104,7 +104,7 @@ def test_a_draft_whose_embeddings_are_padded_otherwise_drafts_and_changes_no_sam
     rejection sampling: the same distribution, checked here at temperature 0)."""
     target = make_model("llama", vocab_size=target_rows)
     draft = make_model("qwen2", vocab_size=draft_rows, seed=1)
-    prompts = random_prompts(6, vocab_size=508, seed=2)
+    prompts = random_prompts(6, vocab_size=508, seed=2) + [[target_rows - 1, target_rows - 3, 5]]  # (past 508: fed)
     temperature = 1.0 if verification == "exact" else 0.0
     params = SamplingParams(n=2, temperature=temperature, max_new_tokens=48, seed=4)
     spec = SpecConfig(method="draft_model", model=draft, num_speculative_tokens=3, verification=verification)
@@ -113,6 +113,7 @@ def test_a_draft_whose_embeddings_are_padded_otherwise_drafts_and_changes_no_sam
     assert [o.token_ids for o in drafted] == [o.token_ids for o in plain]
     for a, b in zip(drafted, plain):
         assert a.logprobs == pytest.approx(b.logprobs, rel=0, abs=1e-9)
+    assert target_rows < draft_rows or max(t for p in prompts for t in p) >= draft_rows
     emitted = [t for o in plain for t in o.token_ids]
     if temperature > 0 and target_rows > draft_rows:  # the draft met ids past its own embedding
         assert max(emitted) >= draft_rows
