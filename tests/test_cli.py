@@ -708,6 +708,31 @@ def test_the_tracker_logs_a_resumed_rollout_whole_on_several_processes_and_nothi
     assert closed["rollout/reward_mean"] == pytest.approx(0.5)  # group 0 scored 0, group 1 scored 1
 
 
+def test_a_resumed_data_parallel_run_counts_each_ranks_time_on_the_rollouts_before_the_stop(tmp_path):
+    """From a helper's probe: after resume=true, a rollout all on disk before the stop counted 0 s for every rank
+    (`rank_seconds_per_rollout` [[0.0, 0.0], ...], each rank's tokens over only this run's time, the straggler ratio
+    without it); a rollout resumed inside counted only this run's part. Each rank's steps from before the stop now
+    count as its time there, as the W&B metrics of a rollout resumed inside already did."""
+    from rollout.cli.tracking import RunTracker
+
+    out = tmp_path / "run"
+    first = RunTracker(out, {"k": 1}, wandb_mode="disabled")
+    idle = {"wall_seconds": 0.0, "total": {"tokens_per_s": 0.0}}
+    summaries = [{"wall_seconds": 1.5, "total": {}}, {"wall_seconds": 1.0, "total": {}}]
+    records = [_record(p, s, 1.0, 4) for p in (0, 1) for s in (0, 1)]
+    steps = [[_step(4, 0.75, 0.75), _step(4, 0.75, 1.5)], [_step(4, 1.0, 1.0)]]
+    first.log_ranked_rollout(records, steps, summaries, 0)
+    first.log_step({**_step(4, 0.5, 2.0), "rank": 1}, 1)  # rollout 1 cut short: rank 1's step, no group written
+    first.finish(complete=False, reason="interrupted")
+    resumed = RunTracker(out, {"k": 1}, wandb_mode="disabled", resume=True, group_size=2)
+    resumed.log_ranked_rollout([], [[], []], [idle, idle], 0, resumed=True)  # all on disk before the stop
+    again = [[_step(4, 0.25, 2.25)], [_step(4, 0.75, 2.75)]]
+    resumed.log_ranked_rollout(records, again, [{"wall_seconds": 0.25}, {"wall_seconds": 0.75}], 1, resumed=True)
+    summary = resumed.finish()
+    assert summary["rank_seconds_per_rollout"] == [[1.5, 1.0], [0.25, 1.25]]
+    assert [rank["wall_seconds"] for rank in summary["ranks"]] == [1.75, 2.25]
+
+
 def test_a_ranked_rollout_whose_wandb_logging_a_stop_cut_is_closed_from_the_files(tmp_path, monkeypatch):
     """Several processes: rank 0 wrote a rollout's every group, then a stop came while W&B logged its steps. The stopped
     run's tracker closes it from the files (as `rollout.cli.ranked` calls it): each step once, its metrics once."""

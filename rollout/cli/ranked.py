@@ -168,7 +168,8 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
         with signals_ignored():  # the launcher's SIGTERM follows a peer's failure: let the summary be written first
             cause = ranks.stop_cause()
             if cause is None and signal_behind(err) is not None:  # a signal stopped this rank: say so to the others
-                ranks.claim_failure(stop_reason(err))
+                if not ranks.claim_failure(stop_reason(err)):  # another rank said it first: the line names that one
+                    cause = ranks.failure()
             if tracker is not None:
                 try:
                     tracker.close_if_whole(index, per_rollout)  # stopped after its last group was written

@@ -271,8 +271,10 @@ class RunTracker:
         for rank, rank_steps in enumerate(steps):
             for step in rank_steps:
                 self.log_step({**step, "rank": rank}, rollout)
-        seconds = [s.get("wall_seconds", 0.0) for s in summaries]
-        self.rank_seconds.append(seconds)
+        seconds = [s.get("wall_seconds", 0.0) for s in summaries]  # this run's
+        positions = self._positions_of(rollout)
+        earlier = [self.steps[i] for i in positions if i < first]  # its steps a stopped run recorded before a resume
+        own = [sum(s["seconds"] for s in earlier if s.get("rank", 0) == r) for r in range(len(seconds))]
         sharing = [s.get("share_seconds", 0.0) for s in summaries]
         self.sharing.append(
             {
@@ -282,6 +284,10 @@ class RunTracker:
             }
         )
         self.wall_seconds += max(seconds) + max(sharing)  # the ranks generate, then share their responses
+        # each rank's time on the rollout, its steps from before a resume taken as their seconds (all the files hold;
+        # a rollout all on disk before it took 0 s here, and its time was left out of the ranks' and the straggler's)
+        seconds = [a + b for a, b in zip(own, seconds)]
+        self.rank_seconds.append(seconds)
         # the samples last: a stop before them leaves a rollout cut short (redone on resume); after them, its steps and
         # times are all there for `close_if_whole`
         self.log_records(records, rollout)
@@ -293,11 +299,7 @@ class RunTracker:
         # a rollout all on disk before a resume (no rank had a group left) was logged by the run that closed it
         if self.wandb_run is not None and (records or len(self.steps) > first):
             positions = self._positions_of(rollout)
-            if len(positions) > len(self.steps) - first:  # resumed inside this rollout: the whole rollout's metrics,
-                # each rank's time on the steps from before the stop taken as their own seconds (all they record)
-                earlier = [self.steps[i] for i in positions if i < first]
-                own = [sum(s["seconds"] for s in earlier if s.get("rank", 0) == r) for r in range(len(seconds))]
-                seconds = [a + b for a, b in zip(own, seconds)]
+            if earlier:  # resumed inside this rollout: the whole rollout's metrics (its ranks' times as above)
                 records = self._with_kept(records, rollout)
             else:
                 positions = list(range(first, len(self.steps)))
