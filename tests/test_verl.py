@@ -358,6 +358,34 @@ def test_a_request_its_caller_cancelled_leaves_its_row_at_the_next_step(tiny32):
         engine.close()
 
 
+def test_a_request_cancelled_before_the_engine_takes_it_moves_no_other_requests_stream(tiny32):
+    """From a helper's probe: a request without a seed took its arrival index only when the engine's thread queued it,
+    so one its caller cancelled before that took none, and every later request sampled from the next one's stream
+    (other samples for the same requests in the same order, by timing). The index is given at submission now."""
+    model, tokenizer = tiny32
+    prompts = prompts_of(tokenizer, 2, seed=3)
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True)
+    requests = [(prompts[0], params)] * 4 + [(prompts[1], params)]  # a group of 4 and one more, no seeds
+
+    def run(cancelled: int | None) -> list:
+        engine = ServingEngine(model, max_batch_size=8, max_seq_len=LIMITS.max_model_len, seed=0)
+        try:
+            engine.sleep()  # submitted requests wait: the cancel comes before the engine takes them
+            futures = [engine.submit(ids, p) for ids, p in requests]
+            if cancelled is not None:
+                assert futures[cancelled].cancel()
+            engine.wake_up()
+            return [None if f.cancelled() else f.result(timeout=120).token_ids for f in futures]
+        finally:
+            engine.close()
+
+    expected = run(None)
+    for cancelled in (0, 1):
+        got = run(cancelled)
+        assert got[cancelled] is None
+        assert [t for i, t in enumerate(got) if i != cancelled] == [t for i, t in enumerate(expected) if i != cancelled]
+
+
 def test_close_fails_the_requests_it_leaves_unfinished_and_closes_the_generator(tiny32):
     model, tokenizer = tiny32
     prompt = prompts_of(tokenizer, 1, seed=5)[0]

@@ -42,6 +42,7 @@ class _Request:
     prompt_ids: list[int]
     params: SamplingParams
     future: concurrent.futures.Future
+    arrival: int = -1  # a request without a seed of its own: its arrival index, given when submitted
 
 
 class ServingEngine:
@@ -94,7 +95,7 @@ class ServingEngine:
         self._sequences: dict[tuple[int, int], Sequence] = {}  # and the generator's request of each, for `abort`
         self._given_up: list[tuple[int, int]] = []  # requests whose callers cancelled their futures, to drop
         self._num_groups = 0  # groups queued so far: the next group's prompt index
-        self._num_requests = 0  # requests queued so far: the next one's arrival index
+        self._num_requests = 0  # requests without a seed submitted so far: the next one's arrival index
         self._seed = random.SystemRandom().getrandbits(62) if seed is None else int(seed)
         self._seed_offset = int(seed_offset)
         self._asleep = False
@@ -122,7 +123,12 @@ class ServingEngine:
             elif self._rejecting:
                 future.set_result(Completion(0, 0, [], [], ABORTED))
             else:
-                self._incoming.append(_Request(list(prompt_ids), params, future))
+                # the arrival index now, not when the engine's thread takes the request: one cancelled before that
+                # took no index, and every later request sampled from the next one's stream
+                arrival = -1
+                if params.seed is None:
+                    arrival, self._num_requests = self._num_requests, self._num_requests + 1
+                self._incoming.append(_Request(list(prompt_ids), params, future, arrival))
                 self._cond.notify_all()
         return future
 
@@ -294,7 +300,7 @@ class ServingEngine:
                 seq = sequences[position]
                 # unique over the engine's life: admission shares one prefill between neighbours of one prompt index
                 seq.prompt_index = first + g
-                seq.seed = self._request_seed(request.params)
+                seq.seed = self._request_seed(request)
                 key = (seq.prompt_index, sample)
                 self._futures[key], self._sequences[key] = request.future, seq
                 # a caller that gives up on its request (`asyncio.wait_for`'s timeout cancels it) frees its row
@@ -302,12 +308,11 @@ class ServingEngine:
                 position += 1
         self._num_groups += len(groups)
 
-    def _request_seed(self, params: SamplingParams) -> int:
+    def _request_seed(self, request: _Request) -> int:
         """A sample's random stream: its own seed's, else the engine's at its arrival index (never its batch's)."""
-        if params.seed is not None:
-            return _mix_seed("request", params.seed)
-        self._num_requests += 1
-        return _mix_seed("engine", self._seed, self._seed_offset, self._num_requests - 1)
+        if request.params.seed is not None:
+            return _mix_seed("request", request.params.seed)
+        return _mix_seed("engine", self._seed, self._seed_offset, request.arrival)
 
     def _cancelled(self, key: tuple[int, int], future: concurrent.futures.Future) -> None:
         """A request's future is done: if its caller cancelled it, the engine's next step drops the request."""
