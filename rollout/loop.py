@@ -20,7 +20,7 @@ from rollout.engine.generator import Generator
 from rollout.engine.requests import check_prompts, integer_indices
 from rollout.engine.sampling import Completion, SamplingParams
 from rollout.phases import PhaseLabeler, summarize
-from rollout.prompts import PromptFormatter, check_prompt_column, prompt_kind
+from rollout.prompts import PromptFormatter, prompt_kind
 from rollout.rewards import (
     RESERVED_REWARD_KWARGS,
     RewardError,
@@ -268,10 +268,7 @@ class Rollout:
         kind = kinds.pop()
         if kind == "row":
             rows = [dict(item) for item in items]
-            if self.formatter.template is None:  # (a template names its own columns)
-                for i, row in enumerate(rows):  # every row: a list of dicts may differ from row to row
-                    check_prompt_column(list(row), self.prompt_column, "the data" if len(rows) == 1 else f"row {i}")
-            prompts, prompt_ids = self.formatter(rows)
+            prompts, prompt_ids = self.formatter(rows)  # (every row's prompt column checked first)
         elif kind == "token ids":  # checked before decoding: -1 or 2**32 failed in the tokenizer's OverflowError
             prompt_ids = check_prompts(items, self.generator.vocab_size, self.generator.max_seq_len)
             prompts = self.tokenizer.batch_decode(prompt_ids)

@@ -127,8 +127,7 @@ class PromptFormatter:
     def text(self, row: dict) -> str:
         """The prompt text of one row (chat-templated when asked)."""
         if self.template is None:
-            check_prompt_column(list(row), self.prompt_column, "a row")
-            value = row[self.prompt_column]
+            value = row[self.prompt_column]  # (every row checked by `__call__`)
         else:
             try:
                 value = self.template.format(**row)
@@ -176,7 +175,11 @@ class PromptFormatter:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def __call__(self, rows: Sequence[dict]) -> tuple[list[str], list[list[int]]]:
-        """(prompt texts, prompt token ids) of the rows."""
+        """(prompt texts, prompt token ids) of the rows; without a template, every row's prompt column is checked
+        first (a list of dicts may differ from row to row)."""
+        if self.template is None:  # (a template names its own columns)
+            for i, row in enumerate(rows):
+                check_prompt_column(list(row), self.prompt_column, "the data" if len(rows) == 1 else f"row {i}")
         texts = [self.text(row) for row in rows]
         # a chat template writes its own special tokens; a plain prompt gets the tokenizer's (e.g. a BOS)
         encoded = self.tokenizer(texts, add_special_tokens=not self.chat_template)["input_ids"]

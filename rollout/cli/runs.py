@@ -47,8 +47,7 @@ def load_inputs(recipe: Recipe) -> RecipeInputs:
         raise ValueError(f"data.dataset {d.dataset!r} split {d.split!r} has no rows")
     torch.manual_seed(recipe.sampling.seed)
     model, tokenizer = load_model(recipe.model.name, recipe.model.dtype, recipe.model.device)
-    method = recipe.spec.method
-    if "draft_model" in ([method] if isinstance(method, str) else list(method or [])):
+    if "draft_model" in _methods(recipe.spec.method):
         check_draft_tokenizer(recipe.spec.model, tokenizer)
     formatter = PromptFormatter(tokenizer, d.prompt_column, d.template, d.chat_template, d.system_prompt)
     prompts, prompt_ids = formatter(list(data))
@@ -102,10 +101,15 @@ def kept_responses(tracker: RunTracker, recipe: Recipe, inputs: RecipeInputs) ->
 def recipe_spec(recipe: Recipe, **changes) -> SpecConfig | None:
     """The recipe's SpecConfig (with `changes`), a hub draft model loaded here."""
     method = changes.get("method", recipe.spec.method)
-    methods = [method] if isinstance(method, str) else list(method or [])
+    methods = _methods(method)
     model = changes.get("model", recipe.spec.model)
     draft = draft_model_spec(model, recipe.model.dtype, recipe.model.device) if "draft_model" in methods else None
     return spec_config(recipe, draft_model=draft if not isinstance(draft, str) else None, **changes)
+
+
+def _methods(method) -> list[str]:
+    """A recipe's `spec.method` (a name, a list of names or null) as a list."""
+    return [method] if isinstance(method, str) else list(method or [])
 
 
 def batch_size(recipe: Recipe, inputs: RecipeInputs, spec: SpecConfig | None, num_ranks: int = 1) -> int:
