@@ -442,14 +442,14 @@ def test_a_pool_allocated_whole_takes_the_blocks_a_narrower_dtype_frees_at_once(
     float32 -> bf16 -> float32 round trip ran out of memory); the blocks past the last one a row holds go first now."""
     from rollout.engine.paged_cache import PagedKVCache
 
-    def pool(budget_blocks: int, cap: int) -> PagedKVCache:
-        cache = PagedKVCache(2, 2, 8, torch.float32, torch.device("cpu"), 4, 64, max_blocks=budget_blocks)
+    def pool(budget_blocks: int, num_slots: int) -> PagedKVCache:  # (rows of 64 positions: 4 blocks of 16 each)
+        cache = PagedKVCache(2, 2, 8, torch.float32, torch.device("cpu"), num_slots, 64, max_blocks=budget_blocks)
         return PagedKVCache(
-            2, 2, 8, torch.float32, torch.device("cpu"), 4, 64, max_blocks=budget_blocks,
-            byte_budget=budget_blocks * cache.block_bytes(torch.float32), block_cap=cap,
+            2, 2, 8, torch.float32, torch.device("cpu"), num_slots, 64, max_blocks=budget_blocks,
+            byte_budget=budget_blocks * cache.block_bytes(torch.float32),
         )  # fmt: skip
 
-    cache = pool(6, 16)
+    cache = pool(6, 4)  # every slot's: 16 blocks
     assert cache.num_blocks == cache.max_blocks == 6
     cache.k_pools[1][5] = 1.5
     generation = cache.generation
@@ -470,6 +470,6 @@ def test_a_pool_allocated_whole_takes_the_blocks_a_narrower_dtype_frees_at_once(
     cache.release_rows(2, 3)
     cache.retype(torch.bfloat16), cache.retype(torch.float32)  # no block held: the planned 6
     assert cache.num_blocks == cache.max_blocks == 6 and bool((cache.k_pools[1][5] == 1.5).all())
-    capped = pool(6, 8)
+    capped = pool(6, 2)  # every slot's: 8 blocks
     capped.retype(torch.bfloat16)
     assert capped.num_blocks == capped.max_blocks == 8

@@ -298,11 +298,8 @@ class RunTracker:
         self.num_rollouts = max(self.num_rollouts, rollout + 1)  # its files are whole
         # a rollout all on disk before a resume (no rank had a group left) was logged by the run that closed it
         if self.wandb_run is not None and (records or len(self.steps) > first):
-            positions = self._positions_of(rollout)
             if earlier:  # resumed inside this rollout: the whole rollout's metrics (its ranks' times as above)
                 records = self._with_kept(records, rollout)
-            else:
-                positions = list(range(first, len(self.steps)))
             summary = summarize_ranks([self.steps[i] for i in positions], [[x] for x in seconds])
             summary["reward_mean"] = _reward_mean(records)
             extra = {"rollout/straggler_ratio": straggler_ratio([seconds]), "rollout/share_seconds": max(sharing)}

@@ -152,10 +152,9 @@ class ModelRunner:
         """A pool allocated whole on a GPU (planned from its free memory), grown with the tokens on a CPU."""
         num_kv_heads, head_dim = kv_head_shape(self.model.config)
         initial = None if self.device.type == "cuda" else min(max_blocks, 4 * num_slots + 16)
-        every_slot = num_slots * -(-num_positions // block_size)
         cache = PagedKVCache(
             self.num_layers, num_kv_heads, head_dim, self.kv_dtype(), self.device, num_slots, num_positions, max_blocks,
-            initial, block_size, byte_budget, every_slot,
+            initial, block_size, byte_budget,
         )  # fmt: skip
         cache.layer_windows = self.windows_by_layer()
         return cache

@@ -47,8 +47,8 @@ class PagedKVCache:
         num_positions: the most positions a row may hold (its table's width).
         byte_budget: for a pool planned from the free memory, the bytes it may take (see `memory_plan.pool_budget`):
             its size in blocks then follows the dtype it holds (`max_blocks` in the weights' dtype, twice as many in
-            bf16 over float32 weights), up to `block_cap`, and changes with `retype`. None: `max_blocks` is fixed.
-        block_cap: the most blocks a budgeted pool takes (every slot's).
+            bf16 over float32 weights), up to every slot's blocks, and changes with `retype`. None: `max_blocks` is
+            fixed.
     """
 
     def __init__(
@@ -64,14 +64,14 @@ class PagedKVCache:
         initial_blocks: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         byte_budget: int | None = None,
-        block_cap: int | None = None,
     ):
         self.block_size = block_size
         self.device = device
         self.shape = (num_kv_heads, head_dim)
         self.num_layers = num_layers
-        self.byte_budget, self.block_cap = byte_budget, block_cap
+        self.byte_budget = byte_budget
         self.row_blocks = -(-num_positions // block_size)  # one row's at most: a budgeted pool never holds fewer
+        self.every_slot = num_slots * self.row_blocks  # every row's at most: a budgeted pool never holds more
         self.whole = initial_blocks is None  # allocated whole at its planned size (a GPU's), not grown with the rows
         self.max_blocks = max_blocks if byte_budget is None else self._budgeted_blocks(dtype)
         first = self.max_blocks if self.whole else min(self.max_blocks, initial_blocks)
@@ -96,9 +96,8 @@ class PagedKVCache:
         return 2 * self.num_layers * self.block_size * math.prod(self.shape) * dtype.itemsize
 
     def _budgeted_blocks(self, dtype: torch.dtype) -> int:
-        """What a budgeted pool's bytes hold in `dtype`, up to its cap (and one row's blocks at least)."""
-        fitting = self.byte_budget // self.block_bytes(dtype)
-        return max(self.row_blocks, min(fitting, self.block_cap) if self.block_cap is not None else fitting)
+        """What a budgeted pool's bytes hold in `dtype`, up to every slot's blocks (and one row's at least)."""
+        return max(self.row_blocks, min(self.byte_budget // self.block_bytes(dtype), self.every_slot))
 
     def retype(self, dtype: torch.dtype) -> None:
         """Hold keys and values in `dtype` from now on, those held converted (the policy was cast, or now runs under
