@@ -565,6 +565,9 @@ def test_bad_prompts_are_clear_errors(prompts, kwargs, match):
         ({"top_k": -1}, r"top_k \(-1\)"),
         ({"max_new_tokens": 0}, r"max_new_tokens \(0\)"),
         ({"n": True}, r"n \(True\) must be an integer"),
+        # a bool is a number to Python: False decoded greedily, True kept every token, without a word
+        ({"temperature": False}, r"temperature \(False\) must be a number"),
+        ({"top_p": True}, r"top_p \(True\) must be a number"),
         ({"ignore_eos": "no"}, r"ignore_eos \('no'\) must be True or False"),
         ({"stop_token_ids": 5}, r"stop_token_ids \(5\) must be a list of non-negative token ids, e\.g\. \[5\]"),
         ({"seed": 1.5}, r"seed \(1\.5\) must be an integer or None"),
@@ -596,6 +599,14 @@ def test_sampling_params_set_after_construction_are_checked_by_the_call(field, v
     params = SamplingParams(max_new_tokens=3, seed=0)
     params.spec = None  # the default settings, as at construction
     assert len(gen.generate([[1, 2]], [params])[0].token_ids) == 3
+
+
+def test_a_top_k_past_int64_is_off_as_any_past_the_vocabulary():
+    """top_k = 2^63 passed the check and failed in the engine's admission after the prompt's forward, in torch's
+    words (an overflow unpacking a long); a top-k past every vocabulary keeps every token, as one past this one's."""
+    gen = Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32)
+    huge, off = (gen.generate([[1, 2]], SamplingParams(max_new_tokens=4, seed=3, top_k=k)) for k in (2**63, 0))
+    assert huge[0].token_ids == off[0].token_ids and huge[0].logprobs == off[0].logprobs
 
 
 def test_numpy_numbers_are_taken_as_sampling_params():

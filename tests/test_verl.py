@@ -448,6 +448,10 @@ def test_verl_sampling_params_map_onto_the_library():
     assert sampling_params_from_verl({"temperature": None}, 10, LIMITS)[0].temperature == 1.0  # None: the default
     assert sampling_params_from_verl({"seed": 2**60 + 1}, 10, LIMITS)[0].seed == 2**60 + 1  # an int as it is
     assert sampling_params_from_verl({"stop_token_ids": np.array([3, 4])}, 10, LIMITS)[0].stop_token_ids == [3, 4]
+    # ignore_eos None is the rollout config's default, as an absent key is (it was False whatever the config said)
+    eos_default = RequestLimits(prompt_length=160, response_length=48, max_model_len=208, ignore_eos=True)
+    assert sampling_params_from_verl({"ignore_eos": None}, 10, eos_default)[0].ignore_eos is True
+    assert sampling_params_from_verl({"ignore_eos": np.False_}, 10, eos_default)[0].ignore_eos is False
     for bad, message in [
         ({"temperature": "hot"}, r"\['temperature'\] \('hot'\) must be a number"),
         ({"seed": 1.5}, r"\['seed'\] \(1.5\) must be an integer"),
@@ -458,6 +462,11 @@ def test_verl_sampling_params_map_onto_the_library():
         # the settings taken only when off are numbers too (they failed in float()'s words, not naming the key)
         ({"repetition_penalty": "abc"}, r"\['repetition_penalty'\] \('abc'\) must be a number"),
         ({"min_p": [0.0]}, r"\['min_p'\] \(\[0.0\]\) must be a number"),
+        # a cap below 1 became 1 and a string flag True (bool("false")), without a word
+        ({"max_tokens": 0}, r"\['max_tokens'\] \(0\) must be at least 1"),
+        ({"max_new_tokens": -5}, r"\['max_new_tokens'\] \(-5\) must be at least 1"),
+        ({"ignore_eos": "false"}, r"\['ignore_eos'\] \('false'\) must be true or false"),
+        ({"ignore_eos": 1}, r"\['ignore_eos'\] \(1\) must be true or false"),
     ]:
         with pytest.raises(ValueError, match=message):
             sampling_params_from_verl(bad, 10, LIMITS)

@@ -53,11 +53,11 @@ class SamplingParams:
         ids = self.stop_token_ids
         if isinstance(ids, (list, tuple)) and any(isinstance(t, np.integer) for t in ids):
             self.stop_token_ids = [int(t) if isinstance(t, np.integer) else t for t in ids]
-        for name in ("n", "top_k", "max_new_tokens", "seed", "ignore_eos"):  # (a bool is an int to Python)
-            value = getattr(self, name)
+        for name in ("n", "top_k", "max_new_tokens", "seed", "temperature", "top_p", "ignore_eos"):
+            value = getattr(self, name)  # (a bool is an int to Python)
             if isinstance(value, bool) != (name == "ignore_eos"):
-                kind = "True or False" if name == "ignore_eos" else "an integer"
-                raise ValueError(f"{name} ({value!r}) must be {kind}")
+                kind = {"ignore_eos": "True or False", "temperature": "a number", "top_p": "a number"}
+                raise ValueError(f"{name} ({value!r}) must be {kind.get(name, 'an integer')}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n ({self.n!r}) must be an integer >= 1: the number of completions per prompt")
         if (

@@ -19,6 +19,8 @@ from rollout.engine.sequence import Sequence
 from rollout_kernels.device_io import upload
 from specdec.processing import RowSampling
 
+TOP_K_OFF = 2**62  # a top-k this large (or any past the vocabulary) keeps every token
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -118,7 +120,8 @@ class SlotState:
         self.max_num_tokens[rows] = lengths + torch.tensor([s.max_new_tokens for s in sequences])
         self.spec_cap[rows] = torch.tensor([s.spec_cap for s in sequences])
         self.temperature[rows] = torch.tensor([float(s.params.temperature) for s in sequences])
-        self.top_k[rows] = torch.tensor([s.params.top_k for s in sequences])
+        # a top-k past every vocabulary is off, as one >= the vocabulary is; held below int64's bound
+        self.top_k[rows] = torch.tensor([min(s.params.top_k, TOP_K_OFF) for s in sequences])
         self.top_p[rows] = torch.tensor([float(s.params.top_p) for s in sequences])
         self.seed[rows, 0] = torch.tensor([s.seed for s in sequences])
         self.num_draws[rows] = 0

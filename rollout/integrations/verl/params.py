@@ -11,6 +11,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from rollout.engine.sampling import SamplingParams
 from specdec.config import SpecConfig
 
@@ -82,8 +84,8 @@ def sampling_params_from_verl(
 
     Raises:
         ValueError: a key this backend does not know, a setting it does not implement at a value other than off
-            (repetition_penalty, presence/frequency_penalty, min_p), `n` other than 1, or a prompt that leaves no
-            room for a response.
+            (repetition_penalty, presence/frequency_penalty, min_p), `n` other than 1, `max_tokens` below 1,
+            `ignore_eos` that is not a bool, or a prompt that leaves no room for a response.
     """
     params = dict(sampling_params)
     unknown = sorted(set(params) - set(SAMPLING_KEYS) - set(NEUTRAL_VALUES))
@@ -108,6 +110,8 @@ def sampling_params_from_verl(
         )
     key = "max_tokens" if params.get("max_tokens") is not None else "max_new_tokens"
     max_tokens = _number(params.get(key), key, None, integer=True)
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"sampling_params[{key!r}] ({max_tokens}) must be at least 1: a response's most tokens")
     if max_tokens is None:
         max_tokens = min(limits.response_length, limits.prompt_length + limits.response_length - num_prompt_tokens)
     max_tokens = max(1, min(max_tokens, room))
@@ -127,7 +131,7 @@ def sampling_params_from_verl(
         top_k=max(top_k, 0),
         max_new_tokens=max_tokens,
         stop_token_ids=[_number(t, "stop_token_ids", None, integer=True) for t in stop_token_ids],
-        ignore_eos=bool(params.get("ignore_eos", limits.ignore_eos)),
+        ignore_eos=_flag(params.get("ignore_eos"), "ignore_eos", limits.ignore_eos),
         seed=_number(params.get("seed"), "seed", None, integer=True),
     )
     return converted, bool(params.get("logprobs", False))
@@ -237,6 +241,19 @@ def _number(value: Any, key: str, default: Any, integer: bool = False) -> Any:
         kind = "an integer" if integer else "a number"
         raise ValueError(f"sampling_params[{key!r}] ({value!r}) must be {kind}")
     return int(number) if integer else number
+
+
+def _flag(value: Any, key: str, default: bool) -> bool:
+    """`value` (a request's `sampling_params[key]`) as a bool, `default` where it is None.
+
+    Raises:
+        ValueError: anything but True, False (numpy's too) or None, naming the key (`bool("false")` is True).
+    """
+    if value is None:
+        return default
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"sampling_params[{key!r}] ({value!r}) must be true or false")
 
 
 def _plain(value: Any) -> Any:
