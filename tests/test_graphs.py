@@ -233,6 +233,11 @@ def test_cuda_graphs_argument():
     model = make_model("llama")
     with pytest.raises(ValueError, match="cuda_graphs \\('yes'\\) must be True, False or 'auto'"):
         Generator(model, max_batch_size=2, max_seq_len=16, cuda_graphs="yes")
+    # 1 and 0 passed the check (1 == True to `in`) and were then read by `is True` / `is not False` as the other switch
+    with pytest.raises(ValueError, match="cuda_graphs \\(0\\) must be True, False or 'auto'"):
+        Generator(model, max_batch_size=2, max_seq_len=16, cuda_graphs=0)
+    with pytest.raises(ValueError, match="async_scheduling \\(1\\) must be True, False or 'auto'"):
+        Generator(model, max_batch_size=2, max_seq_len=16, async_scheduling=1)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device and the paged KV layout"):
             Generator(model, max_batch_size=2, max_seq_len=16, cuda_graphs=True)

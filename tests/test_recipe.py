@@ -132,6 +132,28 @@ def test_bad_values_name_the_key(overrides, message):
         load_recipe(RECIPES / "quickstart.yaml", overrides)
 
 
+def test_text_fields_take_the_text_as_written(tmp_path):
+    """YAML reads 007 as 7, 0123 as 83 (octal) and yes as True, and the structured config then held them as '7', '83'
+    and 'True': output_dir=007 wrote to ./7. A text field takes the text as written, in a file and on the command line;
+    null stays None, and the numbers and switches of other fields are read as before."""
+    recipe_file = tmp_path / "texts.yaml"
+    recipe_file.write_text(
+        "output_dir: 0123\nlogging:\n  run_name: yes\n  project: 1e3\nsampling:\n  n: 2\n"
+        "rewards:\n  - name: arithmetic\n    weight: 1\n"
+    )
+    recipe = load_recipe(recipe_file)
+    assert (recipe.output_dir, recipe.logging.run_name, recipe.logging.project) == ("0123", "yes", "1e3")
+    assert recipe.sampling.n == 2 and recipe.rewards[0].weight == 1.0
+    recipe = load_recipe(recipe_file, ["output_dir=007", "data.template=5", "logging.run_name=null", "sampling.n=3"])
+    assert (recipe.output_dir, recipe.data.template, recipe.logging.run_name, recipe.sampling.n) == (
+        "007",
+        "5",
+        None,
+        3,
+    )
+    assert load_recipe(recipe_file, ["rewards.0.name=arithmetic", "logging.plot=no"]).logging.plot is False
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="recipe file not found: .*missing.yaml"):
         load_recipe(tmp_path / "missing.yaml")
@@ -151,6 +173,9 @@ def test_bad_files(tmp_path):
         load_recipe(tmp_path / "missing.yaml")
     with pytest.raises(ValueError, match=r"override 'sampling.n=\$\{sampling.top_k': sampling\.n: no viable alt"):
         load_recipe(RECIPES / "quickstart.yaml", ["sampling.n=${sampling.top_k"])
+    (tmp_path / "one.yaml").write_text("5\n")  # valid YAML: it was called invalid ("Invalid loaded object type")
+    with pytest.raises(ValueError, match=r"one.yaml: a recipe is a mapping of sections .*, got one value"):
+        load_recipe(tmp_path / "one.yaml")
     nested = tmp_path / "nested.yaml"
     nested.write_text("rollout:\n  tail_fraction: high\n")
     with pytest.raises(ValueError, match=r"nested.yaml: rollout\.tail_fraction: Value 'high'"):

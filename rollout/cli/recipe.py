@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, StringNode
 from omegaconf.errors import OmegaConfBaseException
 
 from rollout.distributed import BALANCES
@@ -92,7 +92,7 @@ class DataRecipe:
         template: str.format template over the row's columns; None uses the prompt column as is.
         chat_template: wrap the prompt as a user message in the tokenizer's chat template.
         system_prompt: system message for chat_template.
-        num_prompts: first rows to use; None = all.
+        num_prompts: first rows to use; None = all (the embedded arithmetic task, which is generated: 1000).
     """
 
     dataset: str = "arithmetic"
@@ -151,11 +151,11 @@ class RolloutRecipe:
             f"rollout.kv_layout ({self.kv_layout!r}) must be one of auto, paged, slots",
         )
         _require(
-            self.cuda_graphs in (True, False, "auto"),
+            isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto",  # (1 == True to `in`)
             f"rollout.cuda_graphs ({self.cuda_graphs!r}) must be auto, true or false",
         )
         _require(
-            self.async_scheduling in (True, False, "auto"),
+            isinstance(self.async_scheduling, bool) or self.async_scheduling == "auto",
             f"rollout.async_scheduling ({self.async_scheduling!r}) must be auto, true or false",
         )
         p = self.prompts_per_rollout
@@ -461,6 +461,11 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
         try:
             values = OmegaConf.load(path)
         except Exception as err:  # the YAML parser's own error types
+            if "Invalid loaded object type" in str(err):  # valid YAML: one number, text or bool, not a mapping
+                raise ValueError(
+                    f"{path}: a recipe is a mapping of sections (model:, data:, sampling:, ...), got one value; start "
+                    "from recipes/quickstart.yaml"
+                ) from None
             mark = getattr(err, "problem_mark", None)
             where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
@@ -471,6 +476,7 @@ def load_recipe(path: str | pathlib.Path | None = None, overrides: list[str] | t
                 f"{path}: a recipe is a mapping of sections (model:, data:, sampling:, ...), got {got}; start from "
                 "recipes/quickstart.yaml"
             )
+        _texts_as_written(path.read_text(), values, config)
         sources.append((str(path), values))
     for source, values in sources:
         try:
@@ -543,11 +549,64 @@ def _override(config, item: str):
             node = node[part]
         else:
             break  # a key that is not there: the merge names it
+    if _is_text(config, parts) and isinstance(_parsed(text), (bool, int, float)):
+        # a text field takes the text as written: output_dir=007 is not 7, logging.run_name=yes not True
+        OmegaConf.update(config, key.strip(), text.strip(), merge=True)
+        return config
     if not through_list:
         return OmegaConf.merge(config, OmegaConf.from_dotlist([item]))
     value = OmegaConf.from_dotlist([f"value={text}"])["value"]  # parsed as the command line parses any value
     OmegaConf.update(config, key.strip(), value, merge=True)
     return config
+
+
+def _parsed(text: str) -> Any:
+    """An override's value as the command line parses it, unresolved (an interpolation stays its text); None where it
+    does not parse (the override's own merge then names the key)."""
+    try:
+        return OmegaConf.from_dotlist([f"value={text}"])._get_node("value")._value()
+    except (OmegaConfBaseException, yaml.YAMLError):
+        return None
+
+
+def _is_text(config, parts: list[str]) -> bool:
+    """Whether the recipe's key `parts` (a list entry by its index) holds text (a `str` field)."""
+    node = config
+    for part in parts:
+        if OmegaConf.is_list(node) and part.isdigit() and int(part) < len(node):
+            node = node._get_node(int(part))
+        elif OmegaConf.is_dict(node) and part in node:
+            node = node._get_node(part)
+        else:
+            return False
+    return isinstance(node, StringNode)
+
+
+def _texts_as_written(text: str, values, schema) -> None:
+    """Set back, in a recipe file's loaded `values`, each text field (a `str` of `schema`) that YAML read as a number
+    or a bool to the text as written: `output_dir: 0123` is 0123, not 83 (an octal number to YAML 1.1), `run_name:
+    yes` is yes, not True (which the structured config would then hold as 'True')."""
+
+    def walk(node, loaded, fields) -> None:
+        if isinstance(node, yaml.MappingNode) and OmegaConf.is_dict(loaded) and OmegaConf.is_dict(fields):
+            for key_node, value_node in node.value:
+                key = key_node.value
+                if key not in loaded or key not in fields:
+                    continue  # an unknown key: the merge names it
+                field_node = fields._get_node(key)
+                value = loaded[key] if not OmegaConf.is_config(loaded._get_node(key)) else None
+                if isinstance(value, (bool, int, float)) and isinstance(field_node, StringNode):
+                    loaded[key] = value_node.value
+                else:
+                    walk(value_node, loaded._get_node(key), field_node)
+        elif isinstance(node, yaml.SequenceNode) and OmegaConf.is_list(loaded) and OmegaConf.is_list(fields):
+            entry_type = fields._metadata.element_type
+            if dataclasses.is_dataclass(entry_type):
+                entry = OmegaConf.structured(entry_type)
+                for item_node, item in zip(node.value, loaded):
+                    walk(item_node, item, entry)
+
+    walk(yaml.compose(text, Loader=yaml.SafeLoader), values, schema)
 
 
 def _failing_section(config) -> str | None:

@@ -197,11 +197,12 @@ def check_generator_args(
             f"max_prefill_tokens ({max_prefill_tokens!r}) must be an integer >= max_seq_len ({max_seq_len}) "
             "so that the longest prompt fits one prefill, or None (16384, or max_seq_len where that is larger)"
         )
-    if cuda_graphs not in (True, False, "auto"):
+    # (1 == True and 0 == False to `in`: an integer passed as a switch, then read by `is True`, did the other thing)
+    if not (isinstance(cuda_graphs, bool) or cuda_graphs == "auto"):
         raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
-    if compile_forward not in (True, False):
+    if not isinstance(compile_forward, bool):
         raise ValueError(f"compile_forward ({compile_forward!r}) must be True or False")
-    if async_scheduling not in (True, False, "auto"):
+    if not (isinstance(async_scheduling, bool) or async_scheduling == "auto"):
         raise ValueError(f"async_scheduling ({async_scheduling!r}) must be True, False or 'auto'")
     if spec is not None and not isinstance(spec, SpecConfig):
         raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")

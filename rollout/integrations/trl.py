@@ -84,7 +84,7 @@ def trl_rollout_func(
     """
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {', '.join(KV_LAYOUTS)}")
-    if cuda_graphs not in (True, False, "auto"):
+    if not (isinstance(cuda_graphs, bool) or cuda_graphs == "auto"):  # (1 is not a switch: `1 in (True,)`)
         raise ValueError(f"cuda_graphs ({cuda_graphs!r}) must be True, False or 'auto'")
     SamplingParams(stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)  # checks them now
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -190,7 +190,7 @@ class EngineOptions:
                 raise ValueError(f"engine_kwargs.rollout.{name} ({value!r}) must be a positive integer or null")
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"engine_kwargs.rollout.kv_layout ({self.kv_layout!r}) must be one of {KV_LAYOUTS}")
-        if self.cuda_graphs not in (True, False, "auto"):
+        if not (isinstance(self.cuda_graphs, bool) or self.cuda_graphs == "auto"):  # (not 1 or 0)
             raise ValueError(f"engine_kwargs.rollout.cuda_graphs ({self.cuda_graphs!r}) must be true, false or auto")
 
     @classmethod
