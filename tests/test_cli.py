@@ -864,3 +864,21 @@ def test_library_warnings_go_to_the_run_log_never_into_the_one_line_error(tmp_pa
     lines = failed.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rollout run: error:") and "cannot score" in lines[0], lines
     assert "FutureWarning: an old keyword is deprecated" in (tmp_path / "b" / "warnings.log").read_text()
+
+
+def test_files_written_whole_take_the_umask_as_the_streamed_ones_do(tmp_path):
+    """summary.json, config.yaml and the plots were written through mkstemp's file, 0600 whatever the umask (other
+    users could not read a shared run's summary), where rollouts.jsonl took 0644 under umask 022."""
+    import os
+
+    from rollout.cli.files import append_lines, write_atomic
+
+    previous = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "summary.json", "{}\n")
+        append_lines(tmp_path / "rollouts.jsonl", "{}\n")
+    finally:
+        os.umask(previous)
+    modes = {name: (tmp_path / name).stat().st_mode & 0o777 for name in ("summary.json", "rollouts.jsonl")}
+    assert modes == {"summary.json": 0o644, "rollouts.jsonl": 0o644}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollouts.jsonl", "summary.json"]  # no temporary file left

@@ -136,12 +136,42 @@ def test_overwrite_replaces_a_run_and_nothing_stale_remains(tmp_path, reference,
     assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}", "resume=true"]) == 2
     assert "is complete (its summary.json says so): nothing is left to run" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == files
-    (tmp_path / "bench.json").write_text("{}")  # a file of the old run that the new one does not write
+    # beside the run, what it does not write: a benchmark (`rollout bench` writes beside a run) and a user's model/
+    (tmp_path / "bench.json").write_text("{}")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
     assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}"]) == 2
     assert main(["run", RECIPE, *SETTINGS, "rollout.num_rollouts=1", f"output_dir={tmp_path}", "overwrite=true"]) == 0
-    assert not (tmp_path / "bench.json").exists()
+    assert (tmp_path / "bench.json").read_text() == "{}" and (tmp_path / "model" / "config.json").is_file()
     assert {r["rollout"] for r in read_lines(tmp_path / "rollouts.jsonl")} == {0}
     assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}", "resume=true", "data.num_prompts=9"]) == 2
+
+
+def test_a_resume_over_data_changed_behind_the_same_path_is_refused(tmp_path, capsys):
+    """resume compared the recipe's text only: a data file edited behind the same path left a folder holding samples
+    of the old prompts and of the new, without a word. The samples on disk are checked against the prompts the data
+    gives now. And a resumed run's plot is its own: the stopped run's (of its steps only) goes, with or without a new
+    one."""
+    data = tmp_path / "data.jsonl"
+    rows = [
+        {"prompt": f"Question: Ava has {i} beads and gets 2 more. How many?\nAnswer:", "answer": str(i + 2)}
+        for i in range(3)
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    args = ["run", RECIPE, *SETTINGS, "rollout.num_rollouts=1", "data.num_prompts=null", f"data.dataset={data}"]
+    assert main([*args, f"output_dir={out}"]) == 0 and (out / "rollout.png").is_file()
+    lines = (out / "rollouts.jsonl").read_text().splitlines()
+    (out / "rollouts.jsonl").write_text("\n".join(lines[:2]) + "\n")  # group 0 on disk, as a kill -9 leaves it
+    (out / "summary.json").unlink()
+    data.write_text("".join(json.dumps({**row, "prompt": row["prompt"].replace("Ava", "Bob")}) + "\n" for row in rows))
+    capsys.readouterr()
+    assert main([*args, f"output_dir={out}", "resume=true"]) == 2
+    err = capsys.readouterr().err
+    assert "the data changed since the run" in err and "group 0 was sampled from 'Question: Ava" in err, err
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main([*args, f"output_dir={out}", "resume=true", "logging.plot=false"]) == 0
+    assert len(read_lines(out / "rollouts.jsonl")) == 6 and not (out / "rollout.png").exists()
 
 
 def test_resume_takes_the_same_run_however_its_folder_is_spelt(tmp_path, monkeypatch):

@@ -47,6 +47,8 @@ def scratch(tmp_path):
         (tmp_path / name / "config.json").write_text(config)
     (tmp_path / "benched").mkdir()
     (tmp_path / "benched" / "bench.json").write_text('{"rows": []}\n')
+    (tmp_path / "project" / "model").mkdir(parents=True)  # a user's own model folder, named as a training saves one
+    (tmp_path / "project" / "model" / "model.safetensors").write_text("weights\n")
     return tmp_path
 
 
@@ -108,6 +110,17 @@ REFUSED = [
     (["run", "sampling.n=8", QUICKSTART], ["not found: sampling.n=8; the recipe file comes first, then the key"], {}),
     (["run", QUICKSTART, "logging.wandb_mode=onlin"], ["logging.wandb_mode ('onlin')", "online"], {}),
     (["run", QUICKSTART, "rollout.cuda_graphs=true"], ["cuda_graphs=true needs a CUDA", "(or cuda_graphs to"], {}),
+    # 1 == True to `in`: an integer switch passed the check, then the engine's `is True` read it as off
+    (["run", QUICKSTART, "rollout.async_scheduling=1"], ["rollout.async_scheduling (1) must be auto, true or"], {}),
+    (["run", QUICKSTART, "rollout.cuda_graphs=0"], ["rollout.cuda_graphs (0) must be auto, true or false"], {}),
+    # what `rollout run` does not write is not a run of its own: a benchmark, a user's model/ (which was called a run
+    # to resume, and which overwrite=true deleted)
+    (["run", QUICKSTART, "output_dir=benched"], ["benched holds files that are not a run's (bench.json)"], {}),
+    (["run", QUICKSTART, "output_dir=project"], ["project holds files that are not a run's (model)"], {}),
+    (["train", GRPO, "output_dir=project"], ["project already holds a run (model): pass overwrite=true"], {}),
+    # a folder no file can be made in, refused before the model loads (it failed on the first file written)
+    (["run", QUICKSTART, "output_dir=/proc/rollout-out"], ["output_dir /proc/rollout-out: /proc cannot be"], {}),
+    (["bench", QUICKSTART, "output_dir=/proc/sys"], ["output_dir /proc/sys cannot be written"], {}),
     (["run", QUICKSTART, "rollout.compile_forward=true"], ["compile_forward=true needs a", "false, or model"], {}),
     (["run", QUICKSTART], ["WANDB_MODE ('ofline')", "offline"], {"WANDB_MODE": "ofline"}),
     # what the recipe asks for comes before where it writes: a typo is named even where the folder is taken

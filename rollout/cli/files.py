@@ -6,22 +6,15 @@ import contextlib
 import json
 import os
 import pathlib
+import secrets
 import shutil
 import tempfile
 
-# what a run writes into its output folder (and so what `overwrite` removes)
-RUN_FILES = (
-    "rollouts.jsonl",
-    "steps.jsonl",
-    "summary.json",
-    "config.yaml",
-    "rollout.png",
-    "train.jsonl",
-    "train.png",
-    "bench.json",
-    "warnings.log",
-)
-RUN_FOLDERS = ("wandb", "trainer", "model", "ranks")
+# what each command writes into its output folder (and so what its `overwrite` removes); anything else there, a
+# benchmark beside a run or a user's own `model/` beside a `rollout run`, is left as it is
+RUN_OUTPUTS = ("rollouts.jsonl", "steps.jsonl", "summary.json", "config.yaml", "rollout.png", "warnings.log", "wandb",
+               "ranks")  # fmt: skip
+TRAIN_OUTPUTS = ("train.jsonl", "summary.json", "config.yaml", "train.png", "warnings.log", "wandb", "trainer", "model")
 
 
 def write_atomic(path: str | pathlib.Path, text: str) -> None:
@@ -35,9 +28,13 @@ def write_atomic(path: str | pathlib.Path, text: str) -> None:
 def atomic_path(path: str | pathlib.Path):
     """A temporary path beside `path` to write to; renamed onto `path` when the block ends without an error."""
     path = pathlib.Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
-    tmp = pathlib.Path(name)
+    while True:  # (not mkstemp: its file is 0600, where a file written in place takes 0666 less the umask)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}{path.suffix}"
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:
+            continue
     try:
         yield tmp
         os.replace(tmp, path)
@@ -45,22 +42,28 @@ def atomic_path(path: str | pathlib.Path):
         tmp.unlink(missing_ok=True)
 
 
-def check_output_dir(path: str | pathlib.Path, overwrite: bool, resumable: bool = True) -> None:
-    """Refuse, without writing anything, an output folder a new run may not write to: a file; a folder that holds a
-    run's files, or other files, unless `overwrite`. (Hidden files, e.g. a half-written temporary one, are ignored.)"""
+def check_output_dir(
+    path: str | pathlib.Path, overwrite: bool, resumable: bool = True, outputs: tuple[str, ...] = RUN_OUTPUTS
+) -> None:
+    """Refuse, without writing anything, an output folder a new run may not write to: a file; one that cannot be
+    written; one that holds what the command writes (`outputs`), or other files, unless `overwrite`. (Hidden files,
+    e.g. a half-written temporary one, are ignored.)"""
     folder = pathlib.Path(path)
     if not folder.exists():
         check_makeable(folder)
         return
     if not folder.is_dir():
         raise ValueError(f"output_dir {folder} is a file: choose a folder")
+    check_writable(folder)
     if overwrite:
         return
-    existing = [name for name in (*RUN_FILES, *RUN_FOLDERS) if (folder / name).exists()]
+    existing = [name for name in outputs if (folder / name).exists()]
     if existing:
+        # (resume needs the run's recipe: a folder without it holds a stopped run's first files at most)
+        resume = resumable and (folder / "config.yaml").is_file()
         raise ValueError(
             f"output_dir {folder} already holds a run ({', '.join(existing)}): "
-            + ("pass resume=true to continue it, " if resumable else "")
+            + ("pass resume=true to continue it, " if resume else "")
             + "pass overwrite=true to replace it, or choose another output_dir"
         )
     others = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
@@ -72,12 +75,24 @@ def check_output_dir(path: str | pathlib.Path, overwrite: bool, resumable: bool 
         )
 
 
+def check_writable(folder: pathlib.Path, output_dir: pathlib.Path | None = None) -> None:
+    """Refuse a folder no file can be made in (read-only, immutable, another user's), before a model loads: an
+    unnamed temporary file is made there and dropped. `output_dir`: the folder to be made in it, if not `folder`."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        where = f"{folder}" if output_dir is None else f"{output_dir}: {folder}"
+        raise ValueError(f"output_dir {where} cannot be written ({err.strerror}): choose another output_dir") from None
+
+
 def check_makeable(folder: pathlib.Path) -> None:
     """Refuse an output folder that cannot be made because a file stands where one of its parents would be."""
     for parent in folder.absolute().parents:
         if parent.exists():
             if not parent.is_dir():
                 raise ValueError(f"output_dir {folder}: {parent} is a file, so no folder can be made in it")
+            check_writable(parent, folder)
             return
 
 
@@ -144,12 +159,14 @@ def check_unfinished(path: str | pathlib.Path) -> None:
         )
 
 
-def prepare_output_dir(path: str | pathlib.Path, overwrite: bool, resumable: bool = True) -> pathlib.Path:
-    """Create the run's output folder (`check_output_dir` first); with `overwrite`, a run's files already there are
-    removed (so nothing stale from the old run stays beside the new one)."""
+def prepare_output_dir(
+    path: str | pathlib.Path, overwrite: bool, resumable: bool = True, outputs: tuple[str, ...] = RUN_OUTPUTS
+) -> pathlib.Path:
+    """Create the run's output folder (`check_output_dir` first); with `overwrite`, what the command writes
+    (`outputs`) is removed where it is there already (so nothing stale from the old run stays beside the new one)."""
     folder = pathlib.Path(path)
-    check_output_dir(folder, overwrite, resumable)
-    for name in (*RUN_FILES, *RUN_FOLDERS):
+    check_output_dir(folder, overwrite, resumable, outputs)
+    for name in outputs:
         target = folder / name
         if target.is_dir():
             shutil.rmtree(target)

@@ -27,7 +27,16 @@ import pathlib
 import re
 from typing import TYPE_CHECKING
 
-from rollout.cli.files import check_makeable, check_output_dir, check_resumable, check_unfinished, checkpoint_to_resume
+from rollout.cli.files import (
+    RUN_OUTPUTS,
+    TRAIN_OUTPUTS,
+    check_makeable,
+    check_output_dir,
+    check_resumable,
+    check_unfinished,
+    check_writable,
+    checkpoint_to_resume,
+)
 from rollout.cli.hub import check_hub_id
 from rollout.cli.recipe import WANDB_MODES, DataRecipe, Recipe, recipe_dict
 from rollout.models import zoo
@@ -124,7 +133,7 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
         folder = pathlib.Path(recipe.output_dir)
         if folder.exists() and not folder.is_dir():
             raise ValueError(f"output_dir {folder} is a file: choose a folder")
-        check_makeable(folder)
+        check_writable(folder) if folder.exists() else check_makeable(folder)
         if (folder / "bench.json").exists() and not recipe.overwrite:
             raise ValueError(
                 f"output_dir {folder} already holds a benchmark (bench.json): pass overwrite=true to replace it, or "
@@ -132,13 +141,15 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
             )
     elif recipe.resume:
         check_resumable(recipe.output_dir, recipe_dict(recipe))
+        check_writable(pathlib.Path(recipe.output_dir))
         if command == "run":
             check_unfinished(recipe.output_dir)
         if command == "train":
             checkpoint_to_resume(recipe.output_dir, recipe.train.save_steps)
     else:
         resumable = command == "run" or (command == "train" and recipe.train.save_steps > 0)
-        check_output_dir(recipe.output_dir, recipe.overwrite, resumable=resumable)
+        outputs = TRAIN_OUTPUTS if command == "train" else RUN_OUTPUTS
+        check_output_dir(recipe.output_dir, recipe.overwrite, resumable=resumable, outputs=outputs)
     notes = []
     if identical:
         notes.append(

@@ -78,7 +78,7 @@ def run_recipe_ranked(recipe: Recipe, ranks: Ranks) -> tuple[dict | None, RunTra
     tracker, error = None, None
     if ranks.is_main:
         try:
-            tracker = make_tracker(recipe)
+            tracker = make_tracker(recipe, inputs)
         except (ValueError, OSError) as err:  # an output folder that holds a run: every rank stops, rank 0 says why
             error = err
     if ranks.broadcast(None if error is None else str(error)) is not None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from dataclasses import dataclass
 
 import torch
 
+from rollout.cli.files import read_jsonl
 from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe, recipe_dict, spec_config
 from rollout.cli.sources import check_draft_tokenizer, draft_model_spec, load_dataset, load_model
@@ -98,6 +100,22 @@ def kept_responses(tracker: RunTracker, recipe: Recipe, inputs: RecipeInputs) ->
     return [inputs.prompt_ids[i] for i in rows_of], [r["completion_ids"] for r in records]
 
 
+def check_same_prompts(recipe: Recipe, inputs: RecipeInputs) -> None:
+    """Refuse to resume a run whose samples on disk were made from other prompts than the data gives now: a data file
+    changed behind the same path (the recipe's text, which resume compares, is the same), so the run would hold
+    samples of both."""
+    per_rollout = recipe.rollout.prompts_per_rollout or len(inputs.prompts)
+    for r in read_jsonl(pathlib.Path(recipe.output_dir) / "rollouts.jsonl"):
+        row = (r.get("rollout", 0) * per_rollout + r.get("prompt_index", 0)) % len(inputs.prompts)
+        if "prompt" in r and r["prompt"] != inputs.prompts[row]:
+            raise ValueError(
+                f"resume=true but the data changed since the run in {recipe.output_dir} began: rollout "
+                f"{r.get('rollout', 0)}'s group {r.get('prompt_index', 0)} was sampled from {r['prompt']!r:.60} and "
+                f"the data now gives {inputs.prompts[row]!r:.60}: resume with the same data, or start afresh with "
+                "overwrite=true"
+            )
+
+
 def recipe_spec(recipe: Recipe, **changes) -> SpecConfig | None:
     """The recipe's SpecConfig (with `changes`), a hub draft model loaded here."""
     method = changes.get("method", recipe.spec.method)
@@ -165,7 +183,7 @@ def run_recipe(recipe: Recipe) -> tuple[dict, RunTracker]:
     if (warning := header_warning(recipe, inputs)) is not None:
         print(warning, flush=True)
     log = recipe.logging
-    tracker = make_tracker(recipe)
+    tracker = make_tracker(recipe, inputs)
     rows = list(inputs.data)
     per_rollout = recipe.rollout.prompts_per_rollout or len(rows)
     history = rollout.generator.draft_history
@@ -227,8 +245,11 @@ def kv_cache_header(gen, max_seq_len: int) -> str:
     return f"{size} ({gen.max_batch_size} slots x {max_seq_len} tokens)"
 
 
-def make_tracker(recipe: Recipe) -> RunTracker:
-    """The run's output folder and W&B run, as the recipe's logging section and output settings say."""
+def make_tracker(recipe: Recipe, inputs: RecipeInputs) -> RunTracker:
+    """The run's output folder and W&B run, as the recipe's logging section and output settings say (with `resume`,
+    once the samples on disk are checked to come from the prompts `inputs` gives)."""
+    if recipe.resume:
+        check_same_prompts(recipe, inputs)
     log = recipe.logging
     return RunTracker(
         recipe.output_dir,

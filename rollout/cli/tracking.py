@@ -94,6 +94,8 @@ class RunTracker:
             # the stopped run's summary counts only its own steps: until this run writes its own, `rollout report`
             # rebuilds the table from steps.jsonl (a kill writes no summary)
             (self.output_dir / "summary.json").unlink(missing_ok=True)
+            # and its plot is of its own steps: this run draws all of them (or, with logging.plot=false, none)
+            (self.output_dir / PLOT_NAME).unlink(missing_ok=True)
         else:
             self.output_dir = prepare_output_dir(output_dir, overwrite)
         attach_library_log(self.output_dir)  # the folder is this run's now: library warnings go to its log

@@ -32,6 +32,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 
 from rollout.cli.files import (
+    TRAIN_OUTPUTS,
     atomic_path,
     check_resumable,
     checkpoint_to_resume,
@@ -95,7 +96,9 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
                 checkpoint, kept = _resume_point(output_dir, recipe)
             else:
                 resumable = recipe.train.save_steps > 0
-                output_dir = prepare_output_dir(recipe.output_dir, recipe.overwrite, resumable=resumable)
+                output_dir = prepare_output_dir(
+                    recipe.output_dir, recipe.overwrite, resumable=resumable, outputs=TRAIN_OUTPUTS
+                )
             attach_library_log(output_dir)
         except (ValueError, OSError) as err:
             error = err
