@@ -99,6 +99,46 @@ def test_a_policy_left_in_train_mode_samples_what_it_samples_in_eval_mode(layout
     assert model.training
 
 
+def test_two_generators_over_one_policy_on_two_threads_both_sample_in_eval_mode():
+    """Each call took the policy's modes down when it began and handed them back when it ended: with two generators
+    over one policy in train mode on two threads (as the refusal of a second thread advises), B began while A held
+    the policy in eval mode (nothing to switch), then A's end put it back in train mode under B's steps, which then
+    sampled with dropout, without a word. Here A ends while B is between two steps, every time: B's forwards all run
+    in eval mode, its samples are the eval-mode policy's, and the policy is handed back in train mode."""
+    import threading
+
+    model = lora_policy(dropout=0.5, attention_dropout=0.5)
+    prompts = random_prompts(3, max_len=12, seed=5)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7)
+    model.eval()
+    expected = samples(Generator(model, max_batch_size=6, max_seq_len=48).generate(prompts, params))
+    model.train()
+    first, second = (Generator(model, max_batch_size=6, max_seq_len=48) for _ in range(2))
+    b_stepping, a_done = threading.Event(), threading.Event()
+    modes, result = [], {}
+    model.register_forward_pre_hook(lambda module, args: modes.append(module.training) if a_done.is_set() else None)
+
+    def b_step(*_):
+        b_stepping.set()
+        assert a_done.wait(60), "expected A's call to end"
+
+    def run_b():
+        result["b"] = second.generate(prompts, params, on_step=b_step)
+
+    def a_step(*_):
+        if not b_stepping.is_set():
+            thread.start()
+            assert b_stepping.wait(60), "expected B's call to begin"
+
+    thread = threading.Thread(target=run_b)
+    first.generate(prompts[:1], SamplingParams(max_new_tokens=2, seed=0), on_step=a_step)
+    a_done.set()
+    thread.join(60)
+    assert modes and not any(modes), "expected B's forwards after A's end in eval mode"
+    assert_same_samples(result["b"], expected)
+    assert model.training and all(m.training for m in model.modules())
+
+
 def test_generation_hands_every_module_back_in_its_own_mode():
     """A trainer may keep part of a policy in train mode frozen in eval (model.train() then a submodule's .eval()):
     generation must not switch it back to train mode."""

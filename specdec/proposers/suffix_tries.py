@@ -171,7 +171,8 @@ class SuffixTries(Proposer):
         self._deferred_responses = 0  # the newest cached responses (none added after) whose last tokens are deferred
 
     def stats(self) -> dict:
-        """The cached history's size: responses, their tokens, distinct prompts, trie nodes and bytes held."""
+        """The cached history's size: responses, their tokens, distinct prompts, trie nodes and bytes held (the nodes
+        of evicted responses too, until the store is rebuilt)."""
         with self.guard():
             self.flush()
             return {
