@@ -658,6 +658,8 @@ def test_stop_ids_outside_the_vocabulary_are_refused():
     "kwargs,match",
     [
         ({"max_batch_size": True}, r"max_batch_size \(True\) must be a positive integer"),
+        # built, it refused every prompt at the first call ("prompt 0 has 1 tokens but max_seq_len is 1")
+        ({"max_seq_len": 1}, r"max_seq_len \(1\) must be >= 2: a prompt token and a completion token"),
         (
             {"max_seq_len": 64, "spec": SpecConfig(method="suffix", num_speculative_tokens=10**6)},
             r"num_speculative_tokens \(1000000\) must be below max_seq_len \(64\)",
@@ -672,7 +674,7 @@ def test_stop_ids_outside_the_vocabulary_are_refused():
             r"max_seq_len \(8\) is too short for the auto K policy's warm-up.* raise max_seq_len to 9",
         ),
     ],
-    ids=["bool", "huge-k", "auto-short"],
+    ids=["bool", "one-position", "huge-k", "auto-short"],
 )
 def test_bad_generator_arguments_are_clear_errors(kwargs, match):
     """Refused before anything is allocated (a K of a million sized the KV cache for a million drafts a row)."""

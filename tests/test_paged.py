@@ -217,6 +217,12 @@ def test_bad_layout_settings_are_refused_with_the_fix():
         Generator(model, max_batch_size=4, max_seq_len=64, kv_layout="paged", kv_pool_blocks=8, spec=auto)
     with pytest.raises(ValueError, match=r"max_seq_len \(24\) is too short for the auto policy's warm-up on the pag"):
         Generator(model, max_batch_size=4, max_seq_len=24, kv_layout="paged", spec=auto)
+    # the length it names, the shortest that passes at each K (whole blocks: not the same order as K; none was named)
+    for k, shortest in ((1, 31), (3, 29), (4, 28), (6, 42)):
+        spec = SpecConfig(method="ngram", num_speculative_tokens=k, num_speculative_tokens_per_batch_size="auto")
+        with pytest.raises(ValueError, match=rf"raise max_seq_len to at least {shortest} \(whole blocks"):
+            Generator(model, max_batch_size=4, max_seq_len=shortest - 1, kv_layout="paged", spec=spec)
+        Generator(model, max_batch_size=4, max_seq_len=shortest, kv_layout="paged", spec=spec)
 
 
 def test_block_manager_shares_copies_on_write_and_frees():

@@ -192,6 +192,8 @@ def check_generator_args(
     for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} ({value!r}) must be a positive integer")
+    if max_seq_len < 2:  # (built, it refused every prompt at the first call)
+        raise ValueError(f"max_seq_len ({max_seq_len}) must be >= 2: a prompt token and a completion token")
     if max_prefill_tokens is not None and (not isinstance(max_prefill_tokens, int) or max_prefill_tokens < max_seq_len):
         raise ValueError(
             f"max_prefill_tokens ({max_prefill_tokens!r}) must be an integer >= max_seq_len ({max_seq_len}) "

@@ -103,7 +103,8 @@ class Completion:
         token_ids: the completion's tokens, the stop token included when it stopped on one.
         logprobs: `logprobs[i]` is the log-probability of `token_ids[i]` under the distribution it was sampled from
             (after temperature / top-k / top-p; for greedy, the model's plain log-softmax).
-        finish_reason: `"stop"` (an EOS or stop token) or `"length"` (`max_new_tokens` reached).
+        finish_reason: `"stop"` (an EOS or stop token) or `"length"` (`max_new_tokens` reached, or the generator's
+            `max_seq_len` where that comes first: a warning says so at the call).
     """
 
     prompt_index: int

@@ -132,7 +132,9 @@ def warm_up(engine) -> float:
             raise ValueError(
                 f"max_seq_len ({engine.max_seq_len}) is too short for the auto policy's warm-up on the paged layout "
                 f"({per_slot} blocks of {cache.block_size} tokens a slot): it fills every slot at once, each with "
-                f"room for a full-width step; raise max_seq_len, use kv_layout='slots', or give a static K or a table"
+                f"room for a full-width step beside 2 blocks a step may take; raise max_seq_len to at least "
+                f"{_shortest_warm_up_length(engine.max_seq_len, engine.max_width, cache.block_size)} (whole blocks: "
+                f"at another K, another length), use kv_layout='slots', or give a static K or a table"
             )
         raise ValueError(
             f"kv_pool_blocks ({cache.max_blocks}) holds {per_slot} blocks of {cache.block_size} tokens per slot: the "
@@ -146,6 +148,18 @@ def warm_up(engine) -> float:
         policy.calibrate(timer)
     engine.proposers.reset()  # the calibration's random rows are no drafting material
     return time.perf_counter() - start
+
+
+def _shortest_warm_up_length(max_seq_len: int, max_width: int, block_size: int) -> int:
+    """The shortest max_seq_len above `max_seq_len` whose paged pool, planned at every slot's blocks, leaves the auto
+    policy's warm-up a uniform context of `max_width + 4` tokens (`Scheduler.max_uniform_context`, with whole blocks of
+    `block_size` and the 2 a step may take kept aside)."""
+    length = max_seq_len + 1
+    while True:
+        blocks = -(-(length + max_width) // block_size) - 2
+        if min(length, blocks * block_size - max_width) >= max_width + 4:
+            return length
+        length += 1
 
 
 @contextlib.contextmanager
