@@ -113,7 +113,7 @@ class RolloutBatch:
         rewards = torch.tensor([math.nan if r is None else r for r in self.reward], dtype=torch.float64)
         return group_advantages(rewards, torch.tensor(self.group_index), eps, scale, std)
 
-    def to_padded(self, pad_token_id: int | None = None) -> dict[str, Tensor]:
+    def to_padded(self, pad_token_id: int | None = None, std: str = "population") -> dict[str, Tensor]:
         """Padded tensors, TRL's layout: prompts padded on the LEFT, completions on the RIGHT, so that
         `cat([prompt_ids, completion_ids], dim=1)` holds each sample's tokens contiguously. A forward over them
         reproduces `logprobs` where each token sits at its own position: a model with learned positions (GPT-2's)
@@ -125,9 +125,9 @@ class RolloutBatch:
             completion_ids `[N, C]` long, padded with `pad_token_id`; completion_mask `[N, C]` long, 1 = token;
             logprobs `[N, C]` float32, 0.0 at padding; group_index `[N]` long; truncated `[N]` bool; and when the
             batch has rewards, rewards `[N]` float32 (0.0 where a reward is None, or NaN or infinite as a trainer may
-            set it), reward_mask `[N]` bool (False there) and advantages `[N]` float32 (population std; 0.0 where a
-            reward is missing so). P and C are the
-            longest prompt and completion.
+            set it), reward_mask `[N]` bool (False there) and advantages `[N]` float32 (`advantages(std=std)`:
+            "sample" for TRL's Bessel-corrected std; 0.0 where a reward is missing so). P and C are the longest
+            prompt and completion.
         """
         pad = self.pad_token_id if pad_token_id is None else pad_token_id
         num = len(self)
@@ -161,7 +161,7 @@ class RolloutBatch:
                 [r if ok else 0.0 for r, ok in zip(self.reward, scored)], dtype=torch.float32
             )
             tensors["reward_mask"] = torch.tensor(scored, dtype=torch.bool)
-            tensors["advantages"] = self.advantages().to(torch.float32)
+            tensors["advantages"] = self.advantages(std=std).to(torch.float32)
         return tensors
 
     def to_dataset(self):

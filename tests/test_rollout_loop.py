@@ -428,6 +428,84 @@ def test_a_resumed_run_drops_the_stopped_runs_summary_until_it_writes_its_own(ba
     assert summary["complete"] and summary["total"]["tokens"] == 2 * batch.num_tokens
 
 
+def test_padded_advantages_take_the_std_asked_for(batch):
+    """to_padded() gave the population std's advantages only, beside a doc line that computes TRL's (sample std):
+    a loop that took the tensor got advantages sqrt(n / (n - 1)) larger than TRL's."""
+    for std in ("population", "sample"):
+        assert torch.equal(batch.to_padded(std=std)["advantages"], batch.advantages(std=std).to(torch.float32))
+    assert not torch.equal(batch.to_padded()["advantages"], batch.to_padded(std="sample")["advantages"])
+
+
+def _rollouts_on_disk(folder) -> dict[int, list[tuple[int, int]]]:
+    rows = [json.loads(line) for line in (folder / "rollouts.jsonl").read_text().splitlines()]
+    found: dict[int, list[tuple[int, int]]] = {}
+    for row in rows:
+        found.setdefault(row["rollout"], []).append((row["prompt_index"], row["sample_index"]))
+    return found
+
+
+def test_a_loop_logging_without_an_index_goes_on_after_a_resume(batch, tmp_path, monkeypatch):
+    """From a helper's probe of the tracker in one's own loop: after resume=True the default index ("the rollout in
+    progress") started from 0 again, so the next rollout went into rollout 0, and a second resume dropped both as a
+    cut group. It goes on from the rollouts the stopped run closed (its summary), or, after a kill (no summary), past
+    every rollout on disk. A tracker made without a config resumes too (it wrote no config.yaml, and resume was
+    refused as 'holds no run')."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    expected = sorted(zip(batch.group_index, batch.sample_index))
+    first = RunTracker(tmp_path, wandb_mode="disabled", plot=False)  # no config
+    first.log_rollout(batch)
+    first.finish(complete=False, reason="stopped in the update")
+    second = RunTracker(tmp_path, wandb_mode="disabled", plot=False, resume=True, group_size=3)
+    assert second.num_rollouts == 1
+    second.log_rollout(batch)  # then killed: no summary
+    third = RunTracker(tmp_path, wandb_mode="disabled", plot=False, resume=True, group_size=3)
+    assert third.num_rollouts == 2
+    third.log_rollout(batch)
+    summary = third.finish()
+    assert {index: sorted(keys) for index, keys in _rollouts_on_disk(tmp_path).items()} == dict.fromkeys(
+        (0, 1, 2), expected
+    )
+    assert summary["num_rollouts"] == 3 and summary["num_samples"] == 3 * len(batch)
+
+
+def test_a_rollout_run_again_whole_after_a_resume_keeps_its_groups_on_disk_once(batch, tmp_path, monkeypatch):
+    """A loop that streamed a rollout's groups, stopped, and after resume=True runs the rollout again and logs it
+    whole: the groups on disk from before the stop are not written twice (they were: 3 samples more per group, and a
+    second resume then took each as cut short and dropped it)."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    first = RunTracker(tmp_path, {"lr": 1e-6}, wandb_mode="disabled", plot=False)
+    first.log_records(batch.records()[:3])  # group 0, streamed, then the stop
+    first.finish(complete=False, reason="interrupted")
+    resumed = RunTracker(tmp_path, {"lr": 1e-6}, wandb_mode="disabled", plot=False, resume=True, group_size=3)
+    assert resumed.num_rollouts == 0 and resumed.done == {0: {0}}
+    resumed.log_rollout(batch)
+    summary = resumed.finish()
+    assert sorted(_rollouts_on_disk(tmp_path)[0]) == sorted(zip(batch.group_index, batch.sample_index))
+    assert summary["num_samples"] == len(batch) and summary["num_rollouts"] == 1
+
+
+def test_rewards_a_trainer_set_reach_the_files_and_wandb_nan_as_null(batch, tmp_path, monkeypatch):
+    """A trainer that scores sets batch.reward after the call: a NaN there (which the advantages leave out) failed
+    the tracker's line in json ('Out of range float values'), and the rollout's W&B reward_mean was None (taken from
+    the call's summary, made before the rewards). NaN is null in rollouts.jsonl, and the mean is the finite ones'."""
+    from test_cli import wandb_run_contents
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    scored = dataclasses.replace(batch, reward=[math.nan] + [2.0] * (len(batch) - 1), reward_terms={})
+    scored.summary = {**batch.summary, "reward_mean": None}
+    tracker = RunTracker(tmp_path, {"lr": 1e-6}, wandb_mode="offline", plot=False)
+    tracker.log_rollout(scored)
+    summary = tracker.finish()
+    rewards = [json.loads(line)["reward"] for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert rewards == [None] + [2.0] * (len(batch) - 1)
+    assert summary["reward_mean"] == 2.0 and summary["num_null_rewards"] == 1
+    (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history, _, _ = wandb_run_contents(run)
+    (row,) = [row for row in history if "rollout/reward_mean" in row]
+    assert row["rollout/reward_mean"] == 2.0
+
+
 def test_threads_sets_torchs_cpu_threads_and_refuses_a_bad_count(tiny):
     model, tokenizer = tiny
     before = torch.get_num_threads()

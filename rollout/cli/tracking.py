@@ -29,6 +29,7 @@ A run on several processes (`rollout.cli.ranked`) writes the same files from ran
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import sys
@@ -91,6 +92,9 @@ class RunTracker:
             self.output_dir = pathlib.Path(output_dir)
             check_resumable(self.output_dir, config)
             check_unfinished(self.output_dir)
+            # the rollouts the stopped run closed: the default index of the next (its summary says; a kill writes
+            # none, and then the next index is past every rollout on disk)
+            self._closed = _closed_rollouts(self.output_dir / "summary.json")
             # the stopped run's summary counts only its own steps: until this run writes its own, `rollout report`
             # rebuilds the table from steps.jsonl (a kill writes no summary)
             (self.output_dir / "summary.json").unlink(missing_ok=True)
@@ -104,10 +108,10 @@ class RunTracker:
         self.plot = plot
         for name in ("rollouts.jsonl", "steps.jsonl"):
             (self.output_dir / name).touch()
-        if config is not None:
-            from omegaconf import OmegaConf
+        # (without a config too, as an empty one: resume finds a run by it, and refused a run made without one)
+        from omegaconf import OmegaConf
 
-            write_atomic(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config)))
+        write_atomic(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config or {})))
         self.steps: list[dict] = []
         self.rewards: list[float | None] = []  # None: a non-finite reward recorded as null
         self.reward_terms: dict[str, list[float | None]] = {}
@@ -153,6 +157,10 @@ class RunTracker:
         self._mark_unkept_tokens()  # a kill left them unmarked; a caught signal marked them already
         write_jsonl(self.output_dir / "steps.jsonl", self.steps)
         self.wall_seconds = self.steps[-1]["elapsed"] if self.steps else 0.0
+        on_disk = [r["rollout"] for r in (*kept, *self.steps)]
+        # the rollout in progress when it stopped, or the next one: what a loop that logs without an index goes on
+        # with (numbered from 0 again, it wrote its next rollout into the first and a second resume dropped both)
+        self.num_rollouts = self._closed if self._closed is not None else max(on_disk, default=-1) + 1
 
     def _count_kept_tokens(self, records: list[dict], rollout: int | None = None) -> None:
         for r in records:
@@ -206,7 +214,9 @@ class RunTracker:
     def log_records(self, records: list[dict], rollout: int | None = None) -> None:
         """Append samples given as `rollouts.jsonl` records (`RolloutBatch.records()`) in one write."""
         index = self.num_rollouts if rollout is None else rollout
-        lines = [json.dumps({"rollout": index, **record}, allow_nan=False) + "\n" for record in records]
+        kept = self.done.get(index, set())  # groups on disk from before a resume: a loop that runs them again
+        records = [r for r in records if r["prompt_index"] not in kept]  # does not write them twice
+        lines = [json.dumps({"rollout": index, **_finite_rewards(r)}, allow_nan=False) + "\n" for r in records]
         # counted before the lines go out: a stop between the two then marks too few tokens unkept, which the resume's
         # count from the file makes up (too many, for lines written but not counted, it could not take back)
         self._count_kept_tokens(records, index)
@@ -220,9 +230,9 @@ class RunTracker:
         for r in records:
             terms = [k[len("reward_") :] for k in r if k.startswith("reward_")]
             if r.get("reward") is not None or terms:  # scored (None: a non-finite reward recorded as null)
-                self.rewards.append(r.get("reward"))
+                self.rewards.append(_finite(r.get("reward")))  # (NaN or infinite: one a trainer set, null on disk)
             for name in terms:
-                self.reward_terms.setdefault(name, []).append(r[f"reward_{name}"])
+                self.reward_terms.setdefault(name, []).append(_finite(r[f"reward_{name}"]))
 
     def log_step(self, step: dict, rollout: int | None = None) -> None:
         """Append one generator step (a step dict of the rollout loop) to steps.jsonl now."""
@@ -244,7 +254,11 @@ class RunTracker:
         self.wall_seconds += batch.summary.get("wall_seconds", 0.0)
         self.num_rollouts = max(self.num_rollouts, index + 1)  # its files are whole: it counts, whatever stops W&B
         if self.wandb_run is not None:
-            summary, records = batch.summary, batch.records()
+            kept = self.done.get(index, set())  # (written from before the stop; the batch's are not written again)
+            records = [_finite_rewards(r) for r in batch.records() if r["prompt_index"] not in kept]
+            # the reward mean of what is logged: a trainer that scores sets batch.reward after the call made the
+            # summary (whose reward_mean is then None)
+            summary = {**batch.summary, "reward_mean": _reward_mean(records)}
             positions = self._positions_of(index)
             if len(positions) > len(batch.steps):  # resumed inside this rollout: its W&B metrics are the whole one's
                 records = self._with_kept(records, index)  # (the steps and samples on disk from before the stop too)
@@ -453,6 +467,30 @@ def _wandb_key() -> bool:
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
     return any("wandb" in host for host in entries)
+
+
+def _closed_rollouts(path: pathlib.Path) -> int | None:
+    """`num_rollouts` of a stopped run's summary.json (the rollouts it closed), None where there is none."""
+    try:
+        closed = json.loads(path.read_text()).get("num_rollouts")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return closed if isinstance(closed, int) and not isinstance(closed, bool) else None
+
+
+def _finite(value: float | None) -> float | None:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def _finite_rewards(record: dict) -> dict:
+    """`record` with a NaN or infinite reward or reward term (as a trainer may set them) as None: null in JSON, a
+    reward left out (as the advantages leave it out). JSON has no NaN; the line failed to write."""
+    bad = [
+        key
+        for key, value in record.items()
+        if (key == "reward" or key.startswith("reward_")) and isinstance(value, float) and not math.isfinite(value)
+    ]
+    return {**record, **dict.fromkeys(bad)} if bad else record
 
 
 def _reward_mean(records: list[dict]) -> float | None:
