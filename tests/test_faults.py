@@ -4,6 +4,7 @@ files that parse. A few trials run here; `FAULT_TRIALS=20 python -m pytest tests
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -421,3 +422,102 @@ def test_a_stop_anywhere_leaves_totals_that_are_the_completions_tokens_and_no_ph
             assert summary["total"]["tokens"] == sum(len(r["completion_ids"]) for r in records)
         if not resumed:
             assert main([*args, "resume=true"]) == 0
+
+
+# ---- a disk that fills: what finished stands, and the line says so ---------------------------------------------------
+
+
+def _full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device", "somewhere")
+
+
+def test_a_disk_full_mid_run_keeps_what_finished_says_so_and_the_run_resumes(tmp_path, reference, capsys, monkeypatch):
+    """From a helper's probe of full disks: a write that failed mid-run made the stopped run's own summary fail too
+    (rewriting steps.jsonl first), so no summary said the run was incomplete, and the line was a bare errno. Now the
+    summary says why, the line says what finished is kept and that resume=true continues, and the resume gives the
+    uninterrupted run's samples."""
+    from rollout.cli.tracking import RunTracker
+
+    log_step, calls = RunTracker.log_step, []
+
+    def filling(self, step, rollout=None):
+        calls.append(1)
+        if len(calls) > 30:  # the disk is full from the 31st step
+            _full()
+        log_step(self, step, rollout)
+
+    monkeypatch.setattr(RunTracker, "log_step", filling)
+    monkeypatch.setattr("rollout.cli.tracking.write_jsonl", _full)  # the stopped run's rewrite of steps.jsonl too
+    assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "No space left on device" in line and line.endswith(
+        "; what finished is in the output folder; resume=true continues the run"
+    ), line
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["complete"] is False and "No space left on device" in summary["incomplete_reason"]
+    monkeypatch.undo()
+    assert main(["run", RECIPE, *SETTINGS, f"output_dir={tmp_path}", "resume=true"]) == 0
+    resumed = {
+        (r["rollout"], r["prompt_index"], r["sample_index"]): r["completion_ids"]
+        for r in read_lines(tmp_path / "rollouts.jsonl")
+    }
+    assert resumed == reference
+
+
+def test_a_complete_run_whose_plot_or_wandb_fails_is_complete_and_says_what_failed(tmp_path, capsys, monkeypatch):
+    """The disk filled after summary.json said complete: the plot's failure made the run exit with an error that
+    resume=true then refused (the run was complete). The plot and W&B are said in a warning; the run stands."""
+    from rollout.cli.tracking import RunTracker
+
+    monkeypatch.setattr("rollout.cli.tracking.plot_steps", _full)
+    tracker = RunTracker(tmp_path / "run", {"k": 1}, wandb_mode="disabled")
+    step = {"kind": "decode", "phase": "bulk", "seconds": 0.5, "batch_size": 2, "num_emitted": 2, "num_drafted": 0}
+    tracker.log_step({**step, "num_accepted": 0, "num_draft_tokens": 0, "elapsed": 0.5})
+
+    class Closing:
+        summary: dict = {}
+
+        def finish(self, exit_code):
+            raise OSError(errno.ENOSPC, "No space left on device", "wandb/run.wandb")
+
+    tracker.wandb_run = Closing()
+    summary = tracker.finish()
+    assert summary["complete"] is True and json.loads((tmp_path / "run" / "summary.json").read_text())["complete"]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("warning: the plot was not written ([Errno 28] No space left on device")
+    assert err[1].startswith("warning: the W&B run was not closed (OSError: [Errno 28]") and len(err) == 2
+
+
+def test_a_file_written_whole_that_fails_is_named_as_itself(tmp_path):
+    """A folder removed mid-write failed naming the hidden temporary file ('.summary.json.5384331b.json')."""
+    import shutil
+
+    from rollout.cli.files import atomic_path
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError) as info:
+        with atomic_path(folder / "summary.json") as tmp:
+            tmp.write_text("{}")
+            shutil.rmtree(folder)
+    assert info.value.filename == str(folder / "summary.json")
+
+
+def test_a_full_disk_is_refused_before_the_model_loads_and_a_failed_start_leaves_no_run(tmp_path, monkeypatch):
+    """A disk with no room passed the check (an empty file fits) and failed after the model loaded, at config.yaml,
+    leaving rollouts.jsonl and steps.jsonl: the same command was then refused as a run to resume, and resume as no
+    run. It is refused first; and a tracker whose config cannot be written leaves no other file."""
+    import shutil
+
+    from rollout.cli.files import check_output_dir
+    from rollout.cli.tracking import RunTracker
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr("rollout.cli.files.shutil.disk_usage", lambda path: usage._replace(free=4096))
+    with pytest.raises(ValueError, match=r"output_dir .*/new: .* is on a disk with 4 KiB free: free some space"):
+        check_output_dir(tmp_path / "new", overwrite=False)
+    monkeypatch.undo()
+    monkeypatch.setattr("rollout.cli.tracking.write_atomic", _full)
+    with pytest.raises(OSError, match="No space left"):
+        RunTracker(tmp_path / "run", {"k": 1}, wandb_mode="disabled")
+    assert list((tmp_path / "run").iterdir()) == []

@@ -116,9 +116,9 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None, on_write=Non
         log(f"[1] {BASELINE} ...")
         ranks.barrier()
         rows.append(combine_rows(ranks.gather(_baseline_row(recipe, inputs, params) if inputs.prompt_ids else None)))
-        keep(rows)
-        if ranks.is_main:
+        if ranks.is_main:  # said before it is written: a file that cannot be written loses no figure
             log(f"    {rows[-1]['seconds']:.1f} s, {rows[-1]['tokens_per_s']:.0f} tokens/s")
+        keep(rows)
     for name, changes in runs:
         log(f"[{len(rows) + 1}] {name} ...")
         spec = recipe_spec(recipe, **changes) if changes is not None else None
@@ -147,10 +147,10 @@ def run_bench(recipe: Recipe, log=None, ranks: Ranks | None = None, on_write=Non
                 "num_samples": len(batch),
             }
         rows.append(combine_rows(ranks.gather(row)))
-        keep(rows)
         if ranks.is_main:
             row = rows[-1]
             log(f"    {row['seconds']:.1f} s, {row['tokens_per_s']:.0f} tokens/s, K {row['mean_k']:.2f}")
+        keep(rows)
     return rows if ranks.is_main else []
 
 

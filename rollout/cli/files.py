@@ -38,8 +38,15 @@ def atomic_path(path: str | pathlib.Path):
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as err:  # named as the file it was to be (a full disk failed on '.summary.json.5384331b.json')
+        if err.filename != str(tmp):
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # (a folder removed or made read-only: the error above says so)
 
 
 def check_output_dir(
@@ -75,15 +82,25 @@ def check_output_dir(
         )
 
 
+MIN_FREE_BYTES = 1 << 20  # a run's first files (its config, summary, plot) take some hundreds of KB
+
+
 def check_writable(folder: pathlib.Path, output_dir: pathlib.Path | None = None) -> None:
-    """Refuse a folder no file can be made in (read-only, immutable, another user's), before a model loads: an
-    unnamed temporary file is made there and dropped. `output_dir`: the folder to be made in it, if not `folder`."""
+    """Refuse a folder no file can be made in (read-only, immutable, another user's) or whose disk is full, before a
+    model loads: an unnamed temporary file is made there and dropped. `output_dir`: the folder to be made in it, if
+    not `folder`."""
+    where = f"{folder}" if output_dir is None else f"{output_dir}: {folder}"
     try:
         with tempfile.TemporaryFile(dir=folder):
             pass
+        free = shutil.disk_usage(folder).free
     except OSError as err:
-        where = f"{folder}" if output_dir is None else f"{output_dir}: {folder}"
         raise ValueError(f"output_dir {where} cannot be written ({err.strerror}): choose another output_dir") from None
+    if free < MIN_FREE_BYTES:
+        raise ValueError(
+            f"output_dir {where} is on a disk with {free // 1024} KiB free: free some space or choose another "
+            "output_dir"
+        )
 
 
 def check_makeable(folder: pathlib.Path) -> None:

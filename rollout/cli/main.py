@@ -450,30 +450,33 @@ def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
         rank = f"rank {ranks.rank} of {ranks.world_size}: "
     if speaks:
         what = "terminated (SIGTERM)" if terminated else "interrupted"
-        kept = ""
-        if args.command == "run":
-            # the run's folder is written once the model is loaded and warmed up: a signal before that leaves none
-            folder = getattr(args, "run_folder", None)
-            if folder is not None and (folder / "config.yaml").is_file():
-                kept = ": what finished is in the output folder; resume=true continues the run"
-            else:
-                kept = " before the run began: nothing was written; run the same command again"
-        elif args.command == "bench":
-            bench_file = getattr(args, "bench_file", None)
-            if bench_file is not None and bench_file.is_file():
-                kept = f": the rows that finished are in {bench_file} (marked incomplete)"
-        elif args.command == "train":
-            recipe = getattr(args, "train_recipe", None)
-            try:  # (none, or one that ends the training: nothing to resume)
-                _, step = checkpoint_to_resume(recipe.output_dir, recipe.train.save_steps) if recipe else (None, None)
-            except ValueError:
-                step = None
-            if step is not None:
-                kept = f": the checkpoint of step {step} is kept; resume=true continues from it"
-            elif recipe is not None and _stopped_before_a_checkpoint(pathlib.Path(recipe.output_dir)):
-                kept = ": no checkpoint was kept yet, so nothing resumes; overwrite=true runs it again"
-        print(f"rollout {args.command}: {rank}{what}{kept}", file=sys.stderr)
+        print(f"rollout {args.command}: {rank}{what}{_what_was_kept(args)}", file=sys.stderr)
     return code
+
+
+def _what_was_kept(args: argparse.Namespace) -> str:
+    """What a stopped command left and how to go on, as the end of its one line ("" where there is nothing to say)."""
+    if args.command == "run":
+        # the run's folder is written once the model is loaded and warmed up: a stop before that leaves none
+        folder = getattr(args, "run_folder", None)
+        if folder is not None and (folder / "config.yaml").is_file():
+            return ": what finished is in the output folder; resume=true continues the run"
+        return " before the run began: nothing was written; run the same command again"
+    if args.command == "bench":
+        bench_file = getattr(args, "bench_file", None)
+        if bench_file is not None and bench_file.is_file():
+            return f": the rows that finished are in {bench_file} (marked incomplete)"
+    elif args.command == "train":
+        recipe = getattr(args, "train_recipe", None)
+        try:  # (none, or one that ends the training: nothing to resume)
+            _, step = checkpoint_to_resume(recipe.output_dir, recipe.train.save_steps) if recipe else (None, None)
+        except ValueError:
+            step = None
+        if step is not None:
+            return f": the checkpoint of step {step} is kept; resume=true continues from it"
+        if recipe is not None and _stopped_before_a_checkpoint(pathlib.Path(recipe.output_dir)):
+            return ": no checkpoint was kept yet, so nothing resumes; overwrite=true runs it again"
+    return ""
 
 
 def _stopped_before_a_checkpoint(folder: pathlib.Path) -> bool:
@@ -493,6 +496,10 @@ def _fail(args: argparse.Namespace, err: BaseException, status: int, with_type: 
     message = " ".join(str(err).split())  # one line, whatever the message held
     if with_type:
         message = f"{type(err).__name__}: {message}"
+    kept = _what_was_kept(args) if isinstance(err, OSError) else ""
+    if kept and not kept.startswith(" before the run began"):
+        # a file that could not be written once the output was begun (a full disk): what stands, as a stop says
+        message += kept.replace(": ", "; ", 1)
     ranks = args.ranks
     if ranks.distributed:
         if _stopped_by_another(args):

@@ -91,8 +91,8 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
     if command == "train":
         if importlib.util.find_spec("trl") is None:
             raise ValueError(
-                "rollout train needs TRL: install the trl extra from the checkout (pip install '.[trl]', as the README's "
-                "command does; PyPI's 'rollout' is another project)"
+                "rollout train needs TRL: install the trl extra from the checkout (pip install '.[trl]', as the "
+                "README's command does; PyPI's 'rollout' is another project)"
             )
         if s.n < 2:  # TRL refuses it once the model has loaded, naming its own argument
             raise ValueError(

@@ -106,12 +106,14 @@ class RunTracker:
         self.config = config or {}
         self.num_table_rows = num_table_rows
         self.plot = plot
-        for name in ("rollouts.jsonl", "steps.jsonl"):
-            (self.output_dir / name).touch()
-        # (without a config too, as an empty one: resume finds a run by it, and refused a run made without one)
+        # the config first: a run is resumable by it, so a failure before it leaves no files that say otherwise (a
+        # full disk left the two empty files, and neither the same command nor resume=true would take the folder);
+        # without a config too, as an empty one (resume refused a run made without one)
         from omegaconf import OmegaConf
 
         write_atomic(self.output_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config or {})))
+        for name in ("rollouts.jsonl", "steps.jsonl"):
+            (self.output_dir / name).touch()
         self.steps: list[dict] = []
         self.rewards: list[float | None] = []  # None: a non-finite reward recorded as null
         self.reward_terms: dict[str, list[float | None]] = {}
@@ -404,16 +406,42 @@ class RunTracker:
     def finish(self, complete: bool = True, reason: str | None = None) -> dict:
         """Write summary.json and the plot, close the W&B run; returns the summary. `complete=False` (a run stopped
         by an error or a signal) marks the summary incomplete with `reason`: the files hold what finished."""
-        if not complete and self._mark_unkept_tokens():  # the rows in flight were not kept: out of the totals
-            write_jsonl(self.output_dir / "steps.jsonl", self.steps)
+        # a stopped run's files are what finished whatever fails here (a full disk): each part is tried, and a stopped
+        # run's own error goes on up, not one of these (which replaced it, and left no summary and W&B open)
+        if not complete:
+            try:
+                if self._mark_unkept_tokens():  # the rows in flight were not kept: out of the totals
+                    write_jsonl(self.output_dir / "steps.jsonl", self.steps)
+            except OSError:
+                pass  # unmarked on disk: a resume marks them again, as after a kill
         summary = self.summary()
         summary["complete"] = complete
         if not complete:
             summary["incomplete_reason"] = reason
             if self.steps:  # the run's clock moves on a rollout at a time: a stopped one ran until its last step
                 summary["wall_seconds"] = max(summary["wall_seconds"], self.steps[-1].get("elapsed", 0.0))
-        write_atomic(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        plot_path = plot_steps(self.steps, self.output_dir / PLOT_NAME) if self.plot and self.steps else None
+        failed = None
+        try:
+            write_atomic(self.output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        except OSError as err:
+            failed = err
+        plot_path = None
+        if self.plot and self.steps and failed is None:
+            try:  # the run is whole without it: `rollout report` draws it again
+                plot_path = plot_steps(self.steps, self.output_dir / PLOT_NAME)
+            except OSError as err:
+                said = " ".join(str(err).split())
+                _warn(f"the plot was not written ({said}): rollout report {self.output_dir} draws it again")
+        try:
+            self._finish_wandb(summary, complete, plot_path)
+        except Exception as err:  # noqa: BLE001 - the files hold the run; W&B's own failure is said, not raised
+            self.wandb_run = None
+            _warn(f"the W&B run was not closed ({type(err).__name__}: {' '.join(str(err).split())})")
+        if failed is not None and complete:  # (a stopped run's caller raises its own error)
+            raise failed
+        return summary
+
+    def _finish_wandb(self, summary: dict, complete: bool, plot_path: pathlib.Path | None) -> None:
         if self.wandb_run is not None:
             stopped_in = self.steps[-1]["rollout"] if self.steps else None
             # the steps of the rollout the stop cut short, as steps.jsonl holds them (no metrics: it did not close),
@@ -433,7 +461,11 @@ class RunTracker:
                 self.wandb_run.log({"plot": wandb.Image(str(plot_path))})
             self.wandb_run.finish(exit_code=0 if complete else 1)
             self.wandb_run = None
-        return summary
+
+
+def _warn(message: str) -> None:
+    """One line on stderr about a part of the output that failed where the run's files stand whole."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def stop_reason(err: BaseException) -> str:
