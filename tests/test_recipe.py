@@ -152,6 +152,10 @@ def test_text_fields_take_the_text_as_written(tmp_path):
         3,
     )
     assert load_recipe(recipe_file, ["rewards.0.name=arithmetic", "logging.plot=no"]).logging.plot is False
+    # interpolations stay unresolved until the whole recipe is merged (read early, one to another section failed)
+    (tmp_path / "interpolated.yaml").write_text("output_dir: ${logging.project}\nlogging:\n  run_name: ${sampling.n}\n")
+    recipe = load_recipe(tmp_path / "interpolated.yaml")
+    assert (recipe.output_dir, recipe.logging.run_name) == ("rollout", "1")
 
 
 def test_bad_files(tmp_path):

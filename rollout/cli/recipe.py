@@ -593,12 +593,13 @@ def _texts_as_written(text: str, values, schema) -> None:
                 key = key_node.value
                 if key not in loaded or key not in fields:
                     continue  # an unknown key: the merge names it
-                field_node = fields._get_node(key)
-                value = loaded[key] if not OmegaConf.is_config(loaded._get_node(key)) else None
+                field_node, loaded_node = fields._get_node(key), loaded._get_node(key)
+                # (unresolved: an interpolation or ??? stays as written, for the merge and its checks)
+                value = None if OmegaConf.is_config(loaded_node) else loaded_node._value()
                 if isinstance(value, (bool, int, float)) and isinstance(field_node, StringNode):
                     loaded[key] = value_node.value
                 else:
-                    walk(value_node, loaded._get_node(key), field_node)
+                    walk(value_node, loaded_node, field_node)
         elif isinstance(node, yaml.SequenceNode) and OmegaConf.is_list(loaded) and OmegaConf.is_list(fields):
             entry_type = fields._metadata.element_type
             if dataclasses.is_dataclass(entry_type):
