@@ -193,6 +193,10 @@ def test_report_reads_a_run_a_machine_failure_cut_short(finished_run, tmp_path, 
     captured = capsys.readouterr()
     assert "total" in captured.out
     assert f"holds 1 damaged line(s), left out: the table counts the {len(lines) - 1} steps" in captured.err
+    # no summary at all (a kill, a full disk): the table said nothing of the run being cut short
+    (cut / "summary.json").unlink()
+    assert main(["report", str(cut)]) == 0
+    assert "incomplete (no summary.json: stopped before it wrote one)" in capsys.readouterr().out
 
 
 def test_report_says_a_run_is_incomplete_and_refuses_what_is_not_a_runs_steps(finished_run, tmp_path, capsys):
