@@ -196,7 +196,7 @@ def test_report_reads_a_run_a_machine_failure_cut_short(finished_run, tmp_path, 
     # no summary at all (a kill, a full disk): the table said nothing of the run being cut short
     (cut / "summary.json").unlink()
     assert main(["report", str(cut)]) == 0
-    assert "incomplete (no summary.json: stopped before it wrote one)" in capsys.readouterr().out
+    assert "incomplete (no summary.json: running, or stopped before it wrote one)" in capsys.readouterr().out
 
 
 def test_report_says_a_run_is_incomplete_and_refuses_what_is_not_a_runs_steps(finished_run, tmp_path, capsys):

@@ -269,8 +269,8 @@ def _report(args: argparse.Namespace) -> None:
         print(f"incomplete ({reason}): these are the figures of the {summary.get('num_samples', '?')} samples kept")
     elif not summary_path.is_file():  # killed (or its disk full) before it wrote one: nothing says it finished
         print(
-            "incomplete (no summary.json: stopped before it wrote one): the table counts every step in steps.jsonl, "
-            "the tokens of samples a stop cut off included; resume=true continues the run"
+            "incomplete (no summary.json: running, or stopped before it wrote one): the table counts every step in "
+            "steps.jsonl, the tokens of samples a stop cut off included; resume=true continues a stopped run"
         )
     print(f"plot: {plot_steps(steps, folder / PLOT_NAME, title=str(folder))}")
 
