@@ -234,6 +234,17 @@ def test_backends_it_does_not_drive_are_refused(tmp_path, attribute, value, matc
         check_trainer(trainer)
 
 
+def test_a_setting_a_later_trl_drops_is_said_not_taken_as_off(tmp_path):
+    """The refusals read the trainer's settings with defaults (use_vllm False, min_p None, ...): a TRL that moved one
+    would have dropped its refusal without a word. A GRPOConfig without one of them is said."""
+    from types import SimpleNamespace
+
+    trainer = make_trainer(tmp_path, trl_rollout_func(), max_steps=1)
+    trainer.args = SimpleNamespace(**{k: v for k, v in vars(trainer.args).items() if k != "min_p"})
+    with pytest.raises(ValueError, match="this TRL's GRPOConfig has no min_p: the rollout adapter is tested with TRL"):
+        check_trainer(trainer)
+
+
 def test_a_min_p_of_zero_filters_nothing_and_is_taken(tmp_path):
     trainer = make_trainer(tmp_path, trl_rollout_func(), max_steps=1, min_p=0.0)
     check_trainer(trainer)

@@ -141,6 +141,9 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
         trainer.remove_callback(PrinterCallback)  # it prints every log dict; StepLog prints one line per step instead
         # the trainer's W&B callback logs into the run already started (here: its folder and mode are ours to choose)
         if ranks.is_main:
+            # W&B's own terminal lines (TRL's model card asks an offline run for its URL at every checkpoint: a
+            # warning line between the steps) follow the process's setting, not the run's: this process is ours
+            os.environ.setdefault("WANDB_SILENT", "true")
             run = start_wandb_run(wandb_mode, log.project, log.run_name, output_dir, recipe_dict(recipe))
         start = time.perf_counter() - kept_seconds  # (the training's clock: not the trainer's building)
         trainer.train(resume_from_checkpoint=checkpoint)

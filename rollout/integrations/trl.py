@@ -266,17 +266,26 @@ def check_trainer(trainer) -> None:
     """Refuse a trainer setting the adapter cannot honour, naming it and the way out."""
     refusals = []
     args = trainer.args
-    if getattr(trainer, "use_vllm", False):
+    # GRPOConfig's own fields, as the trainer holds them (its copy, where it keeps one): a field gone from a later TRL
+    # is said, not taken as off (a default here would drop the refusal without a word)
+    missing = [name for name in ("use_vllm", "min_p", "temperature", "repetition_penalty") if not hasattr(args, name)]
+    if missing:
+        raise ValueError(
+            f"this TRL's GRPOConfig has no {', '.join(missing)}: the rollout adapter is tested with TRL 1.16 and reads "
+            "them to refuse what it cannot honour; use a TRL it supports"
+        )
+    setting = lambda name: getattr(trainer, name, getattr(args, name))  # noqa: E731
+    if setting("use_vllm"):
         refusals.append("use_vllm=True (this rollout_func generates with rollout's generator: set use_vllm=False)")
-    if getattr(trainer, "min_p", None):  # None or 0.0: nothing filtered
-        refusals.append(f"min_p={trainer.min_p} (not supported: set min_p=None)")
-    temperature = getattr(trainer, "temperature", 1.0)
+    if setting("min_p"):  # None or 0.0: nothing filtered
+        refusals.append(f"min_p={setting('min_p')} (not supported: set min_p=None)")
+    temperature = setting("temperature")
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
         refusals.append(
             f"temperature={temperature!r} (GRPO samples: it must be above 0, and TRL divides its logits by it)"
         )
-    if getattr(trainer, "repetition_penalty", 1.0) != 1.0:
-        refusals.append(f"repetition_penalty={trainer.repetition_penalty} (not supported: it breaks exact drafting)")
+    if setting("repetition_penalty") != 1.0:
+        refusals.append(f"repetition_penalty={setting('repetition_penalty')} (not supported: it breaks exact drafting)")
     if args.generation_kwargs:
         keys = sorted(args.generation_kwargs) if isinstance(args.generation_kwargs, dict) else args.generation_kwargs
         refusals.append(f"generation_kwargs={keys} (not applied by rollout: drop them, or set temperature/top_p/top_k)")
