@@ -375,3 +375,19 @@ def test_grpo_loss_reads_the_rollouts_own_logprobs_back_greedy_included(temperat
     batch = Rollout(model, tokenizer, sampling=params, max_batch_size=4)(arithmetic_dataset(2, seed=0), seed=0)
     _, info = grpo_loss(model, batch, temperature=temperature)
     assert info["logprob_drift"] < 1e-4
+
+
+def test_an_offline_wandb_run_prints_nothing_between_the_steps(tmp_path, monkeypatch, capsys):
+    """TRL's model card asks the W&B run for its URL at every checkpoint; an offline run answers with a warning line
+    on the terminal, between the step lines. The command quiets W&B's own lines (its process is the command's)."""
+    pytest.importorskip("trl", reason="the trl extra is not installed")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "false")  # (recorded, so that what the command sets is undone after)
+    monkeypatch.delenv("WANDB_SILENT")
+    small = ["train.steps=2", "train.save_steps=1", "train.prompts_per_step=2", "sampling.n=2"]
+    small += ["sampling.max_new_tokens=8", "data.num_prompts=4", "logging.plot=false"]
+    assert main(["train", GRPO, *small, f"output_dir={tmp_path}"]) == 0
+    captured = capsys.readouterr()
+    lines = (captured.out + captured.err).splitlines()
+    assert not [line for line in lines if line.startswith("wandb:") or "URL not available" in line], lines
