@@ -353,7 +353,15 @@ def prompt_key(ids: Sequence[int]) -> bytes:
 @contextlib.contextmanager
 def signals_ignored():
     """SIGTERM and SIGINT ignored inside the block (main thread): a stopping rank finishes its last writes."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        while sig not in previous:
+            try:
+                previous[sig] = signal.signal(sig, signal.SIG_IGN)
+            except KeyboardInterrupt:
+                # a signal that came before the block: `signal.signal` runs a pending one's handler first (here
+                # `Terminated` out of a stopping rank's last writes, as a traceback); the stop it asks for is under way
+                continue
     try:
         yield
     finally:

@@ -363,6 +363,18 @@ def test_trl_training_on_two_ranks_shares_the_drafting_history_and_resumes_as_if
     assert len({s["reward_std"] for s in expected}) == 2 and expected[1]["grad_norm"] > 0, expected  # (a real check)
     assert json.loads((out / "summary.json").read_text())["complete"] is True
     assert result.stdout.count("steps in") == 1 and "2 steps in" in result.stdout
+    # the warnings line of a finished command: rank 0's, before the ranks' exit (which ended the process first)
+    assert result.stderr.count("rollout train: ") == 1 and "library warnings in" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("setting", ["train.stepz=3", "sampling.n=1"])
+def test_a_bad_training_recipe_on_two_ranks_is_refused_in_one_line(tmp_path, setting):
+    """`rollout train` checks its recipe before its ranks start (TRL's accelerator starts them): each process refused
+    it in its own line (the same line twice, or rank 1 then said it was terminated). Rank 0 says it."""
+    result = launch(2, ["train", str(ROOT / "recipes" / "grpo_quickstart.yaml"), setting, f"output_dir={tmp_path}"])
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("rollout train:")]
+    assert len(ours) == 1 and ours[0].startswith("rollout train: error: "), result.stderr[-3000:]
 
 
 def test_a_run_stopped_by_a_rank_resumes_to_every_sample_once(one_process, tmp_path, monkeypatch):

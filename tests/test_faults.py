@@ -521,3 +521,25 @@ def test_a_full_disk_is_refused_before_the_model_loads_and_a_failed_start_leaves
     with pytest.raises(OSError, match="No space left"):
         RunTracker(tmp_path / "run", {"k": 1}, wandb_mode="disabled")
     assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_a_signal_pending_as_a_stopping_rank_ignores_signals_is_ignored_too(monkeypatch):
+    """`signal.signal` runs a pending signal's handler before it changes one: a SIGTERM that came just before a
+    stopping rank's last writes raised `Terminated` out of `signals_ignored` (a traceback, and no summary)."""
+    import signal
+
+    from rollout.distributed import signals_ignored
+
+    change, raised = signal.signal, []
+
+    def pending_first(sig, handler):
+        if not raised:
+            raised.append(sig)
+            raise KeyboardInterrupt  # what the pending signal's handler raises there
+        return change(sig, handler)
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(signal, "signal", pending_first)
+    with signals_ignored():
+        assert change(signal.SIGINT, signal.SIG_IGN) == signal.SIG_IGN  # ignored inside the block
+    assert raised == [signal.SIGTERM] and signal.getsignal(signal.SIGINT) == before

@@ -391,3 +391,29 @@ def test_an_offline_wandb_run_prints_nothing_between_the_steps(tmp_path, monkeyp
     captured = capsys.readouterr()
     lines = (captured.out + captured.err).splitlines()
     assert not [line for line in lines if line.startswith("wandb:") or "URL not available" in line], lines
+
+
+def test_a_checkpoint_resumes_only_on_the_number_of_processes_that_made_it(tmp_path):
+    """Each process seeds its rollouts by its rank: a two-process checkpoint resumed on one process ran steps that
+    were neither training's, without a word. The checkpoint's RNG states (one per process) say how many made it."""
+    from omegaconf import OmegaConf
+
+    from rollout.cli.recipe import load_recipe, recipe_dict
+    from rollout.cli.train import _resume_point
+
+    recipe = load_recipe(GRPO, ["train.save_steps=1", f"output_dir={tmp_path}", "resume=true"])
+    OmegaConf.save(OmegaConf.create(recipe_dict(recipe)), tmp_path / "config.yaml")
+    checkpoint = tmp_path / "trainer" / "checkpoint-1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"max_steps": 3}))
+    for rank in (0, 1):
+        (checkpoint / f"rng_state_{rank}.pth").write_bytes(b"")
+    (tmp_path / "train.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"checkpoint-1 was made by 2 process\(es\) and this training runs on 1: "):
+        _resume_point(tmp_path, recipe, 1)
+    assert _resume_point(tmp_path, recipe, 2)[0] == str(checkpoint)
+    for rank in (0, 1):
+        (checkpoint / f"rng_state_{rank}.pth").unlink()
+    (checkpoint / "rng_state.pth").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"made by 1 process\(es\) and this training runs on 2: .* resume on one proc"):
+        _resume_point(tmp_path, recipe, 2)

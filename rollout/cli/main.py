@@ -372,9 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = "; settings are key=value overrides, e.g. overwrite=true" if args.command != "report" else ""
         command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     with capture_library_warnings() as log:
-        status = _main(args)
-        if status == 0:
-            log.report(args.command)
+        status = _main(args, on_success=lambda: log.report(args.command))
     return status
 
 
@@ -398,7 +396,7 @@ def _exit_at_the_next_signal(status: int) -> None:
         signal.signal(sig, lambda signum, frame: os._exit(status))
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, on_success=lambda: None) -> int:
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     args.ranks = Ranks()
     succeeded = False
@@ -433,6 +431,8 @@ def _main(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         args.ranks.mark_exit()
         if succeeded:  # not after a failure: a peer may be gone, and the barrier would wait for it
+            if args.ranks.is_main:  # (before a rank's exit, which ends the process at once)
+                on_success()
             args.ranks.exit_process()
     return 0
 
@@ -444,6 +444,8 @@ def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
     terminated = isinstance(err, Terminated)
     code = 143 if terminated else 130
     ranks = args.ranks
+    if _a_later_rank_before_the_ranks_start(args):  # the launcher stopping it after rank 0's refusal: quiet
+        return code
     if _stopped_by_another(args):
         return code if _by_a_signal(ranks.failure()) else 1
     speaks, rank = ranks.is_main, ""
@@ -484,6 +486,14 @@ def _what_was_kept(args: argparse.Namespace) -> str:
     return ""
 
 
+def _a_later_rank_before_the_ranks_start(args: argparse.Namespace) -> bool:
+    """Whether this process is a rank other than 0 of a launch (`WORLD_SIZE` above 1) that failed or stopped before
+    its ranks started (`rollout train` checks its recipe first, as one process): every rank checks the same recipe,
+    and each printed the same refusal."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return launched and not args.ranks.distributed and os.environ.get("RANK", "0") != "0"
+
+
 def _stopped_before_a_checkpoint(folder: pathlib.Path) -> bool:
     """Whether a training's folder was written (its config) but holds no complete checkpoint: the same command is
     refused there, and resume=true too."""
@@ -498,6 +508,8 @@ def _by_a_signal(failure: str | None) -> bool:
 
 def _fail(args: argparse.Namespace, err: BaseException, status: int, with_type: bool) -> int:
     """Print the one error line (under several ranks: only the first rank to fail, naming itself)."""
+    if _a_later_rank_before_the_ranks_start(args):  # rank 0 refuses the same recipe in the same line
+        return status
     message = " ".join(str(err).split())  # one line, whatever the message held
     if with_type:
         message = f"{type(err).__name__}: {message}"

@@ -93,7 +93,7 @@ def run_training(recipe: Recipe, ranks: Ranks | None = None, checked: bool = Fal
     if ranks.is_main:
         try:
             if recipe.resume:
-                checkpoint, kept = _resume_point(output_dir, recipe)
+                checkpoint, kept = _resume_point(output_dir, recipe, ranks.world_size)
             else:
                 resumable = recipe.train.save_steps > 0
                 output_dir = prepare_output_dir(
@@ -223,11 +223,20 @@ def _rollout_trainer(base: type, epochs_done: int, func, history_file: str) -> t
     return RolloutTrainer
 
 
-def _resume_point(output_dir: pathlib.Path, recipe: Recipe) -> tuple[str, list[dict]]:
-    """The last checkpoint of the stopped training in `output_dir` (made with the same recipe) and the steps of
-    train.jsonl up to it (the file is cut back to them; the steps after it are made again)."""
+def _resume_point(output_dir: pathlib.Path, recipe: Recipe, num_processes: int = 1) -> tuple[str, list[dict]]:
+    """The last checkpoint of the stopped training in `output_dir` (made with the same recipe, on `num_processes`) and
+    the steps of train.jsonl up to it (the file is cut back to them; the steps after it are made again)."""
     check_resumable(output_dir, recipe_dict(recipe))
     path, step = checkpoint_to_resume(output_dir, recipe.train.save_steps)
+    # the trainer keeps each process's RNG state (rng_state_<rank>.pth; one process: rng_state.pth)
+    made_by = len(list(path.glob("rng_state_*.pth"))) or ((path / "rng_state.pth").is_file() or None)
+    if made_by is not None and int(made_by) != num_processes:
+        raise ValueError(
+            f"resume=true but {path} was made by {int(made_by)} process(es) and this training runs on "
+            f"{num_processes}: each process seeds its rollouts by its rank, so the steps after it would be neither "
+            "training's; resume on "
+            + ("one process" if made_by == 1 else f"{int(made_by)} (accelerate launch --num_processes {int(made_by)})")
+        )
     kept = [s for s in read_jsonl(output_dir / "train.jsonl") if s.get("step", 0) <= step]
     write_jsonl(output_dir / "train.jsonl", kept, allow_nan=True)  # (as StepLog writes its lines)
     (output_dir / "summary.json").unlink(missing_ok=True)  # the stopped training's: this one writes its own
