@@ -543,3 +543,29 @@ def test_a_signal_pending_as_a_stopping_rank_ignores_signals_is_ignored_too(monk
     with signals_ignored():
         assert change(signal.SIGINT, signal.SIG_IGN) == signal.SIG_IGN  # ignored inside the block
     assert raised == [signal.SIGTERM] and signal.getsignal(signal.SIGINT) == before
+
+
+def test_a_stop_says_what_this_run_left_not_what_an_earlier_one_did(tmp_path, capsys, monkeypatch):
+    """The stop's line looked for a config.yaml alone: Ctrl-C while the model loaded, over a finished run that
+    overwrite=true was to replace, said to resume (refused: that run is complete); Ctrl-C after the summary said
+    complete (drawing the plot) said the same. Each now says what is true."""
+    args = ["run", RECIPE, *SETTINGS, "rollout.num_rollouts=1", f"output_dir={tmp_path}"]
+    assert main(args) == 0
+    capsys.readouterr()
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr("rollout.cli.runs.load_inputs", interrupted)
+        assert main([*args, "overwrite=true"]) == 130
+    assert capsys.readouterr().err.strip() == (
+        "rollout run: interrupted before the run began: nothing was written; run the same command again"
+    )
+    assert json.loads((tmp_path / "summary.json").read_text())["complete"] is True  # the earlier run, untouched
+    with monkeypatch.context() as patch:
+        patch.setattr("rollout.cli.tracking.plot_steps", interrupted)
+        assert main([*args, "overwrite=true"]) == 130
+    assert capsys.readouterr().err.strip() == (
+        "rollout run: interrupted after the run finished: its files are whole; rollout report draws its plot again"
+    )

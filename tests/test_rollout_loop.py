@@ -359,6 +359,25 @@ def test_progress_draws_one_updating_line():
     assert quiet.getvalue() == ""
 
 
+def test_progress_fits_a_narrow_terminal_and_a_dumb_one(monkeypatch):
+    """A line wider than the terminal wraps, and the carriage return then redraws only its last row: every redraw left
+    the rows before it behind (a 40-column terminal stacked 8 stale lines above the table). TERM=dumb takes no
+    escape: the line is erased by spaces."""
+    keys = ("phase", "batch_size", "num_draft_tokens", "num_drafted", "num_accepted", "num_emitted", "elapsed")
+    step = dict(zip(keys, ("bulk", 6, 3, 18, 9, 15, 0.5)))
+    monkeypatch.setenv("COLUMNS", "40")
+    stream = io.StringIO()
+    progress = Progress(stream=stream, enabled=True, min_interval=0.0)
+    progress(step, 2, 8)
+    progress(step, 3, 8)
+    drawn = stream.getvalue().split("\r")[1:]
+    assert len(drawn) == 2 and all(len(line.replace("\x1b[K", "")) <= 39 for line in drawn), drawn
+    monkeypatch.setenv("TERM", "dumb")
+    stream = io.StringIO()
+    Progress(stream=stream, enabled=True, min_interval=0.0)(step, 2, 8)
+    assert "\x1b" not in stream.getvalue() and stream.getvalue().startswith("\rrollout 2/8 samples")
+
+
 def test_local_data_files_and_templates(tmp_path, tiny, capfd):
     _, tokenizer = tiny
     path = tmp_path / "problems.jsonl"

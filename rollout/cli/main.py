@@ -46,6 +46,7 @@ def _setup(args: argparse.Namespace):
 def _run(args: argparse.Namespace) -> None:
     recipe = _setup(args)  # a bad recipe is reported before torch is imported
     args.run_folder = pathlib.Path(recipe.output_dir)  # (what a signal's one line looks at)
+    args.config_before = _file_version(args.run_folder / "config.yaml")  # an earlier run's, where one is there
     from rollout.cli.recipe import method_name
     from rollout.cli.runs import run_recipe
     from rollout.phases import format_table, summarize, summarize_ranks
@@ -464,11 +465,19 @@ def _interrupted(args: argparse.Namespace, err: KeyboardInterrupt) -> int:
 def _what_was_kept(args: argparse.Namespace) -> str:
     """What a stopped command left and how to go on, as the end of its one line ("" where there is nothing to say)."""
     if args.command == "run":
-        # the run's folder is written once the model is loaded and warmed up: a stop before that leaves none
+        # the run's folder is written once the model is loaded and warmed up: a stop before that leaves none (and an
+        # earlier run's config there, one overwrite=true was to replace, is not this run's)
         folder = getattr(args, "run_folder", None)
-        if folder is not None and (folder / "config.yaml").is_file():
-            return ": what finished is in the output folder; resume=true continues the run"
-        return " before the run began: nothing was written; run the same command again"
+        config = _file_version(folder / "config.yaml") if folder is not None else None
+        if config is None or config == getattr(args, "config_before", None):
+            return " before the run began: nothing was written; run the same command again"
+        try:  # stopped after its summary said complete (while its plot or W&B run closed): nothing to resume
+            complete = json.loads((folder / "summary.json").read_text()).get("complete") is True
+        except (OSError, ValueError, AttributeError):
+            complete = False
+        if complete:
+            return " after the run finished: its files are whole; rollout report draws its plot again"
+        return ": what finished is in the output folder; resume=true continues the run"
     if args.command == "bench":
         bench_file = getattr(args, "bench_file", None)
         if bench_file is not None and bench_file.is_file():
@@ -484,6 +493,15 @@ def _what_was_kept(args: argparse.Namespace) -> str:
         if recipe is not None and _stopped_before_a_checkpoint(pathlib.Path(recipe.output_dir)):
             return ": no checkpoint was kept yet, so nothing resumes; overwrite=true runs it again"
     return ""
+
+
+def _file_version(path: pathlib.Path) -> tuple[int, int] | None:
+    """(inode, mtime in ns) of `path`, None where there is none: a file written again (through a rename) differs."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
 
 
 def _a_later_rank_before_the_ranks_start(args: argparse.Namespace) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
 from typing import TextIO
@@ -45,7 +47,14 @@ class Progress:
             f"rollout {num_finished}/{num_total} samples | {rate:.0f} tokens/s | batch {step['batch_size']} | "
             f"K {step['num_draft_tokens']} | acceptance {accept} | {step['phase']}"
         )
-        self.stream.write("\r\x1b[K" + line)  # carriage return + erase line: redraw in place
+        # cut to the terminal's width (a line that wraps leaves its first rows behind at every redraw), and erased by
+        # spaces where the terminal takes no escapes (TERM=dumb)
+        width = shutil.get_terminal_size((80, 24)).columns - 1
+        line = line[: max(width, 10)]
+        if os.environ.get("TERM") == "dumb":
+            self.stream.write("\r" + line.ljust(max(width, 10)))
+        else:
+            self.stream.write("\r\x1b[K" + line)  # carriage return + erase line: redraw in place
         self.stream.flush()
         self.drawn = True
 
