@@ -106,6 +106,8 @@ REFUSED = [
     (["run", QUICKSTART, "rewards.0.name=no_such_module:score"], ["cannot import module 'no_such_module'"], {}),
     (["run", "empty.yaml"], ["empty.yaml: a recipe is a mapping of sections", "got nothing (an empty file)"], {}),
     (["run", QUICKSTART, "model.name=tiny-target-1b", "model.dtype=float16"], ["model.dtype float16", "bfloat16"], {}),
+    # the quickstart's draft for the widened target: refused after both had loaded, as another tokenizer
+    (["run", QUICKSTART, "model.name=tiny-target-1b"], ["spec.model 'tiny-draft' does not draft for", "150m"], {}),
     (["run", "notes"], ["recipe file not found: notes is a folder; name a YAML file in it"], {}),
     (["run", "sampling.n=8", QUICKSTART], ["not found: sampling.n=8; the recipe file comes first, then the key"], {}),
     (["run", QUICKSTART, "logging.wandb_mode=onlin"], ["logging.wandb_mode ('onlin')", "online"], {}),

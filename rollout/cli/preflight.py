@@ -76,7 +76,14 @@ def preflight(recipe: Recipe, command: str) -> list[str]:
     if widened and recipe.model.dtype == "float16":  # (the widened models' added vocabulary rows need it)
         raise ValueError(
             f"model.dtype float16 cannot hold the added vocabulary guard of the widened {widened[0]!r}: set "
-            "model.dtype to bfloat16 or float32"
+            "model.dtype to bfloat16, float32 or float64"
+        )
+    if names[1] in zoo.ALL_NAMES and recipe.model.name in zoo.ALL_NAMES and len(widened) == 1:
+        # (refused once both had loaded, as another tokenizer: the widened models pad the same one to 128256 rows)
+        raise ValueError(
+            f"spec.model {names[1]!r} does not draft for model.name {recipe.model.name!r}: the widened models pad the "
+            "vocabulary to 128256 rows and draft for each other (tiny-target-1b with spec.model=tiny-draft-150m, "
+            "tiny-target with tiny-draft)"
         )
     terms = build_rewards([(r.name, r.weight) for r in recipe.rewards])
     columns = data_columns(recipe.data)

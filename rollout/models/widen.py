@@ -159,7 +159,8 @@ def widen(
     from transformers import LlamaForCausalLM
 
     if dtype not in (torch.float32, torch.bfloat16, torch.float64):
-        raise ValueError(f"dtype ({dtype}) must be float32, bfloat16 or float64: float16 cannot hold the vocab guard")
+        why = ": float16 cannot hold the vocab guard" if dtype == torch.float16 else ""
+        raise ValueError(f"dtype ({dtype}) must be torch.float32, torch.bfloat16 or torch.float64{why}")
     config = small.config
     check_widenable(config, shape)
     device = torch.device(device or "cpu")

@@ -60,6 +60,8 @@ def load_model(name: str, dtype: torch.dtype | None = None, device: str | torch.
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy import, only when a model is loaded
 
     dtype = torch.float32 if dtype is None else dtype
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        dtype = getattr(torch, dtype)  # "bfloat16", as transformers takes it for the shipped ones
     if name in WIDENED_NAMES:
         from rollout.models.widen import WIDENED, widen
 
