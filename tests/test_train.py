@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import types
 
 import pytest
@@ -377,19 +380,19 @@ def test_grpo_loss_reads_the_rollouts_own_logprobs_back_greedy_included(temperat
     assert info["logprob_drift"] < 1e-4
 
 
-def test_an_offline_wandb_run_prints_nothing_between_the_steps(tmp_path, monkeypatch, capsys):
+def test_an_offline_wandb_run_prints_nothing_between_the_steps(tmp_path):
     """TRL's model card asks the W&B run for its URL at every checkpoint; an offline run answers with a warning line
-    on the terminal, between the step lines. The command quiets W&B's own lines (its process is the command's)."""
+    on the terminal, between the step lines. The command quiets W&B's own lines (its process is the command's: run as
+    a user runs it, in a process of its own, where W&B reads that setting when it first starts)."""
     pytest.importorskip("trl", reason="the trl extra is not installed")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.delenv("WANDB_DIR", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "false")  # (recorded, so that what the command sets is undone after)
-    monkeypatch.delenv("WANDB_SILENT")
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_SILENT", "WANDB_DIR")}
+    env.update(WANDB_MODE="offline", OMP_NUM_THREADS="1")
     small = ["train.steps=2", "train.save_steps=1", "train.prompts_per_step=2", "sampling.n=2"]
-    small += ["sampling.max_new_tokens=8", "data.num_prompts=4", "logging.plot=false"]
-    assert main(["train", GRPO, *small, f"output_dir={tmp_path}"]) == 0
-    captured = capsys.readouterr()
-    lines = (captured.out + captured.err).splitlines()
+    small += ["sampling.max_new_tokens=8", "data.num_prompts=4", "logging.plot=false", "threads=1"]
+    command = [sys.executable, "-m", "rollout", "train", GRPO, *small, f"output_dir={tmp_path}"]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = (result.stdout + result.stderr).splitlines()
     assert not [line for line in lines if line.startswith("wandb:") or "URL not available" in line], lines
 
 
