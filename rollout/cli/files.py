@@ -162,14 +162,19 @@ def check_resumable(path: str | pathlib.Path, config: dict | None) -> None:
             )
 
 
+def read_summary(folder: str | pathlib.Path) -> dict:
+    """A run's summary.json, {} where there is none (a stopped or killed run) or it is not a summary."""
+    try:
+        summary = json.loads((pathlib.Path(folder) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
 def check_unfinished(path: str | pathlib.Path) -> None:
     """Refuse to resume a `rollout run` that finished: its summary says it is complete, and a resume would have
     nothing to run (it rewrote the same files and started a W&B run holding the summary alone)."""
-    try:
-        complete = json.loads((pathlib.Path(path) / "summary.json").read_text()).get("complete") is True
-    except (OSError, ValueError, AttributeError):  # none (a stopped or killed run), or not a summary
-        return
-    if complete:
+    if read_summary(path).get("complete") is True:
         raise ValueError(
             f"resume=true but the run in {path} is complete (its summary.json says so): nothing is left to run; pass "
             "overwrite=true to run it again, or choose another output_dir"

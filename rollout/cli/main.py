@@ -12,13 +12,12 @@ User errors print one line `rollout <command>: error: ...` on stderr and exit wi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import signal
 import sys
 
-from rollout.cli.files import checkpoint_to_resume
+from rollout.cli.files import checkpoint_to_resume, read_summary
 from rollout.cli.library_log import capture_library_warnings, route_transformers
 from rollout.distributed import VANISHED, Ranks, RankStopped, signal_behind, signals_ignored, start_ranks
 from rollout.engine.errors import NonFiniteLogits
@@ -242,13 +241,7 @@ def _report(args: argparse.Namespace) -> None:
             file=sys.stderr,
         )
     summary_path = folder / "summary.json"
-    summary = None
-    if summary_path.is_file():
-        try:
-            summary = json.loads(summary_path.read_text())
-        except json.JSONDecodeError:  # damaged: the steps say the same
-            summary = None
-    summary = summary if isinstance(summary, dict) else {}
+    summary = read_summary(folder)  # ({} where damaged: the steps say the same)
     table = None
     if "phases" in summary:
         try:
@@ -296,12 +289,8 @@ def _report_training(folder: pathlib.Path) -> None:
             )
     if [i for i in damaged if i != len(steps) + len(damaged) - 1]:
         print(f"note: {path} holds {len(damaged)} damaged line(s), left out", file=sys.stderr)
-    try:
-        kept = json.loads((folder / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):  # none, or damaged: the steps' own time
-        kept = None
-    kept = kept if isinstance(kept, dict) else {}
-    wall = kept.get("wall_seconds")
+    kept = read_summary(folder)
+    wall = kept.get("wall_seconds")  # (none, or damaged: the steps' own time)
     summary = summarize_training(steps, wall if _is_number(wall) else sum(s["step_time"] for s in steps))
     _print_training(summary)
     if kept.get("complete") is False:
@@ -471,11 +460,7 @@ def _what_was_kept(args: argparse.Namespace) -> str:
         config = _file_version(folder / "config.yaml") if folder is not None else None
         if config is None or config == getattr(args, "config_before", None):
             return " before the run began: nothing was written; run the same command again"
-        try:  # stopped after its summary said complete (while its plot or W&B run closed): nothing to resume
-            complete = json.loads((folder / "summary.json").read_text()).get("complete") is True
-        except (OSError, ValueError, AttributeError):
-            complete = False
-        if complete:
+        if read_summary(folder).get("complete") is True:  # stopped while its plot or W&B run closed: nothing to resume
             return " after the run finished: its files are whole; rollout report draws its plot again"
         return ": what finished is in the output folder; resume=true continues the run"
     if args.command == "bench":

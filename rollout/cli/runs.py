@@ -95,24 +95,27 @@ def on_rank_device(recipe: Recipe, ranks: Ranks) -> Recipe:
 def kept_responses(tracker: RunTracker, recipe: Recipe, inputs: RecipeInputs) -> tuple[list, list]:
     """(prompt ids, completion ids) of the samples a resumed run keeps on disk: the drafting history starts there."""
     records = getattr(tracker, "kept_records", [])
-    per_rollout = recipe.rollout.prompts_per_rollout or len(inputs.prompt_ids)
-    rows_of = [(r["rollout"] * per_rollout + r["prompt_index"]) % len(inputs.prompt_ids) for r in records]
-    return [inputs.prompt_ids[i] for i in rows_of], [r["completion_ids"] for r in records]
+    return [inputs.prompt_ids[_data_row(r, recipe, inputs)] for r in records], [r["completion_ids"] for r in records]
+
+
+def _data_row(record: dict, recipe: Recipe, inputs: RecipeInputs) -> int:
+    """The data row a `rollouts.jsonl` record was sampled from: rollouts take the next `prompts_per_rollout` prompts,
+    cycling."""
+    per_rollout = recipe.rollout.prompts_per_rollout or len(inputs.prompts)
+    return (record["rollout"] * per_rollout + record["prompt_index"]) % len(inputs.prompts)
 
 
 def check_same_prompts(recipe: Recipe, inputs: RecipeInputs) -> None:
     """Refuse to resume a run whose samples on disk were made from other prompts than the data gives now: a data file
     changed behind the same path (the recipe's text, which resume compares, is the same), so the run would hold
     samples of both."""
-    per_rollout = recipe.rollout.prompts_per_rollout or len(inputs.prompts)
     for r in read_jsonl(pathlib.Path(recipe.output_dir) / "rollouts.jsonl"):
-        row = (r.get("rollout", 0) * per_rollout + r.get("prompt_index", 0)) % len(inputs.prompts)
+        row = _data_row(r, recipe, inputs)
         if "prompt" in r and r["prompt"] != inputs.prompts[row]:
             raise ValueError(
                 f"resume=true but the data changed since the run in {recipe.output_dir} began: rollout "
-                f"{r.get('rollout', 0)}'s group {r.get('prompt_index', 0)} was sampled from {r['prompt']!r:.60} and "
-                f"the data now gives {inputs.prompts[row]!r:.60}: resume with the same data, or start afresh with "
-                "overwrite=true"
+                f"{r['rollout']}'s group {r['prompt_index']} was sampled from {r['prompt']!r:.60} and the data now "
+                f"gives {inputs.prompts[row]!r:.60}: resume with the same data, or start afresh with overwrite=true"
             )
 
 

@@ -41,6 +41,7 @@ from rollout.cli.files import (
     check_unfinished,
     prepare_output_dir,
     read_jsonl,
+    read_summary,
     write_atomic,
     write_jsonl,
 )
@@ -94,7 +95,8 @@ class RunTracker:
             check_unfinished(self.output_dir)
             # the rollouts the stopped run closed: the default index of the next (its summary says; a kill writes
             # none, and then the next index is past every rollout on disk)
-            self._closed = _closed_rollouts(self.output_dir / "summary.json")
+            closed = read_summary(self.output_dir).get("num_rollouts")
+            self._closed = closed if isinstance(closed, int) and not isinstance(closed, bool) else None
             # the stopped run's summary counts only its own steps: until this run writes its own, `rollout report`
             # rebuilds the table from steps.jsonl (a kill writes no summary)
             (self.output_dir / "summary.json").unlink(missing_ok=True)
@@ -499,15 +501,6 @@ def _wandb_key() -> bool:
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
         return False
     return any("wandb" in host for host in entries)
-
-
-def _closed_rollouts(path: pathlib.Path) -> int | None:
-    """`num_rollouts` of a stopped run's summary.json (the rollouts it closed), None where there is none."""
-    try:
-        closed = json.loads(path.read_text()).get("num_rollouts")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return closed if isinstance(closed, int) and not isinstance(closed, bool) else None
 
 
 def _finite(value: float | None) -> float | None:
