@@ -64,7 +64,7 @@ def group_advantages(
     return torch.where(centred == 0, 0.0, centred / (var.sqrt()[inverse] + eps))  # no deviation: 0, even at eps 0
 
 
-@dataclass
+@dataclass(repr=False)  # (the default repr wrote every token, log-prob and step: megabytes for one rollout)
 class RolloutBatch:
     """One rollout: `len(prompts) * n` samples, prompt-major (all samples of group 0 first).
 
@@ -91,6 +91,31 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return len(self.completion_ids)
+
+    def __repr__(self) -> str:
+        groups = len(set(self.group_index))
+        scored = [r for r in self.reward or () if r is not None and math.isfinite(r)]
+        reward = f", reward mean {sum(scored) / len(scored):.4g}" if scored else ""
+        return (
+            f"RolloutBatch({len(self)} samples of {groups} prompts, {self.num_tokens} completion tokens{reward}, "
+            f"{len(self.steps)} steps)"
+        )
+
+    def _check_aligned(self) -> None:
+        """Refuse per-sample lists out of step with `completion_ids` (a trainer's edit): zipped, they were cut to the
+        shortest without a word, and a log-prob list shorter than its completion padded with 0.0 (probability 1)."""
+        num = len(self)
+        for name in ("group_index", "prompt_ids", "logprobs", "finish_reason"):
+            if len(getattr(self, name)) != num:
+                raise ValueError(
+                    f"batch.{name} holds {len(getattr(self, name))} entries for {num} samples (completion_ids): give "
+                    "one per sample"
+                )
+        for i, (ids, lps) in enumerate(zip(self.completion_ids, self.logprobs)):
+            if len(lps) != len(ids):
+                raise ValueError(
+                    f"batch.logprobs[{i}] holds {len(lps)} values for {len(ids)} completion tokens: give one per token"
+                )
 
     @property
     def truncated(self) -> list[bool]:
@@ -129,6 +154,7 @@ class RolloutBatch:
             "sample" for TRL's Bessel-corrected std; 0.0 where a reward is missing so). P and C are the longest
             prompt and completion.
         """
+        self._check_aligned()
         pad = self.pad_token_id if pad_token_id is None else pad_token_id
         num = len(self)
         prompt_width = max((len(p) for p in self.prompt_ids), default=0)

@@ -141,6 +141,12 @@ class Rollout:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_token_id = pad if pad is not None else 0
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a Rollout cannot be pickled or copied: its generator holds the model's KV caches and its steps' state; "
+            "send its results (RolloutBatch, which pickles) to another process, and build a Rollout there"
+        )
+
     def __call__(
         self,
         data,
@@ -223,7 +229,7 @@ class Rollout:
             sample_index=[o.sample_index for o in outs],
             prompt=[prompt] * len(outs),
             completion=completions,
-            prompt_ids=[prompt_ids] * len(outs),
+            prompt_ids=[list(prompt_ids) for _ in outs],  # a list each: a trainer editing one edited them all
             completion_ids=[o.token_ids for o in outs],
             logprobs=[o.logprobs for o in outs],
             finish_reason=[o.finish_reason for o in outs],

@@ -8,6 +8,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 METHODS = ("ngram", "suffix", "draft_model")
 VERIFICATIONS = ("exact", "rejection")
 MAX_TREE_DEPTH = 1024  # each token a row takes in updates this many nodes in each of two tries (vLLM's default: 24)
@@ -23,9 +25,13 @@ _FLOAT_FIELDS = ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_p
 
 
 def python_number(value: Any, kind: type) -> Any:
-    """numpy's integers (`kind` int) or reals (`kind` float) as Python's, what a config built with numpy holds;
-    anything else (bools included) as it is, for the checks to name."""
+    """numpy's integers (`kind` int), reals (`kind` float) or bools (`kind` bool) as Python's, what a config built
+    with numpy holds; anything else (bools where a number is asked for included) as it is, for the checks to name."""
     if isinstance(value, bool) or type(value) in (int, float):
+        return value
+    if isinstance(value, np.bool_):  # (numpy's bool is no number: it would be refused as one below, or as a bool)
+        return bool(value) if kind is bool else value
+    if kind is bool:
         return value
     if isinstance(value, numbers.Integral if kind is int else numbers.Real):
         return kind(value)
@@ -44,8 +50,8 @@ class SpecConfig:
             pays for running it (`["suffix", "draft_model"]`: suffix where it has a confident draft, the draft model
             elsewhere). None (or `"none"`): no speculation, the other fields ignored.
         num_speculative_tokens: the largest K: draft tokens verified per row and step.
-        prompt_lookup_max: ngram: the longest suffix to match (default 4).
-        prompt_lookup_min: ngram: the shortest suffix to match (default 1).
+        prompt_lookup_max: ngram: the longest suffix to match; None: 4, or `prompt_lookup_min` where that is larger.
+        prompt_lookup_min: ngram: the shortest suffix to match; None: 1.
         model: draft_model: a path, a shipped short name (`tiny-draft`) or a loaded transformers model that shares
             the target's tokenizer.
         num_candidates: ngram / suffix: drafts merged into a token tree of `num_speculative_tokens` nodes; 1 = a
@@ -116,6 +122,28 @@ class SpecConfig:
             raise ValueError(f"suffix_decoding_min_token_prob ({prob!r}) must be a probability in [0, 1], e.g. 0.1")
 
     def __post_init__(self) -> None:
+        self.check()
+        if (
+            self.method is not None
+            and self.verification == "rejection"
+            and self.num_speculative_tokens_per_batch_size == "auto"
+        ):
+            warnings.warn(
+                "verification='rejection' draws its uniforms by count (2K + 1 a step) and the auto K policy chooses K "
+                "from measured step times: the same seed gives other samples from run to run; verification='exact' "
+                "(the default) keeps them",
+                stacklevel=3,
+            )
+
+    def prompt_lookup_range(self) -> tuple[int, int]:
+        """ngram's shortest and longest suffix to match, the defaults of fields left None filled in (the fields keep
+        what was given, so that `dataclasses.replace(spec, prompt_lookup_min=6)` derives the longest again)."""
+        low = 1 if self.prompt_lookup_min is None else self.prompt_lookup_min
+        return low, (max(4, low) if self.prompt_lookup_max is None else self.prompt_lookup_max)
+
+    def check(self) -> None:
+        """Check the fields (numpy's numbers taken as Python's, `method` `"none"` as None). A `Generator` calls it
+        again when built: a field set after construction is checked there too."""
         if self.method in (None, "none"):  # speculation off: nothing else is used
             self.method = None
             return
@@ -135,13 +163,6 @@ class SpecConfig:
             self.method = list(self.method)
         if self.verification not in VERIFICATIONS:
             raise ValueError(f"verification ({self.verification!r}) must be one of {', '.join(VERIFICATIONS)}")
-        if self.verification == "rejection" and self.num_speculative_tokens_per_batch_size == "auto":
-            warnings.warn(
-                "verification='rejection' draws its uniforms by count (2K + 1 a step) and the auto K policy chooses K "
-                "from measured step times: the same seed gives other samples from run to run; verification='exact' "
-                "(the default) keeps them",
-                stacklevel=3,
-            )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(
@@ -149,19 +170,13 @@ class SpecConfig:
                 "in a recipe)"
             )
         if "ngram" in methods:
-            if self.prompt_lookup_max is None:
-                self.prompt_lookup_max = max(4, self.prompt_lookup_min or 1)
-            if self.prompt_lookup_min is None:
-                self.prompt_lookup_min = 1
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 value = getattr(self, name)
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"{name} ({value!r}) must be an integer >= 1")
-            if self.prompt_lookup_min > self.prompt_lookup_max:
-                raise ValueError(
-                    f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
-                    f"({self.prompt_lookup_max})"
-                )
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                    raise ValueError(f"{name} ({value!r}) must be an integer >= 1, or None (the default)")
+            low, high = self.prompt_lookup_range()
+            if low > high:
+                raise ValueError(f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         if self.model is not None and "draft_model" not in methods:
             raise ValueError(
                 f"model is set but method is {self.method!r}: add 'draft_model' to method to use a draft model, or "
@@ -224,7 +239,10 @@ class SpecDecodeParams:
         self.check()
 
     def check(self) -> None:
-        """Check the fields (again for each call that takes them: see `SamplingParams.check`)."""
+        """Check the fields (again for each call that takes them: see `SamplingParams.check`), numpy's numbers and
+        bools taken as Python's."""
+        self.enabled = python_number(self.enabled, bool)
+        self.max_num_draft_tokens = python_number(self.max_num_draft_tokens, int)
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled ({self.enabled!r}) must be True or False")
         cap = self.max_num_draft_tokens

@@ -73,6 +73,10 @@ class RunTracker:
             samples of a prompt) are kept and listed in `done`, a group cut short is dropped, and the run clock goes
             on from its last step. The W&B run is a new one; the rollout it resumes in is logged there whole (its
             steps and samples from before the stop too).
+        group_size: with resume, the samples of a complete group (the rollout's `n`); None takes every group on disk
+            as complete.
+
+    After `finish`, the tracker logs nothing more (a RuntimeError says so): resume the run with a new one.
     """
 
     def __init__(
@@ -131,6 +135,7 @@ class RunTracker:
         self._wandb_steps: set[int] = set()  # positions in `self.steps` of the steps it logged (each once)
         self._prompts_written: dict[int, set[int]] = {}  # each rollout's groups in rollouts.jsonl, by prompt index
         self.sharing: list[dict] = []  # and each rollout's history all-gather: seconds, bytes, responses held
+        self._finished = False  # `finish` wrote the summary: nothing more is logged
         if resume:
             self._load_finished(group_size)
         self.wandb_run = None
@@ -217,6 +222,7 @@ class RunTracker:
 
     def log_records(self, records: list[dict], rollout: int | None = None) -> None:
         """Append samples given as `rollouts.jsonl` records (`RolloutBatch.records()`) in one write."""
+        self._check_open()
         index = self.num_rollouts if rollout is None else rollout
         kept = self.done.get(index, set())  # groups on disk from before a resume: a loop that runs them again
         records = [r for r in records if r["prompt_index"] not in kept]  # does not write them twice
@@ -230,6 +236,13 @@ class RunTracker:
         self._count_rewards(records)
         self.num_samples += len(records)
 
+    def _check_open(self) -> None:
+        if self._finished:  # (its lines went into rollouts.jsonl while summary.json counted without them)
+            raise RuntimeError(
+                f"this RunTracker finished ({self.output_dir / 'summary.json'} is written): log before finish(), or "
+                "build a RunTracker with resume=True to add rollouts to the run"
+            )
+
     def _count_rewards(self, records: list[dict]) -> None:
         for r in records:
             terms = [k[len("reward_") :] for k in r if k.startswith("reward_")]
@@ -240,6 +253,7 @@ class RunTracker:
 
     def log_step(self, step: dict, rollout: int | None = None) -> None:
         """Append one generator step (a step dict of the rollout loop) to steps.jsonl now."""
+        self._check_open()
         index = self.num_rollouts if rollout is None else rollout
         record = {**step, "elapsed": step["elapsed"] + self.wall_seconds, "rollout": index}
         append_lines(self.output_dir / "steps.jsonl", json.dumps(record, allow_nan=False) + "\n")
@@ -249,6 +263,7 @@ class RunTracker:
     def log_rollout(self, batch: RolloutBatch, rollout: int | None = None) -> None:
         """Close one rollout: append its samples and steps unless they were streamed (`log_group`, `log_step`),
         move the run clock on, and log its W&B metrics."""
+        self._check_open()
         index = self.num_rollouts if rollout is None else rollout
         if index not in self._streamed:
             self.log_group(batch, index)
@@ -439,6 +454,7 @@ class RunTracker:
         except Exception as err:  # noqa: BLE001 - the files hold the run; W&B's own failure is said, not raised
             self.wandb_run = None
             _warn(f"the W&B run was not closed ({type(err).__name__}: {' '.join(str(err).split())})")
+        self._finished = True
         if failed is not None and complete:  # (a stopped run's caller raises its own error)
             raise failed
         return summary

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -128,7 +129,7 @@ class Generator(Admission, DecodeStep):
         self._ahead = RunAhead()  # the host one step ahead: the step in flight (`rollout.engine.run_ahead`)
         self._policy_modules = list(model.modules())  # listed anew by every `generate` and `add_requests` call
         if self.draft_history is not None:  # the history's own calls hold the generator too: never beside a step
-            self.draft_history.guard = functools.partial(self._one_call, "its drafting history")
+            self.draft_history.guard = _history_guard(self)
         self._draft_modules = self._list_draft_modules()  # a draft model's, the same way
         # the policy measures what it needs (auto: step times, as vLLM profiles)
         self.warm_up_seconds = warm_up(self) if self.policy is not None else 0.0
@@ -202,6 +203,12 @@ class Generator(Admission, DecodeStep):
         with self._one_call():
             self._check_not_generating("generate")
             return self._generate(prompt_ids, params, on_step, on_group, seed_indices)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a Generator cannot be pickled or copied: it holds the model's KV caches, its steps' state and a lock; "
+            "send its results (Completion lists) to another process, and build a Generator there"
+        )
 
     @contextlib.contextmanager
     def _one_call(self, through: str = ""):
@@ -386,6 +393,19 @@ class Generator(Admission, DecodeStep):
         record, observation = self._finish_decode(launched)
         record.num_preempted, record.num_discarded = len(scheduled.preempted), discarded
         return self._postprocess(record, observation)
+
+
+def _history_guard(generator: Generator) -> Callable[[], contextlib.AbstractContextManager]:
+    """What the drafting history's own calls hold: `generator`'s `_one_call`. Through a weak reference: a bound method
+    made a cycle (generator -> history -> generator), so a dropped generator kept its caches until the garbage
+    collector ran; a history kept past its generator holds nothing."""
+    owner = weakref.ref(generator)
+
+    def guard() -> contextlib.AbstractContextManager:
+        held = owner()
+        return contextlib.nullcontext() if held is None else held._one_call("its drafting history")
+
+    return guard
 
 
 @contextlib.contextmanager

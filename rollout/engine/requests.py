@@ -208,6 +208,8 @@ def check_generator_args(
         raise ValueError(f"async_scheduling ({async_scheduling!r}) must be True, False or 'auto'")
     if spec is not None and not isinstance(spec, SpecConfig):
         raise ValueError(f"spec must be a specdec.SpecConfig or None, got {type(spec).__name__}")
+    if spec is not None:
+        spec.check()  # (again: a field set after construction, which a trainer's config code does, is checked here)
     if spec is not None and spec.methods:
         k = spec.num_speculative_tokens
         spec.check_room(max_seq_len)

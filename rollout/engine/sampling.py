@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +27,8 @@ class SamplingParams:
         stop_token_ids: extra stop tokens besides the model's EOS ids.
         ignore_eos: keep generating past the model's EOS ids (`stop_token_ids` still stop).
         seed: the same seed and inputs give the same completions; None draws a fresh seed.
-        spec: this request's speculation settings (off, a K cap, one proposer); None = drafted as configured.
+        spec: this request's speculation settings (off, a K cap, one proposer), or their fields as a dict; None =
+            drafted as configured.
     """
 
     n: int = 1
@@ -50,6 +53,7 @@ class SamplingParams:
             setattr(self, name, python_number(getattr(self, name), int))
         for name in ("temperature", "top_p"):  # (np.float64 is a float, and still numpy's: OmegaConf refuses it)
             setattr(self, name, python_number(getattr(self, name), float))
+        self.ignore_eos = python_number(self.ignore_eos, bool)
         ids = self.stop_token_ids
         if isinstance(ids, (list, tuple)) and any(isinstance(t, np.integer) for t in ids):
             self.stop_token_ids = [int(t) if isinstance(t, np.integer) else t for t in ids]
@@ -85,6 +89,12 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids ({ids!r}) must be a list of non-negative token ids, {example}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed ({self.seed!r}) must be an integer or None")
+        if isinstance(self.spec, Mapping):  # `dataclasses.asdict` of params, a config file's section
+            names = [f.name for f in dataclasses.fields(SpecDecodeParams)]
+            unknown = [key for key in self.spec if key not in names]
+            if unknown:
+                raise ValueError(f"spec has no field {unknown[0]!r}: SpecDecodeParams takes {', '.join(names)}")
+            self.spec = SpecDecodeParams(**self.spec)
         if self.spec is None:
             self.spec = SpecDecodeParams()
         elif not isinstance(self.spec, SpecDecodeParams):

@@ -281,7 +281,7 @@ class NgramAdapter(Proposer):
     trees of up to `spec.num_candidates` continuations (no model, no per-row state)."""
 
     def __init__(self, spec: SpecConfig):
-        self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        self.ngram = NgramProposer(spec.num_speculative_tokens, *spec.prompt_lookup_range())
         self.num_candidates = spec.num_candidates
 
     def propose(self, batch: ProposalBatch) -> Drafts:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import make_model, random_prompts
 
@@ -12,8 +14,45 @@ from specdec.policies import StaticPolicy, TablePolicy
 
 def test_ngram_defaults_and_vllm_field_names():
     spec = SpecConfig(**{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
-    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (1, 4)
+    assert spec.prompt_lookup_range() == (1, 4) and spec.prompt_lookup_min is None
     assert StaticPolicy(5).choose(300).num_draft_tokens == 5
+
+
+def test_a_derived_default_is_derived_again_by_replace():
+    """The longest match was stored when derived (4), so `replace(spec, prompt_lookup_min=6)` refused the 6 that the
+    constructor takes (the longest then derives as 6)."""
+    spec = SpecConfig(method="ngram")
+    assert spec.prompt_lookup_range() == (1, 4) and spec.prompt_lookup_max is None
+    assert dataclasses.replace(spec, prompt_lookup_min=6).prompt_lookup_range() == (6, 6)
+    assert SpecConfig(method="ngram", prompt_lookup_min=6).prompt_lookup_range() == (6, 6)
+    assert SpecConfig(method="ngram", prompt_lookup_min=2, prompt_lookup_max=3).prompt_lookup_range() == (2, 3)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("verification", "Exact", r"verification \('Exact'\) must be one of exact, rejection"),  # ran rejection
+        ("method", "bogus", r"method \('bogus'\) must be one of"),  # "spec.model must be a path ..."
+        ("num_speculative_tokens", "3", r"num_speculative_tokens \('3'\) must be an integer >= 1"),
+        ("num_speculative_tokens", -2, r"num_speculative_tokens \(-2\) must be an integer >= 1"),
+        ("prompt_lookup_max", 0, r"prompt_lookup_max \(0\) must be an integer >= 1"),
+    ],
+)
+def test_a_field_set_after_construction_is_checked_when_a_generator_is_built(field, value, match):
+    """SpecConfig is a mutable dataclass checked only at construction: a field a trainer's config code set afterwards
+    went into the Generator unchecked (verification='Exact' sampled by rejection, without a word)."""
+    spec = SpecConfig(method="ngram", num_speculative_tokens=2)
+    setattr(spec, field, value)
+    with pytest.raises(ValueError, match=match):
+        Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32, spec=spec)
+
+
+def test_speculation_turned_off_after_construction_is_plain_decoding():
+    spec = SpecConfig(method="ngram", num_speculative_tokens=2)
+    spec.method = "none"  # the documented off value, set afterwards: it failed as "spec.model must be a path"
+    gen = Generator(make_model("qwen2"), max_batch_size=2, max_seq_len=32, spec=spec)
+    assert spec.method is None and gen.policy is None
+    assert len(gen.generate([[1, 2]], SamplingParams(max_new_tokens=3, seed=0))[0].token_ids) == 3
 
 
 @pytest.mark.parametrize(
