@@ -172,7 +172,17 @@ class PromptFormatter:
                     "one or the other"
                 )
             messages = [{"role": "system", "content": self.system_prompt}] + messages
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as err:
+            if not type(err).__module__.startswith("jinja2"):
+                raise
+            # the template's own refusal ("System role not supported") or a template that does not parse: name it
+            system = " (data.system_prompt went in as a system message)" if self.system_prompt is not None else ""
+            said = " ".join(str(err).split())
+            raise ValueError(
+                f"the tokenizer's chat template failed on a prompt's messages{system}: {type(err).__name__}: {said}"
+            ) from None
 
     def __call__(self, rows: Sequence[dict]) -> tuple[list[str], list[list[int]]]:
         """(prompt texts, prompt token ids) of the rows; without a template, every row's prompt column is checked

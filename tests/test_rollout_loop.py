@@ -810,3 +810,154 @@ def test_a_reward_in_trls_convention_takes_every_argument_by_name():
         assert score(terms, ["a", "b"], {"prompts": ["p", "q"], "answer": ["4", "4"]})[0] == expected
     with pytest.raises(RewardError, match="returned a number past a float's range"):
         score([WeightedReward("huge", lambda completions, **kw: [10**400, 1], 1.0)], ["a", "b"], {})
+
+
+def test_each_sample_has_prompt_ids_of_its_own(batch):
+    """A group's samples shared one prompt-ids list: prepending a BOS to each sample's made every prompt of the
+    group n tokens longer."""
+    assert len({id(ids) for ids in batch.prompt_ids}) == len(batch)
+    before = [len(ids) for ids in batch.prompt_ids]
+    edited = copy.deepcopy(batch)
+    for ids in edited.prompt_ids:
+        ids.insert(0, 1)
+    assert [len(ids) for ids in edited.prompt_ids] == [n + 1 for n in before]
+
+
+def test_a_batchs_repr_is_one_short_line(batch):
+    """The dataclass repr wrote every token, log-prob and step (425,144 characters for 64 samples): what a notebook
+    cell, a debugger and a failed assertion print."""
+    text = repr(batch)
+    mean = sum(batch.reward) / len(batch)
+    assert text == (
+        f"RolloutBatch({len(batch)} samples of 4 prompts, {batch.num_tokens} completion tokens, reward mean "
+        f"{mean:.4g}, {len(batch.steps)} steps)"
+    )
+
+
+def test_to_padded_refuses_per_sample_lists_out_of_step(batch):
+    """A log-prob list shorter than its completion was padded with 0.0 under a mask of 1 (probability 1 for a token
+    the policy drew), and lists of other lengths were cut by zip, without a word."""
+    short = copy.deepcopy(batch)
+    short.logprobs[2] = short.logprobs[2][:-1]
+    with pytest.raises(ValueError, match=r"^batch.logprobs\[2\] holds \d+ values for \d+ completion tokens"):
+        short.to_padded()
+    fewer = copy.deepcopy(batch)
+    fewer.prompt_ids.pop()
+    with pytest.raises(ValueError, match=rf"^batch.prompt_ids holds {len(batch) - 1} entries for {len(batch)} samples"):
+        fewer.to_padded()
+
+
+def test_a_tracker_refuses_to_log_after_it_finished(batch, tmp_path, monkeypatch):
+    """Lines logged after `finish()` went into rollouts.jsonl while summary.json, already written, counted without
+    them (3 rollouts on disk, `num_rollouts: 2`)."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    tracker = RunTracker(tmp_path, wandb_mode="disabled", plot=False)
+    tracker.log_rollout(batch)
+    tracker.finish()
+    lines = (tmp_path / "rollouts.jsonl").read_text()
+    for log in (lambda: tracker.log_rollout(batch), lambda: tracker.log_group(batch), lambda: tracker.log_step({})):
+        with pytest.raises(RuntimeError, match="this RunTracker finished .*: log before finish"):
+            log()
+    assert (tmp_path / "rollouts.jsonl").read_text() == lines
+
+
+def test_a_reward_that_edits_what_it_is_given_leaves_the_batch_and_the_next_reward_as_they_were(tiny):
+    """The ids and texts a reward got were the batch's own lists: a reward that stripped the EOS id in place, or
+    upper-cased the texts, rewrote the training data (the EOS dropped out of the completion mask) and what the next
+    reward saw."""
+    model, tokenizer = tiny
+    seen = []
+
+    def strips_eos(completions, completion_ids, **kwargs):
+        for ids in completion_ids:
+            ids.pop()
+        completions[:] = [c.upper() for c in completions]
+        return [0.0] * len(completions)
+
+    def looks(completions, completion_ids, **kwargs):
+        seen.append(([list(ids) for ids in completion_ids], list(completions)))
+        return [1.0] * len(completions)
+
+    params = SamplingParams(n=2, max_new_tokens=12, seed=0)
+    batch = Rollout(model, tokenizer, rewards=[strips_eos, looks], sampling=params, max_seq_len=96)(["1+1=", "2+3="])
+    plain = Rollout(model, tokenizer, rewards=None, sampling=params, max_seq_len=96)(["1+1=", "2+3="])
+    assert batch.completion_ids == plain.completion_ids and batch.completion == plain.completion
+    assert [len(ids) for ids in batch.completion_ids] == [len(lps) for lps in batch.logprobs]
+    assert [ids for group in seen for ids in group[0]] == plain.completion_ids
+    assert [text for group in seen for text in group[1]] == plain.completion
+
+
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        (lambda completions, answer: [0.0] * len(completions), r"does not take \['completion_ids', 'finish_reasons', "),
+        (lambda: [], r"takes no completions: its first parameter gets the decoded texts"),
+        (dict, r"is a class: give a function"),
+    ],
+    ids=["no kwargs", "no parameters", "a class"],
+)
+def test_a_reward_that_cannot_take_what_it_is_given_is_refused_before_generating(tiny, reward, message):
+    """Only a reward's required parameters were checked: one without **kwargs (TRL's own signature, minus the
+    kwargs), one of no parameters, or a class, was refused after the model generated the first group."""
+    model, tokenizer = tiny
+    steps = []
+    rollout = Rollout(model, tokenizer, rewards=[reward], sampling=SamplingParams(max_new_tokens=4), max_seq_len=96)
+    with pytest.raises(ValueError, match=message):
+        rollout([{"prompt": "1+1=", "answer": "2"}], on_step=lambda *args: steps.append(args))
+    assert steps == [], "refused after generating"
+
+
+def test_a_reward_returning_none_does_not_apply_to_that_sample_as_in_trl():
+    """TRL lets a reward return None for a sample it does not apply to (one task's reward beside another's): the
+    total sums the rewards that apply. It was refused ("returned None, not a number")."""
+    from rollout.rewards import WeightedReward, score
+
+    def math_only(completions, task, **kwargs):
+        return [1.0 if t == "math" else None for t in task]
+
+    def code_only(completions, task, **kwargs):
+        return [0.5 if t == "code" else None for t in task]
+
+    terms = [WeightedReward("math", math_only, 2.0), WeightedReward("code", code_only, 1.0)]
+    total, per_term = score(terms, ["a", "b", "c"], {"task": ["math", "code", "chat"]})
+    assert total == [2.0, 0.5, None]
+    assert per_term == {"math": [1.0, None, None], "code": [None, 0.5, None]}
+
+
+def test_an_async_reward_is_refused_when_built_and_says_how_to_run_it():
+    import asyncio
+
+    from rollout.rewards import RewardError, WeightedReward, build_rewards, score
+
+    async def judged(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [1.0] * len(completions)
+
+    class Judge:
+        async def __call__(self, completions, **kwargs):
+            return [1.0] * len(completions)
+
+    for fn in (judged, Judge()):
+        with pytest.raises(ValueError, match=r"is async: rewards are called one after another, not awaited; .*asyncio"):
+            build_rewards([(fn, 1.0)])
+    wrapped = functools.partial(judged)  # (a partial hides it: the coroutine it returns is named then)
+    with pytest.raises(RewardError, match=r"^reward 'wrapped' is async"):
+        score([WeightedReward("wrapped", wrapped, 1.0)], ["a"], {})
+
+
+def test_a_chat_template_that_fails_is_named_in_one_line(tiny):
+    """The template's own refusal (Gemma's 'System role not supported') and one that does not parse came through
+    as jinja's exception, naming neither the chat template nor the system prompt."""
+    _, tokenizer = tiny
+    refusing = copy.deepcopy(tokenizer)
+    refusing.chat_template = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    formatter = PromptFormatter(refusing, prompt_column="q", chat_template=True, system_prompt="Be brief.")
+    with pytest.raises(ValueError, match=r"^the tokenizer's chat template failed on a prompt's messages \(data\."):
+        formatter([{"q": "1+1"}])
+    broken = copy.deepcopy(tokenizer)
+    broken.chat_template = "{% for m in messages %}{{ m['content'] }"
+    with pytest.raises(ValueError, match=r"chat template failed on a prompt's messages: TemplateSyntaxError: "):
+        PromptFormatter(broken, prompt_column="q", chat_template=True)([{"q": "1+1"}])
