@@ -37,6 +37,7 @@ def build_proposers(spec: SpecConfig, target: ModelRunner, num_slots: int, num_p
                 # a GPU's plain steps are host-bound (they run ahead of the device): take tokens in on a thread
                 background=target.device.type == "cuda",
             )
+            proposers[method].compile_kernels()  # (before the run's steps: their time is the rollout's)
         else:
             draft = load_draft_model(spec.model, target)
             device = next(draft.parameters()).device

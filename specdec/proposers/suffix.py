@@ -59,6 +59,30 @@ class SuffixProposer(SuffixTries):
 
         self._kernels = suffix_draft_kernels
 
+    def compile_kernels(self) -> None:
+        """Run the compiled loops once, on a throwaway proposer of two slots: numba compiles a loop at its first call
+        (or loads it from its disk cache), and a run's first steps then timed that (15-30 s on the first run of an
+        install) as drafting. This one's tries are left as they are."""
+        probe = SuffixProposer(
+            2,
+            self.separator,
+            num_slots=2,
+            num_positions=16,
+            max_tree_depth=self.max_tree_depth,
+            max_cached_requests=1,
+            num_candidates=self.num_candidates,
+        )
+        tokens = torch.tensor([[1, 2, 1, 2, 1, 2, 1, 2, 1, 2], [1, 2, 1, 2, 2, 1, 2, 1, 2, 1]])
+        probe.begin()
+        probe.prefill(0, [[1, 2, 1]], torch.zeros(2, dtype=torch.long), [{}, {}])
+        for length in (5, 7):  # a step that drafts, then one that only takes tokens in
+            probe.propose(ProposalBatch(tokens, [length, length], [2, 2], sampling=None, draft_uniforms=None))
+            probe.update(tokens, [length + 1, length + 1])
+        probe.finish([0], tokens, [9])
+        probe.drop([1])
+        probe.add_responses([[1, 2]], [[2, 1, 2]])  # past max_cached_requests: one response evicted
+        probe.begin()
+
     def propose(self, batch: ProposalBatch) -> Drafts:
         """Take in the tokens each row gained, then draft: a chain per asked row, or with `num_candidates > 1` a
         token tree of at most K nodes."""

@@ -1,7 +1,7 @@
 """The suffix proposer's drafting, compiled (numba): each row's chain draft from the tries as they stand.
 
 `SuffixProposer` (`specdec/proposers/suffix.py`) calls `draft_chains` once a step over every row; the node store and
-its lookups are `specdec/proposers/suffix_kernels.py`'s. Compiled once and cached on disk (`cache=True`).
+its lookups are `specdec/proposers/suffix_kernels.py`'s. Compiled once and cached on disk where numba can (`CACHE`).
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from specdec.proposers.suffix_kernels import _child, _walk
+from specdec.proposers.suffix_kernels import CACHE, _child, _walk
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def draft_chains(nodes, branching, table, frontiers, asked, sources, max_spec_factor, min_prob, context):
     """Each row's chain draft, as `SuffixProposer` documents it: the best-scoring first-round walk over every
     (source trie, match length), then, where `context >= 0` and the draft stops short, the best second-round walk from
@@ -78,7 +78,7 @@ def draft_chains(nodes, branching, table, frontiers, asked, sources, max_spec_fa
     return drafts, counts, scores, ends
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def _continue(
     nodes,
     branching,

@@ -1,8 +1,9 @@
 """The suffix proposer's compiled loops (numba): the node store's counting and lookups.
 
 `SuffixIndex` (`specdec/suffix_index.py`) calls these; it imports this module with its first object, so a run that
-drafts otherwise never imports numba. Every function is compiled once and cached on disk (`cache=True`). Taking in the
-rows' tokens is `specdec/proposers/suffix_sync_kernels.py`, drafting `specdec/proposers/suffix_draft_kernels.py`.
+drafts otherwise never imports numba. Every function is compiled once and cached on disk where numba can (`CACHE`).
+Taking in the rows' tokens is `specdec/proposers/suffix_sync_kernels.py`, drafting
+`specdec/proposers/suffix_draft_kernels.py`.
 
 The store's arrays: `nodes [capacity, 4]` int32 rows `[count, best, token, first child]`, `branching [capacity]` (the
 node has children in the hash table), `table [slots, 3]` int32 rows `[parent, token, child]` (parent -1: empty; a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import pathlib
+import warnings
 
 import numba
 import numpy as np
@@ -36,20 +38,20 @@ _AHEAD = 16  # updates between asking for a parent's record and using it
 _MAX_NODES = 2**31 - 1  # node ids are int32
 
 
-_DEPENDENTS = ("suffix_sync_kernels", "suffix_draft_kernels")  # modules whose kernels compile this one's into theirs
+_MODULES = ("suffix_kernels", "suffix_sync_kernels", "suffix_draft_kernels")  # the last two compile this one's in
 
 
-def _drop_stale_caches(folder: pathlib.Path) -> bool:
-    """Remove the suffix kernels' on-disk caches in `folder` (the package's, `specdec/proposers/`) if this module or
-    a dependent changed since they were written; returns whether it removed them.
+def _drop_stale_caches(sources: pathlib.Path, cache: pathlib.Path) -> bool:
+    """Remove the suffix kernels' cached compilations in `cache` (numba's folder for `sources`, the package's
+    `specdec/proposers/`) if this module or a dependent changed since they were written; returns whether it removed
+    them.
 
     Numba checks a cached kernel against its own source file only: a kernel of a dependent inlines this module's
     functions, and would load its old machine code after only this file changed (a `git pull` in a source checkout,
-    an edit). A digest of the three files, kept beside the caches, tells. Where the folder cannot be written, numba
-    caches elsewhere and this does nothing."""
-    sources = b"".join((folder / f"{name}.py").read_bytes() for name in ("suffix_kernels", *_DEPENDENTS))
-    digest = hashlib.sha256(sources).hexdigest()
-    cache, stamp = folder / "__pycache__", folder / "__pycache__" / "suffix_kernels.sources"
+    an edit). A digest of the three files, kept beside the caches, tells. Where the folder cannot be written, this
+    does nothing (and numba cannot write its caches there either)."""
+    digest = hashlib.sha256(b"".join((sources / f"{name}.py").read_bytes() for name in _MODULES)).hexdigest()
+    stamp = cache / "suffix_kernels.sources"
     try:
         if stamp.read_text() == digest:
             return False
@@ -59,14 +61,11 @@ def _drop_stale_caches(folder: pathlib.Path) -> bool:
         stale = [path for path in cache.glob("suffix_*") if path.suffix in (".nbi", ".nbc")]
         for path in stale:  # (numba takes a cache file gone while its index still names it as a miss)
             path.unlink(missing_ok=True)
-        cache.mkdir(exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True)
         stamp.write_text(digest)
     except OSError:
         return False
     return bool(stale)
-
-
-_drop_stale_caches(pathlib.Path(__file__).resolve().parent)
 
 
 @intrinsic
@@ -88,9 +87,27 @@ def _prefetch(typingctx, array, index):
     return numba.types.void(array, index), codegen
 
 
-@numba.njit(cache=True)
 def _prefetch_probe(array):
     _prefetch(array, 0)
+
+
+try:  # numba picks where a kernel's cache goes when the kernel is made: the package's folder, else its user-wide one
+    _prefetch_probe = numba.njit(cache=True)(_prefetch_probe)
+    CACHE = True  # every suffix kernel is cached on disk (`cache=CACHE`)
+except RuntimeError:  # "no locator available": neither can be written (a read-only install, an unwritable HOME)
+    _prefetch_probe = numba.njit(_prefetch_probe)
+    CACHE = False
+    warnings.warn(
+        f"numba cannot cache the suffix proposer's kernels (neither {pathlib.Path(__file__).parent} nor its own "
+        "cache folder can be written): they compile again in every process, about 30 s; set NUMBA_CACHE_DIR to a "
+        "writable folder",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+if CACHE:  # (`_cache.cache_path`: numba's own folder for this file, wherever its locator put it)
+    _cache_path = getattr(getattr(_prefetch_probe, "_cache", None), "cache_path", None)
+    if _cache_path is not None:
+        _drop_stale_caches(pathlib.Path(__file__).resolve().parent, pathlib.Path(_cache_path))
 
 
 def _prefetch_compiles() -> bool:
@@ -110,12 +127,12 @@ if not _prefetch_compiles():
         pass
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=CACHE, inline="always")
 def _slot(key, bits):
     return np.int64((np.uint64(key) * _HASH) >> np.uint64(64 - bits))
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def _bits(size):
     bits = 0
     while (1 << bits) < size:
@@ -123,7 +140,7 @@ def _bits(size):
     return bits
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=CACHE, inline="always")
 def _log2(size):
     """log2 of a power of two, in 6 steps."""
     bits = 0
@@ -134,7 +151,7 @@ def _log2(size):
     return bits
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def _lookup(table, parent, token):
     """The row of `table` holding the child of `parent` by `token`, or -1."""
     mask = len(table) - 1
@@ -146,7 +163,7 @@ def _lookup(table, parent, token):
     return -1
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def _store(table, parent, token, child):
     """Put a (parent, token) that is not in `table` there, with its child."""
     mask = len(table) - 1
@@ -156,7 +173,7 @@ def _store(table, parent, token, child):
     table[slot, 0], table[slot, 1], table[slot, 2] = parent, token, child
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def rehash(table, size):
     """The table's entries in a new one of the next power of two >= `size` slots."""
     grown = np.full((1 << _bits(size), 3), _EMPTY, dtype=np.int32)
@@ -166,7 +183,7 @@ def rehash(table, size):
     return grown
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def reserve(nodes, branching, needed):
     """`nodes` and `branching` with room for `needed` nodes (doubling). Rows past `num_nodes` are left as they come:
     a node's four fields are all written when it is made (so growing touches only the pages it copies)."""
@@ -185,7 +202,7 @@ def reserve(nodes, branching, needed):
     return new_nodes, new_branching
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=CACHE, inline="always")
 def _child(nodes, branching, table, parent, token):
     """The child of `parent` by `token`, -1 if none. Reads only."""
     first = nodes[parent, 3]
@@ -201,7 +218,7 @@ def _child(nodes, branching, table, parent, token):
     return np.int64(-1)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def children(nodes, branching, table, parents, tokens):
     """`_child` of each of `parents [N]` (valid nodes) by `tokens [N]`."""
     found = np.empty(len(parents), dtype=np.int64)
@@ -210,7 +227,7 @@ def children(nodes, branching, table, parents, tokens):
     return found
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def scratch(num_updates):
     """Scratch for batches of up to `num_updates` updates, kept from call to call: `seen` (`count`'s table of a
     batch's parents, 4 int64 per slot, at load <= 1/2) and `work` (9 int64 per update: 4 for `count`, 5 for its
@@ -220,7 +237,7 @@ def scratch(num_updates):
     return seen, np.empty(9 * num_updates, dtype=np.int64)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def count(nodes, branching, table, state, parents, tokens, owners, shared, runs, delta, out, seen, work):
     """Count one batch: the child of each of `parents [N]` by `tokens [N]` (created when `delta > 0`; else it must
     exist) gets `delta` added to its count; its id goes to `out [N]`. `runs [R + 1]`: offsets of runs of updates
@@ -342,7 +359,7 @@ def count(nodes, branching, table, state, parents, tokens, owners, shared, runs,
     return nodes, branching, table
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def _raise_best(nodes, first, old_best, out, next_same):
     """The best child, after the batch, of the parent of updates `first`, `next_same[first]`, ... from `old_best`
     (its best before the batch) as a vectorised update of the batch sets it: in rounds, every update compares against
@@ -362,7 +379,7 @@ def _raise_best(nodes, first, old_best, out, next_same):
     return p_best
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def insert(nodes, branching, table, state, seen, work, frontier, tokens, lengths, delta):
     """Append `tokens[r, :lengths[r]]` (`[M, T]`) to the sequences with frontiers `[M, D]` (in place), one batch per
     position: every (row, column) of the rows still going on, column by column and in row order within a column (a
@@ -418,7 +435,7 @@ def insert(nodes, branching, table, state, seen, work, frontier, tokens, lengths
     return nodes, branching, table
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def add_sequences(nodes, branching, table, state, roots, tokens, lengths, depth, delta):
     """Insert (+1) or remove (-1) whole sequences `tokens[r, :lengths[r]]` (`[N, T]`) under `roots [N]`, one batch
     per depth: the n-gram ending at position p is the child of the (n-1)-gram ending at p - 1; a batch holds every
@@ -468,7 +485,7 @@ def add_sequences(nodes, branching, table, state, roots, tokens, lengths, depth,
     return nodes, branching, table
 
 
-@numba.njit(cache=True, inline="always")
+@numba.njit(cache=CACHE, inline="always")
 def _walk(nodes, node, max_len, min_prob, num_open, out, offset):
     """Follow the most frequent child from `node` for up to `max_len` tokens while the path probability stays >=
     `min_prob`, writing the tokens to `out[offset:]`; `num_open` occurrences of `node` leave the first ratio's base.
@@ -492,7 +509,7 @@ def _walk(nodes, node, max_len, min_prob, num_open, out, offset):
     return length, score, prob
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=CACHE)
 def walk(nodes, start, max_len, min_prob, width, num_open):
     """`_walk` from each of `start [N]`: tokens `[N, width]` (-1 padded), lengths, scores and last probabilities."""
     num = len(start)

@@ -1,7 +1,7 @@
 """The suffix proposer's compiled taking in of the rows' tokens (numba): one call per step for every row.
 
 `SuffixTries` (`specdec/proposers/suffix_tries.py`) calls `sync_rows` through its `SuffixIndex`; the counting is
-`specdec/proposers/suffix_kernels.py`'s. Compiled once and cached on disk (`cache=True`); it releases the GIL
+`specdec/proposers/suffix_kernels.py`'s. Compiled once and cached on disk where numba can (`CACHE`); it releases the GIL
 (`nogil=True`), so that a background thread may take tokens in while the host prepares the next step.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from specdec.proposers.suffix_kernels import insert
+from specdec.proposers.suffix_kernels import CACHE, insert
 
 
-@numba.njit(cache=True, nogil=True)
+@numba.njit(cache=CACHE, nogil=True)
 def sync_rows(
     nodes,
     branching,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -188,6 +191,43 @@ def test_rows_rolled_back_between_steps_draft_like_the_reference(seed):
     assert both.num_steps > 10 and both.num_drafted > 0
 
 
+def _import_kernels_with(env: dict, check: str) -> subprocess.CompletedProcess:
+    """Import the suffix kernels in a fresh process under `env` (numba reads its settings when imported), then run
+    `check`."""
+    code = f"import warnings; warnings.simplefilter('always'); from specdec.proposers import suffix_kernels; {check}"
+    root = pathlib.Path(__file__).resolve().parents[2]
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(root), **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_the_kernels_compile_uncached_where_numba_can_write_no_cache():
+    """A read-only install with an unwritable HOME (a container run as another user): numba found no folder to cache
+    in and the kernels' decorators raised at import, a traceback after the model loaded. They compile without a
+    cache, and say so once. (NUMBA_CACHE_LOCATOR_CLASSES leaves numba only a locator for zip files: no folder.)"""
+    check = (
+        "import numpy as np; assert not suffix_kernels.CACHE; seen, work = suffix_kernels.scratch(4); print(len(work))"
+    )
+    done = _import_kernels_with({"NUMBA_CACHE_LOCATOR_CLASSES": "_ZipCacheLocator"}, check)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["36"]
+    assert "numba cannot cache the suffix proposer's kernels" in done.stderr and "NUMBA_CACHE_DIR" in done.stderr
+
+
+def test_stale_kernel_caches_are_dropped_in_numbas_cache_folder_wherever_it_is(tmp_path):
+    """With NUMBA_CACHE_DIR (or a read-only package, which numba caches for under ~/.cache), the caches are not in the
+    package's `__pycache__`, the only folder checked for stale kernels: after an edit of `suffix_kernels.py` the
+    dependents loaded their old machine code. The check runs in numba's own folder for these files."""
+    done = _import_kernels_with({"NUMBA_CACHE_DIR": str(tmp_path)}, "print(suffix_kernels.CACHE)")
+    assert done.returncode == 0, done.stderr
+    [stamp] = tmp_path.rglob("suffix_kernels.sources")
+    assert stamp.parent == pathlib.Path(next(tmp_path.rglob("suffix_kernels._prefetch_probe*.nbi")).parent)
+
+
 def test_kernel_caches_are_dropped_when_a_kernel_source_changes(tmp_path):
     """A dependent's cached kernels inline `suffix_kernels`' functions, and numba checks a cache against the kernel's
     own file only: the suffix kernels' caches go when any of the three sources changed, and stay otherwise."""
@@ -205,17 +245,49 @@ def test_kernel_caches_are_dropped_when_a_kernel_source_changes(tmp_path):
         return sorted(p.name for p in cache.iterdir() if p.suffix in (".nbi", ".nbc"))
 
     cached()
-    assert suffix_kernels._drop_stale_caches(tmp_path)  # no digest yet: whatever is there may be stale
+    assert suffix_kernels._drop_stale_caches(tmp_path, cache)  # no digest yet: whatever is there may be stale
     assert sorted(p.name for p in cache.iterdir()) == ["other.nbi", "suffix_kernels.sources"]
     before = cached()
-    assert not suffix_kernels._drop_stale_caches(tmp_path)  # nothing changed
+    assert not suffix_kernels._drop_stale_caches(tmp_path, cache)  # nothing changed
     assert sorted(p.name for p in cache.iterdir() if p.suffix in (".nbi", ".nbc")) == before
     with open(tmp_path / "suffix_kernels.py", "a") as f:  # only the file the others inline changed
         f.write("\n# changed\n")
-    assert suffix_kernels._drop_stale_caches(tmp_path)
+    assert suffix_kernels._drop_stale_caches(tmp_path, cache)
     assert sorted(p.name for p in cache.iterdir()) == ["other.nbi", "suffix_kernels.sources"]
     cached()
     with open(tmp_path / "suffix_draft_kernels.py", "a") as f:
         f.write("\n# changed\n")
-    assert suffix_kernels._drop_stale_caches(tmp_path)
+    assert suffix_kernels._drop_stale_caches(tmp_path, cache)
     assert not any(p.name.startswith("suffix_") and p.suffix in (".nbi", ".nbc") for p in cache.iterdir())
+
+
+def test_building_a_suffix_generator_compiles_every_loop_its_steps_call():
+    """Numba compiles a loop at its first call: the first run of an install timed 15-30 s of compiling inside its
+    first rollout's steps (43 tokens/s for about 2,300). Building the generator runs every loop once, so its steps
+    compile nothing (each loop's compiled signatures, in a fresh process, are the same after two calls)."""
+    check = """
+import numba
+from rollout import Generator, SamplingParams, SpecConfig
+from rollout.models import zoo
+from specdec.proposers import suffix_draft_kernels, suffix_sync_kernels
+model = zoo.load_model("tiny-target")[0]
+gens = [
+    Generator(model, max_batch_size=4, max_seq_len=96, spec=SpecConfig(method="suffix", num_speculative_tokens=3,
+              num_candidates=c, suffix_decoding_max_cached_requests=2))
+    for c in (1, 3)
+]
+def compiled():
+    modules = (suffix_kernels, suffix_sync_kernels, suffix_draft_kernels)
+    return {(m.__name__, name): len(f.signatures) for m in modules for name, f in vars(m).items()
+            if isinstance(f, numba.core.registry.CPUDispatcher)}
+before = compiled()
+for gen in gens:
+    for seed in (0, 1):
+        gen.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(n=2, max_new_tokens=40, seed=seed))
+after = compiled()
+assert before == after, {k: (before[k], after[k]) for k in after if before.get(k) != after[k]}
+print(sum(1 for v in before.values() if v))
+"""
+    done = _import_kernels_with({"OMP_NUM_THREADS": "1"}, check)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) >= 8  # (the loops a run calls, compiled while building)
