@@ -956,3 +956,43 @@ def test_whole_responses_go_in_runs_padded_to_their_own_longest(monkeypatch):
     counts = [np.sort(t.index.count[: t.index.num_nodes]) for t in (whole, runs)]
     sizes = [{k: v for k, v in t.stats().items() if k != "bytes"} for t in (whole, runs)]  # (capacity: grown apart)
     assert sizes[0] == sizes[1] and np.array_equal(*counts)
+
+
+def test_a_store_of_more_dead_tokens_than_live_ones_is_rebuilt_with_what_it_holds():
+    """Evicted responses leave their nodes in the store until a call starts with more dead tokens than live ones
+    (and 65,536 at least): the rebuilt store holds only the live history, counted exactly, and drafts as a store
+    that never held the evicted ones (never run by a test before)."""
+    rng = np.random.default_rng(0)
+    responses = [rng.integers(0, 8, size=35_000).tolist() for _ in range(3)]  # 2 evicted: 70,000 dead tokens
+
+    def drafts(proposer: SuffixProposer) -> list[list[int]]:
+        proposer.begin()
+        proposer.prefill(0, [[1, 2, 3]], torch.zeros(1, dtype=torch.long), [{}])
+        tokens = torch.tensor([[1, 2, 3, *responses[-1][:6]]])
+        return proposer.propose(ProposalBatch(tokens, [9], [4], sampling=None, draft_uniforms=None)).token_ids.tolist()
+
+    evicting = SuffixProposer(4, vocab_size=SEP, num_slots=2, num_positions=64, max_cached_requests=1)
+    evicting.add_responses([[1, 2, 3]] * 3, responses)
+    grown = evicting.stats()["nodes"]
+    fresh = SuffixProposer(4, vocab_size=SEP, num_slots=2, num_positions=64, max_cached_requests=1)
+    fresh.add_responses([[1, 2, 3]], responses[-1:])
+    assert drafts(evicting) == drafts(fresh)
+    assert evicting.stats()["nodes"] == fresh.stats()["nodes"] < grown
+    assert evicting._dead_tokens == 0
+    assert_counts_exact(evicting)
+
+
+@pytest.mark.parametrize(
+    "prompts, responses, message",
+    [
+        ("1 2", [[1]], "prompts and responses must be lists of token-id lists"),
+        ([[1]], [[1, [2]]], r"responses\[0\] must be a list of token ids in \[0, 97\)"),  # ragged
+        ([[1]], [[1, 97]], r"responses\[0\] must be a list of token ids in \[0, 97\)"),  # the separator's id
+        ([[-1]], [[1]], r"prompts\[0\] must be a list of token ids in \[0, 97\)"),
+    ],
+)
+def test_responses_added_by_hand_are_checked(prompts, responses, message):
+    proposer = SuffixProposer(2, vocab_size=SEP, num_slots=2, num_positions=16)
+    with pytest.raises(ValueError, match=message):
+        proposer.add_responses(prompts, responses)
+    assert proposer.stats()["responses"] == 0
