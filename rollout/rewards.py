@@ -246,10 +246,11 @@ def score(
     per_term: dict[str, list[float | None]] = {}
     for term in terms:
         # each term gets lists of its own: a reward that edits what it is given (strips an EOS id in place, cleans the
-        # texts) edited the batch's completions and ids, and what the next term saw
-        given = {name: list(values) for name, values in columns.items()}
-        if "completion_ids" in given:
-            given["completion_ids"] = [list(ids) for ids in given["completion_ids"]]
+        # texts) edited the batch's completions and ids, and what the next term saw (a trainer's own arguments, TRL's
+        # `trainer_state` and `log_metric`, go as they are)
+        given = {name: list(values) if isinstance(values, list) else values for name, values in columns.items()}
+        if isinstance(given.get("completion_ids"), list):
+            given["completion_ids"] = [list(ids) if isinstance(ids, list) else ids for ids in given["completion_ids"]]
         try:
             if _completions_by_name(term.fn, given):  # TRL's take every argument by name: (prompts, completions, ...)
                 values = term.fn(completions=list(completions), **given)

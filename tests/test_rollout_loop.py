@@ -885,6 +885,18 @@ def test_a_reward_that_edits_what_it_is_given_leaves_the_batch_and_the_next_rewa
     assert [len(ids) for ids in batch.completion_ids] == [len(lps) for lps in batch.logprobs]
     assert [ids for group in seen for ids in group[0]] == plain.completion_ids
     assert [text for group in seen for text in group[1]] == plain.completion
+    # what is not a list (a trainer's own arguments: TRL's `trainer_state`, `log_metric`) goes as it is (`list()` of a
+    # TrainerState failed every `rollout train`)
+    from rollout.rewards import WeightedReward, score
+
+    state = object()
+    given = {}
+    total, _ = score(
+        [WeightedReward("r", lambda completions, **kw: given.update(kw) or [1.0], 1.0)],
+        ["a"],
+        {"trainer_state": state, "completion_ids": [[1]], "prompts": ["p"]},
+    )
+    assert total == [1.0] and given["trainer_state"] is state and given["completion_ids"] == [[1]]
 
 
 @pytest.mark.parametrize(
