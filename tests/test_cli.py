@@ -172,6 +172,33 @@ def test_the_plotted_rate_counts_what_was_kept_and_never_goes_below_zero():
     assert _windowed_rate(steps, window=1)[-1] == 4.0  # a preemption's few discarded tokens are taken off
 
 
+def test_the_plotted_rate_is_each_windows_own_and_zero_where_no_step_took_time():
+    """The rate at every step re-summed its whole window (a fiftieth of the run): quadratic, minutes for a long run's
+    plot at its end and in `rollout report`. Running sums give each window's own rate, 0 exactly where none of its
+    steps took time."""
+    import random
+
+    from rollout.cli.plots import _windowed_rate
+
+    rng = random.Random(0)
+    steps = [
+        {
+            "num_emitted": rng.randrange(0, 300),
+            "num_discarded": rng.choice([0, 0, 0, rng.randrange(0, 500)]),
+            "seconds": rng.choice([0.0, rng.uniform(0.001, 0.2)]),
+        }
+        for _ in range(500)
+    ]
+    steps[100:120] = [{"num_emitted": 5, "seconds": 0.0}] * 20  # a window of steps that took no time
+    for window in (1, 7, 50):
+        for i, rate in enumerate(_windowed_rate(steps, window)):
+            chunk = steps[max(0, i - window + 1) : i + 1]
+            seconds = sum(s["seconds"] for s in chunk)
+            kept = max(sum(s["num_emitted"] - s.get("num_discarded", 0) for s in chunk), 0)
+            assert rate == pytest.approx(kept / seconds if seconds > 0 else 0.0, rel=1e-9, abs=0.0), (window, i)
+    assert _windowed_rate(steps, 7)[119] == 0.0
+
+
 def test_report_reads_a_run_a_machine_failure_cut_short(finished_run, tmp_path, capsys):
     """A kill can cut the last line of steps.jsonl, and leave summary.json damaged: the report reads the whole lines."""
     import shutil

@@ -9,6 +9,7 @@ import pathlib
 import secrets
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 # what each command writes into its output folder (and so what its `overwrite` removes); anything else there, a
 # benchmark beside a run or a user's own `model/` beside a `rollout run`, is left as it is
@@ -220,14 +221,21 @@ def write_jsonl(path: str | pathlib.Path, records: list[dict], allow_nan: bool =
 def read_jsonl(path: str | pathlib.Path, damaged: list[int] | None = None) -> list[dict]:
     """The whole lines of a JSONL file that parse (a line cut by a kill, the last one, is left out); `damaged`, if
     given, gets the index among the non-blank lines of each one left out."""
+    return list(iter_jsonl(path, damaged))
+
+
+def iter_jsonl(path: str | pathlib.Path, damaged: list[int] | None = None) -> Iterator[dict]:
+    """`read_jsonl`'s records one at a time, the file read line by line (a run's files reach gigabytes: read whole
+    and split, one took several times its size in memory)."""
     path = pathlib.Path(path)
     if not path.is_file():
-        return []
-    records = []
-    for index, line in enumerate(line for line in path.read_text().split("\n") if line.strip()):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if damaged is not None:
-                damaged.append(index)
-    return records
+        return
+    with path.open() as file:
+        for index, line in enumerate(line for line in file if line.strip()):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if damaged is not None:
+                    damaged.append(index)
+                continue
+            yield record

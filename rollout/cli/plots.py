@@ -41,9 +41,12 @@ def plot_steps(steps: list[dict], path: str | pathlib.Path, title: str | None = 
         ([e for e, _ in decode], [s["num_draft_tokens"] for _, s in decode], "K (draft tokens)"),
         (ends, _windowed_rate(steps, window), "tokens/s"),
     ]
+    spans = _phase_spans(steps, starts, ends)
     for ax, (times, values, label) in zip(axes, series):
-        for phase, start, end in _phase_spans(steps, starts, ends):
-            ax.axvspan(start, end, color=PHASE_COLORS[phase], linewidth=0)
+        for phase in PHASES:  # one collection of bars a phase, the axes' full height (a patch a span took minutes)
+            bars = [(start, end - start) for p, start, end in spans if p == phase]
+            if bars:
+                ax.broken_barh(bars, (0, 1), transform=ax.get_xaxis_transform(), color=PHASE_COLORS[phase], linewidth=0)
         ax.step(times, values, where="pre", color="black", linewidth=1)
         ax.set_ylim(0, 1.1 * max([1, *values]))  # from zero: a constant K should not look like noise
         ax.set_ylabel(label)
@@ -72,12 +75,20 @@ def _one_clock(steps: list[dict], title: str | None) -> tuple[list[dict], str | 
 def _windowed_rate(steps: list[dict], window: int) -> list[float]:
     """Tokens/s of the last `window` steps at every step: tokens kept (emitted less discarded) over the seconds they
     took, 0 where more was discarded than emitted (a step that preempts rows discards what they emitted before)."""
+    # running sums, each window one subtraction (the window grows with the run: re-summing it made a long run's plot
+    # quadratic, minutes for 100,000 steps); the tokens are integers, and the steps that took time are counted, so
+    # that a window of none is 0 exactly and not a rounding residue
+    seconds, kept, timed = [0.0], [0], [0]
+    for s in steps:
+        seconds.append(seconds[-1] + s["seconds"])
+        kept.append(kept[-1] + s["num_emitted"] - s.get("num_discarded", 0))
+        timed.append(timed[-1] + (s["seconds"] > 0))
     rates = []
-    for i in range(len(steps)):
-        chunk = steps[max(0, i - window + 1) : i + 1]
-        seconds = sum(s["seconds"] for s in chunk)
-        kept = max(sum(s["num_emitted"] - s.get("num_discarded", 0) for s in chunk), 0)
-        rates.append(kept / seconds if seconds > 0 else 0.0)
+    for i in range(1, len(steps) + 1):
+        start = max(0, i - window)
+        took = seconds[i] - seconds[start]
+        tokens = max(kept[i] - kept[start], 0)
+        rates.append(tokens / took if timed[i] > timed[start] and took > 0 else 0.0)
     return rates
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.cli.files import read_jsonl
+from rollout.cli.files import iter_jsonl
 from rollout.cli.progress import Progress
 from rollout.cli.recipe import Recipe, recipe_dict, spec_config
 from rollout.cli.sources import check_draft_tokenizer, draft_model_spec, load_dataset, load_model
@@ -109,7 +109,7 @@ def check_same_prompts(recipe: Recipe, inputs: RecipeInputs) -> None:
     """Refuse to resume a run whose samples on disk were made from other prompts than the data gives now: a data file
     changed behind the same path (the recipe's text, which resume compares, is the same), so the run would hold
     samples of both."""
-    for r in read_jsonl(pathlib.Path(recipe.output_dir) / "rollouts.jsonl"):
+    for r in iter_jsonl(pathlib.Path(recipe.output_dir) / "rollouts.jsonl"):
         row = _data_row(r, recipe, inputs)
         if "prompt" in r and r["prompt"] != inputs.prompts[row]:
             raise ValueError(

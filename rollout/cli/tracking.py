@@ -121,6 +121,8 @@ class RunTracker:
         for name in ("rollouts.jsonl", "steps.jsonl"):
             (self.output_dir / name).touch()
         self.steps: list[dict] = []
+        self._positions: dict[int, list[int]] = {}  # each rollout's positions in `self.steps`, up to `_indexed`
+        self._indexed = 0
         self.rewards: list[float | None] = []  # None: a non-finite reward recorded as null
         self.reward_terms: dict[str, list[float | None]] = {}
         self.num_rollouts = 0
@@ -158,7 +160,9 @@ class RunTracker:
         for rollout, prompt_index in complete:
             self.done.setdefault(rollout, set()).add(prompt_index)
             self._prompts_written.setdefault(rollout, set()).add(prompt_index)
-        self.kept_records = kept
+        # without their log-probs, which neither the drafting history nor W&B's samples table reads (a long run's
+        # records whole held gigabytes for the rest of the run)
+        self.kept_records = [{k: v for k, v in r.items() if k != "logprobs"} for r in kept]
         self._count_rewards(kept)
         self._count_kept_tokens(kept)
         self.num_samples = len(kept)
@@ -285,8 +289,12 @@ class RunTracker:
             self._log_wandb(summary, records, positions, index)
 
     def _positions_of(self, rollout: int) -> list[int]:
-        """Where `rollout`'s steps are in `self.steps` (their `step/index` in W&B)."""
-        return [i for i, s in enumerate(self.steps) if s["rollout"] == rollout]
+        """Where `rollout`'s steps are in `self.steps` (their `step/index` in W&B), from an index of the steps by
+        rollout kept up to date here (a scan of every step for each rollout made a long run quadratic)."""
+        for i in range(self._indexed, len(self.steps)):  # (steps are only appended, or changed in place)
+            self._positions.setdefault(self.steps[i]["rollout"], []).append(i)
+        self._indexed = len(self.steps)
+        return list(self._positions.get(rollout, ()))
 
     def _with_kept(self, records: list[dict], rollout: int) -> list[dict]:
         """`records` of a rollout resumed part way, with its samples kept on disk from before the stop, in order."""
