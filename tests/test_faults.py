@@ -569,3 +569,46 @@ def test_a_stop_says_what_this_run_left_not_what_an_earlier_one_did(tmp_path, ca
     assert capsys.readouterr().err.strip() == (
         "rollout run: interrupted after the run finished: its files are whole; rollout report draws its plot again"
     )
+
+
+# ---- pinned by a mutation review (2026-11-29): each of these changed what a user sees and no test caught it ----
+
+
+def test_the_checkpoint_resumed_is_the_newest_complete_one(tmp_path):
+    from rollout.cli.files import checkpoint_to_resume
+
+    trainer = tmp_path / "trainer"
+    for step in (3, 4, 5):
+        (trainer / f"checkpoint-{step}").mkdir(parents=True)
+    for step in (3, 4):  # checkpoint-5 is being saved: no trainer_state.json yet (the trainer writes it last)
+        (trainer / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"max_steps": 10}))
+    assert checkpoint_to_resume(tmp_path, save_steps=1) == (trainer / "checkpoint-4", 4)
+
+
+def test_a_resume_with_a_section_the_stopped_run_lacked_is_refused(tmp_path):
+    from rollout.cli.files import check_resumable
+
+    (tmp_path / "config.yaml").write_text("rollout:\n  n: 2\n")
+    check_resumable(tmp_path, {"rollout": {"n": 2}, "logging": {"plot": False}})  # logging changes no sample
+    with pytest.raises(ValueError, match=r"was made with another 'spec' section"):
+        check_resumable(tmp_path, {"rollout": {"n": 2}, "spec": {"method": "suffix"}})
+
+
+def test_an_output_folder_holding_only_hidden_files_is_taken(tmp_path):
+    from rollout.cli.files import check_output_dir
+
+    (tmp_path / ".summary.json.abcd.json").write_text("{}")  # a temporary file a kill left behind
+    check_output_dir(tmp_path, overwrite=False)
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="notes.txt"):
+        check_output_dir(tmp_path, overwrite=False)
+
+
+def test_an_error_inside_an_atomic_write_about_another_file_keeps_its_name(tmp_path):
+    from rollout.cli.files import atomic_path
+
+    with pytest.raises(FileNotFoundError) as raised:
+        with atomic_path(tmp_path / "out.json"):
+            open(tmp_path / "missing" / "input.txt")
+    assert raised.value.filename == str(tmp_path / "missing" / "input.txt")
+    assert not (tmp_path / "out.json").exists() and not list(tmp_path.iterdir())

@@ -973,3 +973,135 @@ def test_a_chat_template_that_fails_is_named_in_one_line(tiny):
     broken.chat_template = "{% for m in messages %}{{ m['content'] }"
     with pytest.raises(ValueError, match=r"chat template failed on a prompt's messages: TemplateSyntaxError: "):
         PromptFormatter(broken, prompt_column="q", chat_template=True)([{"q": "1+1"}])
+
+
+# ---- pinned by a mutation review (2026-11-29): each of these changed what a user sees and no test caught it ----
+
+
+def test_phase_labels_at_the_bounds_and_the_default_fraction():
+    # a prefill's batch counts prompts: it does not move the peak a decode step is judged against
+    labeler = PhaseLabeler()
+    assert [labeler.label(p, b) for p, b in [("prefill", 8), ("decode", 1)]] == ["prefill", "bulk"]
+    default = PhaseLabeler()  # a quarter of the peak, as documented
+    assert [default.label("decode", b) for b in (8, 3, 2, 1)] == ["bulk", "bulk", "bulk", "tail"]
+    none = PhaseLabeler(0.0)  # 0: no tail phase
+    assert [none.label("decode", b) for b in (8, 1)] == ["bulk", "bulk"]
+    every = PhaseLabeler(1.0)  # 1: any step below the peak is the tail
+    assert [every.label("decode", b) for b in (8, 7, 8)] == ["bulk", "tail", "bulk"]
+
+
+def test_the_summary_of_a_paged_cache_and_of_prefill_phases():
+    def step(phase, batch_size, used, allocated, preempted):
+        return {
+            "phase": phase,
+            "batch_size": batch_size,
+            "num_draft_tokens": 0,
+            "num_drafted": 0,
+            "num_accepted": 0,
+            "num_emitted": batch_size,
+            "seconds": 0.1,
+            "kv_blocks_used": used,
+            "kv_blocks_allocated": allocated,
+            "num_preempted": preempted,
+        }
+
+    s = summarize([step("prefill", 2, 4, 10, 0), step("prefill", 4, 6, 12, 1), step("bulk", 3, 5, 8, 2)])
+    assert s["kv_cache"] == {"peak_blocks_used": 6, "blocks_allocated": 12, "num_preempted": 3}
+    # a prefill phase's means are over its own steps (prompts admitted a step), the total's over decode steps only
+    assert s["phases"]["prefill"]["mean_batch_size"] == 3.0 and s["total"]["mean_batch_size"] == 3.0
+    assert "kv_cache" not in summarize([{**step("bulk", 1, 1, 1, 0), "kv_blocks_used": None}])
+
+
+def test_the_straggler_ratio_of_nothing_to_wait_on_is_one():
+    from rollout.phases import straggler_ratio
+
+    assert straggler_ratio([]) == straggler_ratio([[0.0, 0.0]]) == 1.0
+    assert straggler_ratio([[1.0, 3.0], [2.0, 2.0]]) == (3.0 + 2.0) / (2.0 + 2.0)
+
+
+def test_a_batchs_records_dataset_and_padding_carry_every_field(batch):
+    records = batch.records()
+    assert [r["truncated"] for r in records] == batch.truncated
+    for name, values in batch.reward_terms.items():
+        assert [r[f"reward_{name}"] for r in records] == values
+    dataset = batch.to_dataset()
+    assert "truncated" in dataset.column_names and dataset["truncated"] == batch.truncated
+    padded = batch.to_padded(pad_token_id=7)  # the argument, not the batch's own pad id
+    assert batch.pad_token_id != 7
+    short = min(range(len(batch)), key=lambda i: len(batch.prompt_ids[i]))
+    width = padded["prompt_ids"].shape[1] - len(batch.prompt_ids[short])
+    if width:
+        assert padded["prompt_ids"][short, :width].tolist() == [7] * width
+    shortest = min(range(len(batch)), key=lambda i: len(batch.completion_ids[i]))
+    assert padded["completion_ids"][shortest, len(batch.completion_ids[shortest]) :].tolist() == [7] * (
+        padded["completion_ids"].shape[1] - len(batch.completion_ids[shortest])
+    )
+    short_rewards = copy.deepcopy(batch)
+    short_rewards.reward = short_rewards.reward[:1]
+    with pytest.raises(ValueError, match=rf"batch.reward holds 1 values for {len(batch)} samples"):
+        short_rewards.advantages()
+
+
+def test_rewards_keep_apart_what_each_is_given_and_their_names():
+    from rollout.rewards import RewardError, WeightedReward, build_rewards, check_reward_columns, score
+
+    def one(completions, **kwargs):
+        return [1.0] * len(completions)
+
+    terms = build_rewards([(one, 1.0), (one, 2.0)])  # the same function twice: two terms, two names
+    assert [t.name for t in terms] == ["one", "one#1"]
+    total, per_term = score(terms, ["a"], {})
+    assert total == [3.0] and list(per_term) == ["one", "one#1"]
+
+    def spoils(completions, answer, **kwargs):  # edits a data column and the texts in place
+        answer[0] = "WRONG"
+        completions[:] = [c.upper() for c in completions]
+        return [0.0]
+
+    def checks(completions, answer, **kwargs):
+        return [float(answer[0] == "4" and completions[0] == "abc")]
+
+    columns = {"answer": ["4"]}
+    total, _ = score([WeightedReward("spoils", spoils, 1.0), WeightedReward("checks", checks, 1.0)], ["abc"], columns)
+    assert total == [1.0] and columns == {"answer": ["4"]}
+
+    def long(completions, **kwargs):
+        return [1.0] * (len(completions) + 1)
+
+    with pytest.raises(RewardError, match=r"returned 2 values for 1 completions"):
+        score([WeightedReward("long", long, 1.0)], ["a"], {})
+
+    def anything(*args, **kwargs):
+        return [0.0] * len(args[0])
+
+    check_reward_columns([WeightedReward("anything", anything, 1.0)], ["answer"])  # takes it all
+
+    def answer_first(answer, prompts, completion_ids, finish_reasons):  # the texts would go to `answer` by position
+        return [0.0]
+
+    with pytest.raises(ValueError, match=r"reward 'answer_first' does not take \['answer'\]"):
+        check_reward_columns([WeightedReward("answer_first", answer_first, 1.0)], ["answer"])
+
+
+def test_a_tracker_resumed_after_a_stop_redoes_the_cut_group_and_keeps_the_clock_and_rewards(tmp_path, monkeypatch):
+    """Resumed with `group_size`, a group a stop cut short (1 of 2 samples) is dropped and redone, the kept samples'
+    rewards count in the summary, and the run clock goes on from the stopped run's last step."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+
+    def record(prompt, sample, reward):
+        return {"prompt_index": prompt, "sample_index": sample, "completion_ids": [1, 2], "reward": reward}
+
+    tracker = RunTracker(tmp_path, wandb_mode="disabled", plot=False)
+    tracker.log_records([record(0, 0, 0.0), record(0, 1, 1.0), record(1, 0, 1.0)], rollout=0)
+    step = {"phase": "bulk", "batch_size": 2, "num_draft_tokens": 0, "num_drafted": 0, "num_accepted": 0}
+    tracker.log_step({**step, "num_emitted": 4, "seconds": 2.5, "elapsed": 2.5}, rollout=0)
+    tracker.finish(complete=False, reason="interrupted (SIGINT)")
+    resumed = RunTracker(tmp_path, wandb_mode="disabled", plot=False, resume=True, group_size=2)
+    assert resumed.done == {0: {0}} and resumed.num_samples == 2
+    kept = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert [(r["prompt_index"], r["sample_index"]) for r in kept] == [(0, 0), (0, 1)]
+    resumed.log_step({**step, "num_emitted": 2, "seconds": 2.5, "elapsed": 2.5}, rollout=0)
+    summary = resumed.finish()
+    assert [s["elapsed"] for s in resumed.steps] == [2.5, 5.0]
+    assert summary["wall_seconds"] == 2.5  # (the clock moves on a rollout at a time: this run closed none)
+    assert summary["reward_mean"] == 0.5

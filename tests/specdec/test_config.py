@@ -89,6 +89,19 @@ def test_invalid_batch_size_tables_quote_the_entry(table, match):
         SpecConfig(num_speculative_tokens=4, num_speculative_tokens_per_batch_size=table)
 
 
+def test_valid_tables_in_every_shape_vllm_takes():
+    """Pinned by a mutation review: a range of one batch size, entries out of order, tuples, and an empty table."""
+    from specdec.policies import validate_batch_size_table
+
+    assert validate_batch_size_table([[1, 1, 3], [2, 8, 0]], 4) == [(1, 1, 3), (2, 8, 0)]
+    assert validate_batch_size_table([[65, 128, 1], [1, 64, 3]], 4) == [(1, 64, 3), (65, 128, 1)]
+    assert validate_batch_size_table(((1, 64, 3), (65, 128, 0)), 4) == [(1, 64, 3), (65, 128, 0)]
+    with pytest.raises(ValueError, match=r"must be 'auto' or a non-empty list"):
+        validate_batch_size_table([], 4)
+    with pytest.raises(ValueError, match="ends at batch size 127 but max_batch_size is 128"):
+        TablePolicy([[1, 127, 3]], num_speculative_tokens=4, max_batch_size=128)  # a gap of one
+
+
 def test_table_lookup_is_inclusive_and_must_cover_the_batch():
     table = [[1, 64, 3], [65, 128, 1], [129, 512, 0]]  # vLLM's documentation example
     policy = TablePolicy(table, num_speculative_tokens=3, max_batch_size=512)
