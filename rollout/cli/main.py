@@ -16,6 +16,7 @@ import os
 import pathlib
 import signal
 import sys
+import time
 
 from rollout.cli.files import checkpoint_to_resume, read_summary
 from rollout.cli.library_log import capture_library_warnings, route_transformers
@@ -512,9 +513,18 @@ def _by_a_signal(failure: str | None) -> bool:
     return failure is not None and failure.endswith(("(SIGTERM)", "(SIGINT)"))
 
 
+LATER_RANK_GRACE_S = 10.0  # how long a later rank that refused a recipe waits for rank 0 to say it
+
+
 def _fail(args: argparse.Namespace, err: BaseException, status: int, with_type: bool) -> int:
     """Print the one error line (under several ranks: only the first rank to fail, naming itself)."""
     if _a_later_rank_before_the_ranks_start(args):  # rank 0 refuses the same recipe in the same line
+        # and is given the time to: this rank's exit makes the launcher stop rank 0 (SIGTERM), which then said
+        # "terminated" instead, when this exit came first (a CI run saw it); rank 0's exit stops this one sooner
+        try:
+            time.sleep(LATER_RANK_GRACE_S)
+        except KeyboardInterrupt:  # (the launcher's SIGTERM, once rank 0 has said it and exited)
+            pass
         return status
     message = " ".join(str(err).split())  # one line, whatever the message held
     if with_type:
