@@ -77,11 +77,8 @@ def _run(args: argparse.Namespace) -> None:
         summary, tracker = run_recipe(recipe)
     if summary["num_rollouts"] > 1:
         per_rollout = summary.get("rank_seconds_per_rollout")  # several processes: [rollout][rank] wall seconds
-        by_rollout: dict[int, list[dict]] = {}  # (grouped once: a scan of every step per rollout took hours)
-        for step in tracker.steps:
-            by_rollout.setdefault(step["rollout"], []).append(step)
         for index in range(summary["num_rollouts"]):
-            steps = by_rollout.get(index, [])
+            steps = tracker.steps_of(index)  # (indexed by rollout: a scan of every step per rollout took hours)
             if per_rollout is not None and index < len(per_rollout):  # the ranks ran side by side, as in the table
                 total = summarize_ranks(steps, [[seconds] for seconds in per_rollout[index]])["total"]
             else:

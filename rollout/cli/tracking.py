@@ -288,6 +288,10 @@ class RunTracker:
                 summary = {**summarize([self.steps[i] for i in positions]), "reward_mean": _reward_mean(records)}
             self._log_wandb(summary, records, positions, index)
 
+    def steps_of(self, rollout: int) -> list[dict]:
+        """`rollout`'s steps, in order."""
+        return [self.steps[i] for i in self._positions_of(rollout)]
+
     def _positions_of(self, rollout: int) -> list[int]:
         """Where `rollout`'s steps are in `self.steps` (their `step/index` in W&B), from an index of the steps by
         rollout kept up to date here (a scan of every step for each rollout made a long run quadratic)."""
